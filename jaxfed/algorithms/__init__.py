@@ -1,0 +1,15 @@
+"""Federated algorithms, one module each, every one a :class:`FederatedAlgorithm`.
+
+``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
+"""
+
+from jaxfed.algorithms import fedavg, fedprox, local
+from jaxfed.algorithms.base import FederatedAlgorithm
+
+ALGORITHMS = {
+    "fedavg": fedavg.from_config,
+    "fedprox": fedprox.from_config,
+    "local": local.from_config,
+}
+
+__all__ = ["ALGORITHMS", "FederatedAlgorithm"]

@@ -1,0 +1,28 @@
+"""The algorithm contract: a federated algorithm is a record of pure functions.
+
+In the spirit of optax's ``GradientTransformation`` and fedjax's ``FederatedAlgorithm``:
+
+- ``init(rng) -> (server_state, client_state)``: ``client_state`` is ONE client's state; the
+  engine stacks it along a leading client axis.
+- ``broadcast(server_state, tier) -> message_down``: what a client of ``tier`` receives.
+- ``client_update(message_down, client_state, client_data, rng) -> (client_state, message_up, metrics)``
+  written for one client; the engine vmaps it over the sampled clients.
+- ``server_update(server_state, messages_up, weights) -> server_state``: aggregation over the
+  stacked client axis of ``messages_up``. The server sees nothing but the messages.
+- ``eval_params(server_state, client_state) -> variables``: a client's personalized model as
+  Flax variables; ``global_params(server_state) -> variables`` where there is a global model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+
+class FederatedAlgorithm(NamedTuple):
+    name: str
+    init: Callable[..., tuple[Any, Any]]
+    broadcast: Callable[[Any, int], Any]
+    client_update: Callable[[Any, Any, Any, Any], tuple[Any, Any, dict]]
+    server_update: Callable[[Any, Any, Any], Any]
+    eval_params: Callable[[Any, Any], Any]
+    global_params: Optional[Callable[[Any], Any]] = None

@@ -1,0 +1,139 @@
+"""Local training shared by every algorithm: minibatch epochs of one client under ``lax.scan``.
+
+A client's examples are padded to the largest client of the round. Padded examples carry a
+zero mask in the loss and padded steps leave the training state untouched, so a client's
+result is exactly what it would be alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfed.core import tree_select
+from jaxfed.data import Batch, ClientData
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
+
+
+def masked_cross_entropy(logits, labels, mask):
+    """Mean cross-entropy over the examples where ``mask`` is True (0 when there are none)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    weight = mask.astype(losses.dtype)
+    return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
+def classification_loss(model, regularizer: Callable[[Any], jax.Array] | None = None):
+    """``loss(params, model_state, batch) -> (loss, new_model_state)``: masked CE plus ``regularizer(params)``."""
+
+    def loss(params, model_state, batch: Batch):
+        logits, new_state = model.apply(
+            {"params": params, **model_state}, batch.x, train=True, mask=batch.mask
+        )
+        value = masked_cross_entropy(logits, batch.y, batch.mask)
+        if regularizer is not None:
+            value = value + regularizer(params)
+        return value, new_state
+
+    return loss
+
+
+def gradient_step(loss_fn, optimizer: optax.GradientTransformation):
+    """One optimizer step on a batch: ``step(TrainState, batch) -> (TrainState, loss)``."""
+
+    def step(state: TrainState, batch: Batch):
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, state.model_state, batch
+        )
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state, model_state), loss
+
+
+    return step
+
+
+def shuffled_positions(rng, count, max_examples: int, length: int):
+    """A permutation of positions ``0..count-1`` followed by padding positions (>= count).
+
+    The real positions' order depends only on ``rng`` and ``count``, not on how much padding
+    follows, so a client shuffles identically whatever the largest client of its round is.
+    """
+    keys = jax.random.uniform(rng, (max_examples,))
+    keys = jnp.where(jnp.arange(max_examples) < count, keys, 2.0)
+    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    return jnp.pad(order, (0, length - max_examples), constant_values=max_examples)
+
+
+def run_epochs(step, state, data: ClientData, rng, *, epochs: int, batch_size: int, drop_last: bool = False):
+    """``epochs`` shuffled passes of ``step`` over one client's examples.
+
+    Returns the final state and ``{"train_loss": mean batch loss, "steps": real steps taken}``.
+    """
+    max_examples = data.indices.shape[0]
+    steps = -(-max_examples // batch_size)
+    real_steps = data.count // batch_size if drop_last else -(-data.count // batch_size)
+
+    def epoch(state, epoch_rng):
+        order = shuffled_positions(epoch_rng, data.count, max_examples, steps * batch_size)
+
+        def one_step(state, s):
+            batch = data.batch(jax.lax.dynamic_slice(order, (s * batch_size,), (batch_size,)))
+            new_state, loss = step(state, batch)
+            real = s < real_steps
+            return tree_select(real, new_state, state), jnp.where(real, loss, 0.0)
+
+        return jax.lax.scan(one_step, state, jnp.arange(steps))
+
+    state, losses = jax.lax.scan(epoch, state, jax.random.split(rng, epochs))
+    taken = real_steps * epochs
+    return state, {
+        "train_loss": jnp.sum(losses) / jnp.maximum(taken, 1),
+        "steps": taken.astype(jnp.float32),
+    }
+
+
+def train_classifier(
+    model,
+    optimizer: optax.GradientTransformation,
+    variables: dict,
+    data: ClientData,
+    rng,
+    *,
+    epochs: int,
+    batch_size: int,
+    drop_last: bool = False,
+    regularizer=None,
+):
+    """Train all ``params`` of ``variables`` on one client's data with masked cross-entropy.
+
+    Returns ``(variables, metrics)``; the optimizer state starts fresh (local optimizers are
+    re-created every round).
+    """
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    step = gradient_step(classification_loss(model, regularizer), optimizer)
+    state = TrainState(params, optimizer.init(params), model_state)
+    state, metrics = run_epochs(step, state, data, rng, epochs=epochs, batch_size=batch_size, drop_last=drop_last)
+    return {"params": state.params, **state.model_state}, metrics
+
+
+def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """Client SGD as optax: optional decoupled-into-gradient weight decay, optional momentum."""
+    opt = optax.sgd(lr, momentum=momentum or None)
+    return optax.chain(optax.add_decayed_weights(weight_decay), opt) if weight_decay else opt
+
+
+def client_optimizer(config) -> optax.GradientTransformation:
+    return sgd(config.lr, config.momentum, config.weight_decay)
+
+
+def split_variables(variables: dict):
+    """``(params, model_state)`` of a Flax variables dict."""
+    return variables["params"], {k: v for k, v in variables.items() if k != "params"}

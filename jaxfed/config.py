@@ -1,0 +1,142 @@
+"""Every run setting in one place, with its default and meaning (``jaxfed list`` prints them).
+
+``Config`` is a frozen dataclass; ``Config.from_overrides(["lr=0.1", ...])`` parses the CLI's
+``--set key=value`` pairs and ``validate()`` turns each user mistake into one clear
+:class:`ConfigError` naming the field and its allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Iterable
+
+from jaxfed.errors import ConfigError
+
+
+def _field(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # what runs
+    algorithm: str = _field("fedavg", "algorithm name (jaxfed list)")
+    dataset: str = _field("digits", "digits (embedded), mnist, fashion_mnist, cifar10, cifar100")
+    data_dir: str = _field("", "directory with <dataset>.npz files or TFDS data ($JAXFED_DATA_DIR if empty)")
+    download: bool = _field(False, "let TFDS download a missing dataset (needs internet)")
+    model: str = _field("", "model name; empty = the dataset's default (digits: mlp, mnist: cnn, ...)")
+    norm: str = _field("group", "normalization of resnet/vgg models: group or batch (batch stats stay on clients)")
+    # federation
+    num_clients: int = _field(20, "number of clients")
+    participation: float = _field(0.5, "fraction of clients sampled per round, in (0, 1]")
+    sampling: str = _field("uniform", "uniform (new clients each round, without replacement) or fixed (one cohort)")
+    rounds: int = _field(30, "communication rounds")
+    # partition
+    partition: str = _field("dirichlet", "iid, dirichlet, client_dirichlet or pathological")
+    alpha: float = _field(0.5, "Dirichlet concentration (> 0); smaller = more heterogeneous")
+    min_examples: int = _field(10, "dirichlet: minimum training examples per client")
+    classes_per_client: int = _field(2, "pathological: classes each client holds")
+    client_train_size: int = _field(500, "client_dirichlet: training examples per client")
+    client_test_size: int = _field(100, "client_dirichlet: test examples per client")
+    # local training
+    local_epochs: int = _field(2, "local epochs per round")
+    batch_size: int = _field(32, "local batch size")
+    drop_last: bool = _field(False, "drop each client's last partial batch (PFLlib's convention)")
+    lr: float = _field(0.05, "client SGD learning rate")
+    momentum: float = _field(0.0, "client SGD momentum")
+    weight_decay: float = _field(0.0, "client weight decay (added to the gradient)")
+    # server
+    server_optimizer: str = _field("none", "fedavg/fedprox server optimizer: none (plain average), sgd or adam")
+    server_lr: float = _field(1.0, "server optimizer learning rate")
+    server_momentum: float = _field(0.0, "server SGD momentum")
+    mu: float = _field(0.01, "fedprox proximal coefficient")
+    # run
+    seed: int = _field(0, "root random seed: partition, init, sampling and training all derive from it")
+    eval_every: int = _field(5, "evaluate every this many rounds (and after the last)")
+    rounds_per_call: int = _field(5, "rounds per compiled call (lax.scan over rounds)")
+    eval_batch_size: int = _field(256, "evaluation batch size")
+    devices: int = _field(0, "devices to shard clients over; 0 = all visible")
+
+    # ----- parsing ---------------------------------------------------------------------------
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, object, str]]:
+        return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]
+
+    def with_overrides(self, pairs: Iterable[str]) -> "Config":
+        """A copy with ``key=value`` pairs applied (values parsed to the field's type)."""
+        types = {f.name: type(f.default) for f in dataclasses.fields(self)}
+        changes = {}
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep:
+                raise ConfigError(f"--set: expected key=value, got '{pair}'")
+            if key not in types:
+                close = difflib.get_close_matches(key, types, n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else "; see `jaxfed list`"
+                raise ConfigError(f"unknown config key '{key}'{hint}")
+            changes[key] = _parse(key, raw.strip(), types[key])
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ----- validation ------------------------------------------------------------------------
+
+    def validate(self) -> "Config":
+        """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
+        from jaxfed.algorithms import ALGORITHMS
+        from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
+        from jaxfed.data import DATASETS, PARTITIONERS
+        from jaxfed.nn import MODELS, NORMS
+        from jaxfed.simulation import SAMPLINGS
+
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        _choice("dataset", self.dataset, DATASETS)
+        if self.model:
+            _choice("model", self.model, MODELS)
+        _choice("norm", self.norm, NORMS)
+        _choice("partition", self.partition, PARTITIONERS)
+        _choice("sampling", self.sampling, SAMPLINGS)
+        _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        if not 0 < self.participation <= 1:
+            raise ConfigError(f"participation: must be in (0, 1], got {self.participation}")
+        if not self.alpha > 0:
+            raise ConfigError(f"alpha: must be > 0, got {self.alpha}")
+        for name in ("num_clients", "rounds", "local_epochs", "batch_size", "eval_every", "rounds_per_call", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "server_lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("momentum", "server_momentum", "weight_decay", "mu", "min_examples", "devices"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        return self
+
+
+def _choice(field: str, value: str, allowed) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(value, list(allowed), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{field}: unknown '{value}'{hint}; allowed: {', '.join(allowed)}")
+
+
+def _parse(key: str, raw: str, kind: type):
+    try:
+        if kind is bool:
+            lowered = raw.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {kind.__name__}, got '{raw}'") from None

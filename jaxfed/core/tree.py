@@ -1,0 +1,55 @@
+"""Tree operations over a stacked client axis (axis 0 of every leaf).
+
+Client states live as one pytree whose leaves have a leading ``[num_clients, ...]`` axis;
+a round gathers the sampled clients' rows, updates them, and scatters them back. Server
+aggregation is a reduction over that axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def stack_clients(tree, num_clients: int):
+    """Repeat one client's pytree ``num_clients`` times along a new leading axis."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
+
+
+def gather_clients(stacked, ids):
+    """Rows ``ids`` of a stacked pytree; out-of-range ids (padding) read a clipped row."""
+    return jax.tree.map(lambda x: jnp.take(x, ids, axis=0, mode="clip"), stacked)
+
+
+def scatter_clients(stacked, ids, rows):
+    """Write ``rows`` back at ``ids``; out-of-range ids (padding) are dropped."""
+    return jax.tree.map(lambda x, r: x.at[ids].set(r.astype(x.dtype), mode="drop"), stacked, rows)
+
+
+def weighted_mean(stacked, weights):
+    """``sum_k w_k x_k / sum_k w_k`` over the client axis of every leaf.
+
+    Weights need not be normalized; a zero weight removes a client. With all weights zero the
+    result is zero (callers that can receive no client keep their previous value themselves).
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+    total = jnp.sum(weights)
+    scale = weights / jnp.where(total > 0, total, 1.0)
+
+    def reduce(x):
+        return jnp.tensordot(scale.astype(x.dtype), x, axes=(0, 0))
+
+    return jax.tree.map(reduce, stacked)
+
+
+def tree_select(predicate, on_true, on_false):
+    """Leafwise ``where(predicate, on_true, on_false)`` for a scalar predicate."""
+    return jax.tree.map(lambda a, b: jnp.where(predicate, a, b), on_true, on_false)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of all array leaves of ``tree`` (static: from shapes and dtypes)."""
+    return int(
+        sum(np.prod(np.shape(x), dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )

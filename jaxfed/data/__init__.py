@@ -1,0 +1,21 @@
+"""Datasets, partitioners and the on-device federated dataset."""
+
+from jaxfed.data.datasets import DATASETS, Dataset, default_model, load_dataset
+from jaxfed.data.federated import Batch, ClientData, FederatedData, federate, index_table
+from jaxfed.data.partition import PARTITIONERS, describe, partition, summarize
+
+__all__ = [
+    "DATASETS",
+    "PARTITIONERS",
+    "Batch",
+    "ClientData",
+    "Dataset",
+    "FederatedData",
+    "default_model",
+    "describe",
+    "federate",
+    "index_table",
+    "load_dataset",
+    "partition",
+    "summarize",
+]

@@ -1,0 +1,126 @@
+"""Datasets as numpy arrays: the embedded default (`digits`), local ``.npz`` files and TFDS.
+
+Every loader returns a :class:`Dataset` with images in NHWC float32, normalized per channel with
+the training set's mean and standard deviation, and int32 labels. Nothing downloads unless the
+caller passes ``download=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+from jaxfed.errors import ConfigError
+
+DATA_DIR_ENV = "JAXFED_DATA_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+# name -> (number of classes, default model)
+DATASETS = {
+    "digits": (10, "mlp"),
+    "mnist": (10, "cnn"),
+    "fashion_mnist": (10, "cnn"),
+    "cifar10": (10, "cnn"),
+    "cifar100": (100, "resnet10"),
+}
+
+
+def default_model(dataset: str) -> str:
+    return DATASETS[dataset][1]
+
+
+def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:
+    """Load ``name``: ``digits`` from scikit-learn, else ``DATA_DIR/<name>.npz``, else TFDS."""
+    if name not in DATASETS:
+        raise ConfigError(f"dataset: unknown '{name}'; allowed: {', '.join(DATASETS)}")
+    if name == "digits":
+        x_train, y_train, x_test, y_test = _load_digits()
+    else:
+        data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
+        npz = Path(data_dir) / f"{name}.npz" if data_dir else None
+        if npz is not None and npz.exists():
+            x_train, y_train, x_test, y_test = _load_npz(npz)
+        else:
+            x_train, y_train, x_test, y_test = _load_tfds(name, data_dir, download)
+    x_train, x_test = _as_nhwc(x_train), _as_nhwc(x_test)
+    mean = x_train.mean(axis=(0, 1, 2), dtype=np.float64)
+    std = x_train.std(axis=(0, 1, 2), dtype=np.float64) + 1e-8
+    return Dataset(
+        name=name,
+        x_train=((x_train - mean) / std).astype(np.float32),
+        y_train=y_train.astype(np.int32),
+        x_test=((x_test - mean) / std).astype(np.float32),
+        y_test=y_test.astype(np.int32),
+        num_classes=DATASETS[name][0],
+    )
+
+
+def _as_nhwc(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    return x[..., None] if x.ndim == 3 else x
+
+
+def _load_digits():
+    """scikit-learn's 8x8 digits (ships with scikit-learn): a fixed stratified 80/20 split."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = bunch.images.astype(np.float32) / 16.0
+    y = bunch.target
+    rng = np.random.default_rng(0)
+    test = np.zeros(len(y), bool)
+    for c in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == c))
+        test[members[: len(members) // 5]] = True
+    return x[~test], y[~test], x[test], y[test]
+
+
+def _load_npz(path: Path):
+    with np.load(path) as f:
+        missing = {"x_train", "y_train", "x_test", "y_test"} - set(f.files)
+        if missing:
+            raise ConfigError(f"data_dir: {path} lacks arrays {sorted(missing)}; needs x_train, y_train, x_test, y_test")
+        return f["x_train"], f["y_train"], f["x_test"], f["y_test"]
+
+
+def _load_tfds(name: str, data_dir: str | None, download: bool):
+    how = (
+        f"dataset: '{name}' is not available offline; put {name}.npz (x_train, y_train, x_test, y_test) "
+        f"in a directory passed as --data-dir (e.g. `python shared/data/unpack.py DIR`), "
+        f"or run once with --set download=true on a machine with internet"
+    )
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:  # pragma: no cover - tfds is a dependency
+        raise ConfigError(how) from err
+    builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+    prepared = (Path(str(builder.data_dir)) / "dataset_info.json").exists()
+    if not prepared:
+        if not download:
+            raise ConfigError(how)
+        builder.download_and_prepare()
+    source = builder.as_data_source()
+
+    def split(split_name):
+        records = source[split_name]
+        examples = [records[i] for i in range(len(records))]
+        return np.stack([e["image"] for e in examples]), np.array([e["label"] for e in examples])
+
+    return (*split("train"), *split("test"))

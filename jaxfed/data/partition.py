@@ -1,0 +1,186 @@
+"""Partitioners: split a dataset's examples over clients, test split following the train split.
+
+Each partitioner returns ``(train_parts, test_parts)``: one int array of example indices per
+client. All randomness comes from the ``np.random.Generator`` passed in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxfed.errors import ConfigError
+
+MAX_DIRICHLET_TRIES = 1000
+
+
+def partition(
+    name: str,
+    y_train: np.ndarray,
+    y_test: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float = 0.5,
+    min_examples: int = 10,
+    classes_per_client: int = 2,
+    client_train_size: int = 500,
+    client_test_size: int = 100,
+):
+    """Split train and test examples over ``num_clients`` clients with partitioner ``name``."""
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    if num_clients < 1:
+        raise ConfigError(f"num_clients: must be >= 1, got {num_clients}")
+    if num_clients > len(y_train):
+        raise ConfigError(f"num_clients: {num_clients} clients but only {len(y_train)} training examples")
+    if name in ("dirichlet", "client_dirichlet") and not alpha > 0:
+        raise ConfigError(f"alpha: must be > 0, got {alpha}")
+    if name == "iid":
+        train = iid(y_train, num_clients, rng)
+    elif name == "dirichlet":
+        train = dirichlet(y_train, num_clients, rng, alpha=alpha, min_examples=min_examples)
+    elif name == "pathological":
+        train = pathological(y_train, num_clients, rng, classes_per_client=classes_per_client, num_classes=num_classes)
+    elif name == "client_dirichlet":
+        return client_dirichlet(
+            y_train, y_test, num_clients, rng, alpha=alpha, train_size=client_train_size, test_size=client_test_size
+        )
+    else:
+        raise ConfigError(f"partition: unknown '{name}'; allowed: {', '.join(PARTITIONERS)}")
+    _check_non_empty(train)
+    return train, test_like_train(train, y_train, y_test, rng, num_classes)
+
+
+def iid(labels, num_clients, rng):
+    return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_clients)]
+
+
+def dirichlet(labels, num_clients, rng, *, alpha, min_examples):
+    """Per class, proportions over clients ~ Dir(alpha) (PFLlib / FL-bench convention).
+
+    A client already holding its fair share (n / num_clients) gets no more of the next class;
+    the draw repeats until every client has ``min_examples``.
+    """
+    n = len(labels)
+    if num_clients * min_examples > n:
+        raise ConfigError(f"min_examples: {num_clients} clients x {min_examples} exceeds {n} training examples")
+    classes = np.unique(labels)
+    for _ in range(MAX_DIRICHLET_TRIES):
+        parts = [[] for _ in range(num_clients)]
+        for c in classes:
+            members = rng.permutation(np.flatnonzero(labels == c))
+            proportions = rng.dirichlet(np.full(num_clients, alpha))
+            sizes = np.array([len(p) for p in parts])
+            proportions = proportions * (sizes < n / num_clients)
+            total = proportions.sum()
+            proportions = proportions / total if total > 0 else np.full(num_clients, 1.0 / num_clients)
+            cuts = (np.cumsum(proportions) * len(members)).astype(int)[:-1]
+            for part, chunk in zip(parts, np.split(members, cuts)):
+                part.extend(chunk.tolist())
+        if min(len(p) for p in parts) >= max(min_examples, 1):
+            return [np.sort(np.array(p, np.int64)) for p in parts]
+    raise ConfigError(
+        f"alpha: dirichlet partition with alpha={alpha} could not give all {num_clients} clients "
+        f"min_examples={min_examples} in {MAX_DIRICHLET_TRIES} draws; raise alpha or lower min_examples"
+    )
+
+
+def pathological(labels, num_clients, rng, *, classes_per_client, num_classes):
+    """Each client holds exactly ``classes_per_client`` classes; a class is split evenly among its holders."""
+    if not 1 <= classes_per_client <= num_classes:
+        raise ConfigError(f"classes_per_client: must be in [1, {num_classes}], got {classes_per_client}")
+    order = rng.permutation(num_classes)
+    holders = {c: [] for c in range(num_classes)}
+    for k in range(num_clients):
+        for j in range(classes_per_client):
+            holders[int(order[(k * classes_per_client + j) % num_classes])].append(k)
+    parts = [[] for _ in range(num_clients)]
+    for c, clients in holders.items():
+        if not clients:
+            continue
+        members = rng.permutation(np.flatnonzero(labels == c))
+        for k, chunk in zip(clients, np.array_split(members, len(clients))):
+            parts[k].extend(chunk.tolist())
+    return [np.sort(np.array(p, np.int64)) for p in parts]
+
+
+def client_dirichlet(y_train, y_test, num_clients, rng, *, alpha, train_size, test_size):
+    """Each client draws q_k ~ Dir(alpha * 1) and gets ``train_size`` / ``test_size`` examples
+    following q_k, without replacement (FedDecomp's convention). An exhausted class's share is
+    redrawn from the client's remaining classes."""
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    for field, size, pool in (("client_train_size", train_size, y_train), ("client_test_size", test_size, y_test)):
+        if size < 1 or num_clients * size > len(pool):
+            raise ConfigError(f"{field}: {num_clients} clients x {size} must be between 1 and {len(pool)} examples")
+    q = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)
+    train = _draw_by_proportions(y_train, q, train_size, rng)
+    test = _draw_by_proportions(y_test, q, test_size, rng)
+    return train, test
+
+
+def _draw_by_proportions(labels, q, size, rng):
+    num_classes = q.shape[1]
+    pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)]
+    parts = []
+    for q_k in q:
+        taken = []
+        while len(taken) < size:
+            available = np.array([len(p) > 0 for p in pools], float)
+            weights = q_k * available
+            weights = weights / weights.sum() if weights.sum() > 0 else available / available.sum()
+            counts = rng.multinomial(size - len(taken), weights)
+            for c, count in enumerate(counts):
+                take = min(count, len(pools[c]))
+                taken.extend(pools[c][:take])
+                del pools[c][:take]
+        parts.append(np.sort(np.array(taken, np.int64)))
+    return parts
+
+
+def test_like_train(train_parts, y_train, y_test, rng, num_classes):
+    """Give each client test examples of each class in proportion to its training examples of
+    that class (largest remainder), so its test split follows its training distribution and the
+    clients' test splits together are the whole test set (minus classes no client trains on)."""
+    counts = np.stack([np.bincount(y_train[p], minlength=num_classes) for p in train_parts])
+    parts = [[] for _ in train_parts]
+    for c in range(num_classes):
+        members = rng.permutation(np.flatnonzero(y_test == c))
+        share = counts[:, c].astype(np.float64)
+        if share.sum() == 0 or len(members) == 0:
+            continue
+        exact = share / share.sum() * len(members)
+        alloc = np.floor(exact).astype(int)
+        remainder = len(members) - alloc.sum()
+        alloc[np.argsort(-(exact - alloc), kind="stable")[:remainder]] += 1
+        for k, chunk in enumerate(np.split(members, np.cumsum(alloc)[:-1])):
+            parts[k].extend(chunk.tolist())
+    return [np.sort(np.array(p, np.int64)) for p in parts]
+
+
+def _check_non_empty(parts):
+    empty = [k for k, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ConfigError(
+            f"partition: leaves {len(empty)} client(s) empty (e.g. client {empty[0]}); use fewer clients or another partition"
+        )
+
+
+def summarize(train_parts, labels) -> dict:
+    """Clients, examples per client (min/median/max) and classes per client (min/median/max)."""
+    sizes = np.array([len(p) for p in train_parts])
+    classes = np.array([len(np.unique(labels[p])) for p in train_parts])
+    return {
+        "clients": len(train_parts),
+        "examples": (int(sizes.min()), float(np.median(sizes)), int(sizes.max())),
+        "classes": (int(classes.min()), float(np.median(classes)), int(classes.max())),
+    }
+
+
+def describe(summary: dict) -> str:
+    e, c = summary["examples"], summary["classes"]
+    return (
+        f"{summary['clients']} clients; examples per client min/median/max {e[0]}/{e[1]:g}/{e[2]}; "
+        f"classes per client {c[0]}/{c[1]:g}/{c[2]}"
+    )
+
+
+PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological")

@@ -1,0 +1,190 @@
+"""Flax models by config name, and :class:`Model`: the pure ``init`` / ``apply`` pair algorithms use.
+
+Every module ends in a Dense layer named ``head`` (the classifier) and can return the features
+that feed it (``features=True``), which personalized algorithms split on. Normalization is
+GroupNorm by default; with ``norm="batch"`` BatchNorm statistics live in the model's
+``batch_stats`` collection, which algorithms keep as client state. BatchNorm takes the batch
+mask, so padded examples never enter the statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxfed.errors import ConfigError
+
+NORMS = ("group", "batch")
+GROUPS = 2
+
+
+class Norm(nn.Module):
+    kind: str = "group"
+
+    @nn.compact
+    def __call__(self, x, train: bool, mask=None):
+        if self.kind == "batch":
+            bn_mask = None if mask is None else mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+            return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=bn_mask)
+        return nn.GroupNorm(num_groups=min(GROUPS, x.shape[-1]))(x)
+
+
+class MLP(nn.Module):
+    """McMahan et al.'s 2NN: two hidden ReLU layers."""
+
+    num_classes: int
+    hidden: Sequence[int] = (200, 200)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h = x.reshape(x.shape[0], -1)
+        for i, width in enumerate(self.hidden):
+            h = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(h))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class CNN(nn.Module):
+    """The CNN of McMahan et al.'s FedAvg paper (PFLlib's FedAvgCNN), VALID padding."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h = nn.max_pool(nn.relu(nn.Conv(32, (5, 5), padding="VALID", name="conv1")(x)), (2, 2), (2, 2))
+        h = nn.max_pool(nn.relu(nn.Conv(64, (5, 5), padding="VALID", name="conv2")(h)), (2, 2), (2, 2))
+        h = nn.relu(nn.Dense(512, name="fc1")(h.reshape(h.shape[0], -1)))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class CNN4(nn.Module):
+    """FedARA's homogeneous 4-layer CNN. The paper gives no layer table; ours: four 3x3 SAME convs
+    (32, 64, 128, 256), each ReLU + 2x2 max-pool, global average pool, then the head."""
+
+    num_classes: int
+    widths: Sequence[int] = (32, 64, 128, 256)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h = x
+        for i, width in enumerate(self.widths):
+            h = nn.relu(nn.Conv(width, (3, 3), padding="SAME", name=f"conv{i + 1}")(h))
+            h = nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
+        h = h.mean(axis=(1, 2))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class BasicBlock(nn.Module):
+    width: int
+    stride: int
+    norm: str
+
+    @nn.compact
+    def __call__(self, x, train: bool, mask=None):
+        h = nn.Conv(self.width, (3, 3), (self.stride, self.stride), padding="SAME", use_bias=False, name="conv1")(x)
+        h = nn.relu(Norm(self.norm, name="norm1")(h, train, mask))
+        h = nn.Conv(self.width, (3, 3), padding="SAME", use_bias=False, name="conv2")(h)
+        h = Norm(self.norm, name="norm2")(h, train, mask)
+        if self.stride != 1 or x.shape[-1] != self.width:
+            x = nn.Conv(self.width, (1, 1), (self.stride, self.stride), use_bias=False, name="shortcut")(x)
+            x = Norm(self.norm, name="shortcut_norm")(x, train, mask)
+        return nn.relu(h + x)
+
+
+class ResNet(nn.Module):
+    """CIFAR-style ResNet (3x3 stem, no stem pooling) of basic blocks; stages named layer1..layerN."""
+
+    num_classes: int
+    blocks: Sequence[int]
+    widths: Sequence[int]
+    norm: str = "group"
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h = nn.Conv(self.widths[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
+        h = nn.relu(Norm(self.norm, name="stem_norm")(h, train, mask))
+        for stage, (count, width) in enumerate(zip(self.blocks, self.widths)):
+            for j in range(count):
+                stride = 2 if stage > 0 and j == 0 else 1
+                h = BasicBlock(width, stride, self.norm, name=f"layer{stage + 1}_{j}")(h, train, mask)
+        h = h.mean(axis=(1, 2))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class VGG8(nn.Module):
+    """A small VGG: five 3x3 convs (32, 64, 128, 128, 256) with max-pools, two Dense 256, the head."""
+
+    num_classes: int
+    norm: str = "group"
+    plan: Sequence[Any] = (32, "M", 64, "M", 128, 128, "M", 256, "M")
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h, conv = x, 0
+        for item in self.plan:
+            if item == "M":
+                h = nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
+            else:
+                conv += 1
+                h = nn.Conv(item, (3, 3), padding="SAME", use_bias=False, name=f"conv{conv}")(h)
+                h = nn.relu(Norm(self.norm, name=f"norm{conv}")(h, train, mask))
+        h = h.reshape(h.shape[0], -1)
+        h = nn.relu(nn.Dense(256, name="fc1")(h))
+        h = nn.relu(nn.Dense(256, name="fc2")(h))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+def _resnet(blocks, widths):
+    return lambda num_classes, norm: ResNet(num_classes, blocks=blocks, widths=widths, norm=norm)
+
+
+# name -> constructor(num_classes, norm)
+MODELS: dict[str, Callable[[int, str], nn.Module]] = {
+    "mlp": lambda num_classes, norm: MLP(num_classes),
+    "cnn": lambda num_classes, norm: CNN(num_classes),
+    "cnn4": lambda num_classes, norm: CNN4(num_classes),
+    "resnet8": _resnet((1, 1, 1), (16, 32, 64)),
+    "resnet10": _resnet((1, 1, 1, 1), (64, 128, 256, 512)),
+    "resnet18": _resnet((2, 2, 2, 2), (64, 128, 256, 512)),
+    "vgg8": lambda num_classes, norm: VGG8(num_classes, norm=norm),
+}
+
+
+class Model(NamedTuple):
+    """A Flax module behind two pure functions on Flax variable dicts."""
+
+    name: str
+    module: nn.Module
+    input_shape: tuple[int, ...]
+
+    def init(self, rng) -> dict:
+        """Variables ``{"params": ..., ["batch_stats": ...]}`` for one example shape."""
+        return self.module.init(rng, jnp.zeros((1,) + self.input_shape), train=False)
+
+    def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False):
+        """``(outputs, model_state)``: logits (or features) and the updated non-param collections."""
+        state = {k: v for k, v in variables.items() if k != "params"}
+        if train and state:
+            out, new_state = self.module.apply(
+                variables, x, train=True, mask=mask, features=features, mutable=list(state)
+            )
+            return out, dict(new_state)
+        return self.module.apply(variables, x, train=train, mask=mask, features=features), state
+
+
+def get_model(name: str, input_shape, num_classes: int, norm: str = "group") -> Model:
+    """The model ``name`` for inputs of ``input_shape`` (HWC); a clear error if it cannot fit them."""
+    if name not in MODELS:
+        raise ConfigError(f"model: unknown '{name}'; allowed: {', '.join(MODELS)}")
+    if norm not in NORMS:
+        raise ConfigError(f"norm: unknown '{norm}'; allowed: {', '.join(NORMS)}")
+    model = Model(name, MODELS[name](num_classes, norm), tuple(input_shape))
+    try:
+        jax.eval_shape(model.init, jax.random.key(0))
+    except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
+        raise ConfigError(
+            f"model: '{name}' cannot take inputs of shape {tuple(input_shape)} ({type(err).__name__}); pick another model"
+        ) from None
+    return model

@@ -1,0 +1,46 @@
+"""Which clients take part in a round, and the per-round / per-client keys.
+
+All randomness derives from one root key: round t uses ``fold_in(root, t)``; client k in that
+round ``fold_in(fold_in(round_key, CLIENTS), k)``. Numbers therefore do not depend on how many
+devices run the round, how the clients are padded, or whether the run was resumed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SAMPLINGS = ("uniform", "fixed")
+
+_INIT, _ROUNDS, _COHORT = 0, 1, 2
+_SAMPLE, _CLIENTS = 0, 1
+
+
+def init_key(root):
+    return jax.random.fold_in(root, _INIT)
+
+
+def round_key(root, round_index):
+    return jax.random.fold_in(jax.random.fold_in(root, _ROUNDS), round_index)
+
+
+def client_keys(round_key_, ids):
+    base = jax.random.fold_in(round_key_, _CLIENTS)
+    return jax.vmap(lambda k: jax.random.fold_in(base, k))(ids)
+
+
+def num_sampled(num_clients: int, participation: float) -> int:
+    return max(1, int(round(participation * num_clients)))
+
+
+def sample_clients(root, round_key_, num_clients: int, count: int, sampling: str = "uniform"):
+    """Sorted ids of ``count`` distinct clients: drawn anew each round (``uniform``) or one
+    cohort drawn once from the root key (``fixed``)."""
+    key = jax.random.fold_in(root, _COHORT) if sampling == "fixed" else jax.random.fold_in(round_key_, _SAMPLE)
+    return jnp.sort(jax.random.choice(key, num_clients, (count,), replace=False)).astype(jnp.int32)
+
+
+def pad_ids(ids, multiple: int, fill: int):
+    """Pad ``ids`` to a multiple of ``multiple`` with ``fill`` (an out-of-range id: a dummy client)."""
+    pad = -len(ids) % multiple
+    return jnp.concatenate([ids, jnp.full((pad,), fill, ids.dtype)]) if pad else ids

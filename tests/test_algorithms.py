@@ -1,0 +1,115 @@
+"""FedAvg, FedProx and Local: they learn, and their pieces match the formulas."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxfed.algorithms import ALGORITHMS
+from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.fedprox import fedprox, proximal_term
+from jaxfed.algorithms.local import local
+from jaxfed.algorithms.training import sgd
+from jaxfed.config import Config
+from jaxfed.data import ClientData
+from jaxfed.nn import Model
+from jaxfed.nn.models import Norm
+from jaxfed.simulation import Simulation, sampling
+
+from conftest import make_federation
+
+
+class TinyBatchNormNet(nn.Module):
+    """Dense -> BatchNorm -> head: the smallest model with private (BatchNorm) client state."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train=False, mask=None, features=False):
+        h = nn.relu(Norm("batch")(nn.Dense(16)(x.reshape(x.shape[0], -1)), train, mask))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+def _train(alg, model, fed, rounds, participation=0.5, seed=0):
+    sim = Simulation(alg, model, fed, participation=participation, seed=seed)
+    state, _ = sim.run_rounds(sim.init(), rounds)
+    return sim.evaluate(state)
+
+
+def test_fedavg_learns_digits(mlp, digits):
+    fed = make_federation(digits, num_clients=10, alpha=0.5)
+    result = _train(fedavg(mlp, sgd(0.05), local_epochs=2, batch_size=32), mlp, fed, rounds=15)
+    untrained = _train(fedavg(mlp, sgd(1e-6), local_epochs=1, batch_size=32), mlp, fed, rounds=1)
+    assert result["global_acc"] > 0.85, result
+    assert untrained["global_acc"] < 0.4, untrained
+
+
+def test_local_learns_digits_and_personalizes(mlp, digits):
+    fed = make_federation(digits, num_clients=10, name="pathological", classes_per_client=2)
+    result = _train(local(mlp, sgd(0.05), local_epochs=2, batch_size=32), mlp, fed, rounds=10, participation=1.0)
+    # two classes per client: a local model beats chance by far on its own test split
+    assert result["personalized_acc_mean"] > 0.9, result
+    assert "global_acc" not in result
+
+
+def test_fedprox_term_is_the_formula():
+    params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(3.0)}
+    global_params = {"w": jnp.array([0.0, 0.0]), "b": jnp.array(1.0)}
+    assert float(proximal_term(0.5)(params, global_params)) == pytest.approx(0.25 * (1 + 4 + 4))
+
+
+def test_fedprox_keeps_clients_near_the_global_model(mlp, digits_federation):
+    fed = digits_federation
+    data = fed.train_data(jnp.array([2]))
+    view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+
+    def drift(alg):
+        server, client = alg.init(jax.random.key(0))
+        message = alg.broadcast(server, 0)
+        _, params, _ = jax.jit(alg.client_update)(message, client, view, jax.random.key(1))
+        return sum(float(jnp.sum((p - g) ** 2)) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(message)))
+
+    plain = drift(fedavg(mlp, sgd(0.1), local_epochs=3, batch_size=16))
+    prox = drift(fedprox(mlp, sgd(0.1), mu=5.0, local_epochs=3, batch_size=16))
+    assert prox < 0.8 * plain
+
+
+def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
+    plain = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    with_opt = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16, server_optimizer=optax.sgd(1.0))
+    results = []
+    for alg in (plain, with_opt):
+        sim = Simulation(alg, mlp, digits_federation, participation=0.5)
+        state, _ = sim.run_rounds(sim.init(), 2)
+        results.append(jax.tree.leaves(state.server["params"]))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_private_client_state_never_reaches_the_server(name, digits):
+    """No leaf of the client state (here BatchNorm statistics) travels in a message, and the
+    server state after an engine round is exactly server_update applied to the messages."""
+    model = Model("tiny_bn", TinyBatchNormNet(digits.num_classes), digits.input_shape)
+    fed = make_federation(digits, num_clients=4, alpha=1.0)
+    alg = ALGORITHMS[name](Config(algorithm=name, local_epochs=1, batch_size=32), model)
+    sim = Simulation(alg, model, fed, participation=1.0)
+    state = sim.init()
+
+    ids = jnp.arange(4)
+    keys = sampling.client_keys(sampling.round_key(sim.root, 0), ids)  # the engine's keys for round 0
+    update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, 0, ClientData.vmap_axes(), 0)))
+    new_clients, messages, _ = update(alg.broadcast(state.server, 0), state.clients, fed.train_data(ids), keys)
+
+    private = [np.asarray(x) for x in jax.tree.leaves(new_clients) if np.size(x) > 4]
+    assert private, "the test needs private state to look for"
+    for leaf in jax.tree.leaves(messages):
+        leaf = np.asarray(leaf)
+        assert not any(p.shape == leaf.shape and np.array_equal(p, leaf) for p in private)
+
+    server_after_round = jax.jit(sim.round)(state, fed)[0].server
+    expected = jax.jit(alg.server_update)(state.server, messages, fed.train_count.astype(jnp.float32))
+    for a, b in zip(jax.tree.leaves(server_after_round), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

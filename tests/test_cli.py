@@ -1,0 +1,90 @@
+"""The command line: the default job, its output files, and one-line errors for user mistakes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxfed.cli import main
+
+SUMMARY_KEYS = {
+    "algorithm", "dataset", "num_clients", "rounds", "personalized_acc_mean", "personalized_acc_weighted",
+    "global_acc", "best_personalized_acc", "bytes_up_total", "bytes_down_total", "wall_seconds",
+}
+
+
+def test_default_run_writes_the_run_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run"]) == 0
+    out = capsys.readouterr()
+    assert "fedavg on digits" in out.out and "personalized acc" in out.out
+    assert "partition: 20 clients" in out.err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["algorithm"] == "fedavg" and summary["rounds"] == 30 and summary["num_clients"] == 20
+    assert summary["global_acc"] > 0.8 and summary["personalized_acc_mean"] > 0.8
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    assert rows[-1]["bytes_up_total"] == summary["bytes_up_total"] > rows[0]["bytes_up_total"] > 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["algorithm"] == "fedavg" and config["dataset"] == "digits"
+
+
+def test_out_and_overrides(tmp_path, capsys):
+    out = tmp_path / "local_run"
+    code = main(["run", "local", "--out", str(out), "--quiet", "--set", "rounds=3", "--set", "eval_every=2",
+                 "--set", "num_clients=5"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "local" and summary["rounds"] == 3
+    assert summary["global_acc"] is None and summary["bytes_up_total"] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [2, 3]
+    assert json.loads((out / "config.json").read_text())["num_clients"] == 5
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["run", "fedavgg"], "algorithm: unknown 'fedavgg' (did you mean 'fedavg'?)"),
+        (["run", "--dataset", "imagenet"], "dataset: unknown 'imagenet'"),
+        (["run", "--set", "model=resnet99"], "model: unknown 'resnet99'"),
+        (["run", "--set", "learning_rate=0.1"], "unknown config key 'learning_rate'"),
+        (["run", "--set", "lrr=0.1"], "did you mean lr"),
+        (["run", "--set", "alpha=0"], "alpha: must be > 0"),
+        (["run", "--set", "alpha=-0.5"], "alpha: must be > 0"),
+        (["run", "--set", "participation=0"], "participation: must be in (0, 1]"),
+        (["run", "--set", "participation=1.5"], "participation: must be in (0, 1]"),
+        (["run", "--set", "num_clients=5000"], "num_clients: 5000 clients but only"),
+        (["run", "--set", "rounds=many"], "rounds: expected int"),
+        (["run", "--set", "model=cnn"], "model: 'cnn' cannot take inputs of shape (8, 8, 1)"),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2(args, expected, tmp_path, capsys):
+    assert main(args + ["--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("jaxfed: error: ")
+    assert expected in err
+
+
+def test_real_dataset_absent_offline_says_how_to_get_it(tmp_path, capsys):
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    assert main(["run", "--dataset", "mnist", "--data-dir", str(empty), "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "'mnist' is not available offline" in err and "mnist.npz" in err and "download=true" in err
+
+
+def test_installed_entry_point_lists_and_fails_cleanly():
+    listing = subprocess.run([sys.executable, "-m", "jaxfed.cli", "list"], capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0
+    for word in ("fedavg", "fedprox", "local", "digits", "cifar100", "resnet18", "client_dirichlet", "rounds_per_call"):
+        assert word in listing.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "jaxfed.cli", "run", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == ["jaxfed: error: algorithm: unknown 'nope'; allowed: fedavg, fedprox, local"]
