@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("algorithm", nargs="?", help="algorithm name (default: fedavg)")
     run.add_argument("--dataset", help="dataset name (default: digits)")
     run.add_argument("--data-dir", help="directory with <dataset>.npz files or TFDS data")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
     run.add_argument("--out", help="run directory (default: runs/<algorithm>_<dataset>_<time>)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     commands.add_parser("list", help="list algorithms, datasets, models, partitioners and config keys")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxfed.errors import ConfigError
 
@@ -27,6 +27,9 @@ class Config:
     download: bool = _field(False, "let TFDS download a missing dataset (needs internet)")
     model: str = _field("", "model name; empty = the dataset's default (digits: mlp, mnist: cnn, ...)")
     norm: str = _field("group", "normalization of resnet/vgg models: group or batch (batch stats stay on clients)")
+    conv: str = _field(
+        "patches", "convolution implementation: patches (slices + einsum, fast in loops and vmaps) or xla"
+    )
     # federation
     num_clients: int = _field(20, "number of clients")
     participation: float = _field(0.5, "fraction of clients sampled per round, in (0, 1]")
@@ -57,6 +60,11 @@ class Config:
     rounds_per_call: int = _field(5, "rounds per compiled call (lax.scan over rounds)")
     eval_batch_size: int = _field(256, "evaluation batch size")
     devices: int = _field(0, "devices to shard clients over; 0 = all visible")
+    client_chunk: int = _field(
+        -1,
+        "clients vmapped together: 0 = all sampled at once, k = lax.map over chunks of k, -1 = auto "
+        "(1 on CPU, 0 on GPU/TPU)",
+    )
 
     # ----- parsing ---------------------------------------------------------------------------
 
@@ -68,7 +76,7 @@ class Config:
     def describe(cls) -> list[tuple[str, object, str]]:
         return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]
 
-    def with_overrides(self, pairs: Iterable[str]) -> "Config":
+    def with_overrides(self, pairs: Iterable[str]) -> Config:
         """A copy with ``key=value`` pairs applied (values parsed to the field's type)."""
         types = {f.name: type(f.default) for f in dataclasses.fields(self)}
         changes = {}
@@ -89,12 +97,12 @@ class Config:
 
     # ----- validation ------------------------------------------------------------------------
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
         from jaxfed.algorithms import ALGORITHMS
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
         from jaxfed.data import DATASETS, PARTITIONERS
-        from jaxfed.nn import MODELS, NORMS
+        from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import SAMPLINGS
 
         _choice("algorithm", self.algorithm, ALGORITHMS)
@@ -102,6 +110,7 @@ class Config:
         if self.model:
             _choice("model", self.model, MODELS)
         _choice("norm", self.norm, NORMS)
+        _choice("conv", self.conv, CONV_IMPLS)
         _choice("partition", self.partition, PARTITIONERS)
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
@@ -109,12 +118,24 @@ class Config:
             raise ConfigError(f"participation: must be in (0, 1], got {self.participation}")
         if not self.alpha > 0:
             raise ConfigError(f"alpha: must be > 0, got {self.alpha}")
-        for name in ("num_clients", "rounds", "local_epochs", "batch_size", "eval_every", "rounds_per_call", "eval_batch_size"):
+        for name in (
+            "num_clients",
+            "rounds",
+            "local_epochs",
+            "batch_size",
+            "eval_every",
+            "rounds_per_call",
+            "eval_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("lr", "server_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.client_chunk < -1:
+            raise ConfigError(
+                f"client_chunk: must be -1 (auto), 0 (vmap all) or a chunk size >= 1, got {self.client_chunk}"
+            )
         for name in ("momentum", "server_momentum", "weight_decay", "mu", "min_examples", "devices"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

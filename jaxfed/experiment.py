@@ -20,7 +20,7 @@ from jaxfed.config import Config
 from jaxfed.data import default_model, describe, federate, load_dataset, partition, summarize
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, default_client_chunk
 
 
 class Built(NamedTuple):
@@ -33,7 +33,13 @@ def build(config: Config) -> Built:
     """Dataset, partition, model, algorithm and engine for ``config`` (validated)."""
     config.validate()
     dataset = load_dataset(config.dataset, config.data_dir or None, config.download)
-    model = get_model(config.model or default_model(config.dataset), dataset.input_shape, dataset.num_classes, config.norm)
+    model = get_model(
+        config.model or default_model(config.dataset),
+        dataset.input_shape,
+        dataset.num_classes,
+        config.norm,
+        config.conv,
+    )
     train_parts, test_parts = partition(
         config.partition,
         dataset.y_train,
@@ -50,6 +56,8 @@ def build(config: Config) -> Built:
     available = jax.devices()
     if config.devices > len(available):
         raise ConfigError(f"devices: {config.devices} requested but {len(available)} visible")
+    devices = available[: config.devices or None]
+    chunk = config.client_chunk if config.client_chunk >= 0 else default_client_chunk(devices[0].platform)
     simulation = Simulation(
         algorithm,
         model,
@@ -57,8 +65,9 @@ def build(config: Config) -> Built:
         participation=config.participation,
         sampling_mode=config.sampling,
         seed=config.seed,
-        devices=available[: config.devices or None],
+        devices=devices,
         eval_batch_size=config.eval_batch_size,
+        client_chunk=chunk,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_federation
 
 from jaxfed.algorithms import ALGORITHMS
 from jaxfed.algorithms.fedavg import fedavg
@@ -17,8 +18,6 @@ from jaxfed.data import ClientData
 from jaxfed.nn import Model
 from jaxfed.nn.models import Norm
 from jaxfed.simulation import Simulation, sampling
-
-from conftest import make_federation
 
 
 class TinyBatchNormNet(nn.Module):

@@ -9,8 +9,17 @@ import pytest
 from jaxfed.cli import main
 
 SUMMARY_KEYS = {
-    "algorithm", "dataset", "num_clients", "rounds", "personalized_acc_mean", "personalized_acc_weighted",
-    "global_acc", "best_personalized_acc", "bytes_up_total", "bytes_down_total", "wall_seconds",
+    "algorithm",
+    "dataset",
+    "num_clients",
+    "rounds",
+    "personalized_acc_mean",
+    "personalized_acc_weighted",
+    "global_acc",
+    "best_personalized_acc",
+    "bytes_up_total",
+    "bytes_down_total",
+    "wall_seconds",
 }
 
 
@@ -34,8 +43,21 @@ def test_default_run_writes_the_run_directory(tmp_path, monkeypatch, capsys):
 
 def test_out_and_overrides(tmp_path, capsys):
     out = tmp_path / "local_run"
-    code = main(["run", "local", "--out", str(out), "--quiet", "--set", "rounds=3", "--set", "eval_every=2",
-                 "--set", "num_clients=5"])
+    code = main(
+        [
+            "run",
+            "local",
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "rounds=3",
+            "--set",
+            "eval_every=2",
+            "--set",
+            "num_clients=5",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algorithm"] == "local" and summary["rounds"] == 3
@@ -87,4 +109,6 @@ def test_installed_entry_point_lists_and_fails_cleanly():
         [sys.executable, "-m", "jaxfed.cli", "run", "nope"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().splitlines() == ["jaxfed: error: algorithm: unknown 'nope'; allowed: fedavg, fedprox, local"]
+    assert bad.stderr.strip().splitlines() == [
+        "jaxfed: error: algorithm: unknown 'nope'; allowed: fedavg, fedprox, local"
+    ]

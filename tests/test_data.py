@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
+from conftest import shared_data_dir
 
 from jaxfed.data import load_dataset
 from jaxfed.errors import ConfigError
-
-from conftest import shared_data_dir
 
 
 def test_digits_is_embedded_and_normalized():

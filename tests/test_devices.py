@@ -38,7 +38,10 @@ def _run(tmp_path, devices):
     out = tmp_path / f"devices_{devices}.npz"
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(devices), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])

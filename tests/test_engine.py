@@ -8,10 +8,8 @@ import pytest
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
 from jaxfed.algorithms.training import sgd
-from jaxfed.core import weighted_mean
-from jaxfed.data import ClientData, federate, index_table
-from jaxfed.simulation import Simulation
-from jaxfed.simulation import sampling
+from jaxfed.data import ClientData
+from jaxfed.simulation import Simulation, sampling
 
 
 def _client_view(fed, k, pad_to=None):
@@ -96,7 +94,7 @@ def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation
     uploads = [one(message, {"model_state": {}}, _client_view(fed, k), rngs[i])[1] for i, k in enumerate(ids)]
     counts = np.asarray(fed.train_count)[ids].astype(np.float64)
     for leaf_new, *leaves in zip(jax.tree.leaves(new_state.server["params"]), *map(jax.tree.leaves, uploads)):
-        expected = sum(c * np.asarray(l, np.float64) for c, l in zip(counts, leaves)) / counts.sum()
+        expected = sum(c * np.asarray(leaf, np.float64) for c, leaf in zip(counts, leaves)) / counts.sum()
         np.testing.assert_allclose(leaf_new, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -108,7 +106,9 @@ def test_sampling_without_replacement_and_fixed_cohort():
         assert len(set(ids.tolist())) == 10 and ids.min() >= 0 and ids.max() < 50
         seen.add(tuple(ids))
     assert len(seen) > 1  # uniform sampling changes clients between rounds
-    fixed = {tuple(np.asarray(sampling.sample_clients(root, sampling.round_key(root, t), 50, 10, "fixed"))) for t in range(5)}
+    fixed = {
+        tuple(np.asarray(sampling.sample_clients(root, sampling.round_key(root, t), 50, 10, "fixed"))) for t in range(5)
+    }
     assert len(fixed) == 1
     assert sampling.num_sampled(100, 0.1) == 10 and sampling.num_sampled(3, 0.01) == 1
 
@@ -151,3 +151,17 @@ def test_bytes_counted_from_messages(mlp, digits_federation):
     sim_local = Simulation(local(mlp, sgd(0.1), local_epochs=1, batch_size=16), mlp, digits_federation)
     _, metrics = sim_local.run_rounds(sim_local.init(), 1)
     assert float(metrics["bytes_up"][0]) == 0 and float(metrics["bytes_down"][0]) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_client_strategies_agree(mlp, digits_federation, chunk):
+    """vmap over all sampled clients, one at a time, and chunks of 3 give the same round."""
+
+    def run(client_chunk):
+        alg = fedavg(mlp, sgd(0.1, momentum=0.9), local_epochs=2, batch_size=16)
+        sim = Simulation(alg, mlp, digits_federation, participation=0.7, client_chunk=client_chunk)
+        state, metrics = sim.run_rounds(sim.init(), 2)
+        return jax.tree.leaves(state.server["params"]) + [metrics["train_loss"]]
+
+    for a, b in zip(run(0), run(chunk)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

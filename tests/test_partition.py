@@ -51,7 +51,14 @@ def test_pathological_classes_per_client():
 def test_client_dirichlet_sizes():
     y, y_test = _labels(5000), _labels(1000)
     train, test = partition(
-        "client_dirichlet", y, y_test, 8, np.random.default_rng(0), alpha=0.3, client_train_size=200, client_test_size=40
+        "client_dirichlet",
+        y,
+        y_test,
+        8,
+        np.random.default_rng(0),
+        alpha=0.3,
+        client_train_size=200,
+        client_test_size=40,
     )
     assert [len(p) for p in train] == [200] * 8
     assert [len(p) for p in test] == [40] * 8

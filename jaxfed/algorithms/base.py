@@ -15,7 +15,8 @@ In the spirit of optax's ``GradientTransformation`` and fedjax's ``FederatedAlgo
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 
 class FederatedAlgorithm(NamedTuple):
@@ -25,4 +26,4 @@ class FederatedAlgorithm(NamedTuple):
     client_update: Callable[[Any, Any, Any, Any], tuple[Any, Any, dict]]
     server_update: Callable[[Any, Any, Any], Any]
     eval_params: Callable[[Any, Any], Any]
-    global_params: Optional[Callable[[Any], Any]] = None
+    global_params: Callable[[Any], Any] | None = None

@@ -9,7 +9,7 @@ them, stay with each client.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,8 @@ def fedavg(
     local_epochs: int,
     batch_size: int,
     drop_last: bool = False,
-    server_optimizer: Optional[optax.GradientTransformation] = None,
-    regularizer: Optional[Callable] = None,
+    server_optimizer: optax.GradientTransformation | None = None,
+    regularizer: Callable | None = None,
     name: str = "fedavg",
 ) -> FederatedAlgorithm:
     """FedAvg. ``regularizer(params, global_params)`` adds a local loss term (FedProx uses it)."""
@@ -94,7 +94,7 @@ def fedavg(
 SERVER_OPTIMIZERS = ("none", "sgd", "adam")
 
 
-def server_optimizer_from_config(config) -> Optional[optax.GradientTransformation]:
+def server_optimizer_from_config(config) -> optax.GradientTransformation | None:
     if config.server_optimizer == "none":
         return None
     if config.server_optimizer == "sgd":

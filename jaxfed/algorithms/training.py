@@ -7,13 +7,13 @@ result is exactly what it would be alone.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfed.core import tree_select
 from jaxfed.data import Batch, ClientData
 
 
@@ -34,9 +34,7 @@ def classification_loss(model, regularizer: Callable[[Any], jax.Array] | None = 
     """``loss(params, model_state, batch) -> (loss, new_model_state)``: masked CE plus ``regularizer(params)``."""
 
     def loss(params, model_state, batch: Batch):
-        logits, new_state = model.apply(
-            {"params": params, **model_state}, batch.x, train=True, mask=batch.mask
-        )
+        logits, new_state = model.apply({"params": params, **model_state}, batch.x, train=True, mask=batch.mask)
         value = masked_cross_entropy(logits, batch.y, batch.mask)
         if regularizer is not None:
             value = value + regularizer(params)
@@ -49,12 +47,9 @@ def gradient_step(loss_fn, optimizer: optax.GradientTransformation):
     """One optimizer step on a batch: ``step(TrainState, batch) -> (TrainState, loss)``."""
 
     def step(state: TrainState, batch: Batch):
-        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.model_state, batch
-        )
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.model_state, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, model_state), loss
-
 
     return step
 
@@ -72,30 +67,36 @@ def shuffled_positions(rng, count, max_examples: int, length: int):
 
 
 def run_epochs(step, state, data: ClientData, rng, *, epochs: int, batch_size: int, drop_last: bool = False):
-    """``epochs`` shuffled passes of ``step`` over one client's examples.
+    """``epochs`` shuffled passes of ``step`` over one client's real examples.
 
-    Returns the final state and ``{"train_loss": mean batch loss, "steps": real steps taken}``.
+    The steps run in a ``lax.while_loop`` whose trip count is this client's own number of steps,
+    so a client computes exactly what it would alone. Vmapped, the loop runs until the group's
+    largest client is done (finished clients keep their state); run one client at a time
+    (``lax.map``), it does only real steps.
+
+    Returns the final state and ``{"train_loss": mean batch loss, "steps": steps taken}``.
     """
     max_examples = data.indices.shape[0]
-    steps = -(-max_examples // batch_size)
-    real_steps = data.count // batch_size if drop_last else -(-data.count // batch_size)
+    padded_length = -(-max_examples // batch_size) * batch_size
+    steps_per_epoch = data.count // batch_size if drop_last else -(-data.count // batch_size)
+    total_steps = steps_per_epoch * epochs
+    orders = jax.vmap(lambda key: shuffled_positions(key, data.count, max_examples, padded_length))(
+        jax.random.split(rng, epochs)
+    )
 
-    def epoch(state, epoch_rng):
-        order = shuffled_positions(epoch_rng, data.count, max_examples, steps * batch_size)
+    def body(carry):
+        t, state, loss_sum = carry
+        epoch, s = jnp.divmod(t, jnp.maximum(steps_per_epoch, 1))
+        positions = jax.lax.dynamic_slice(orders[epoch], (s * batch_size,), (batch_size,))
+        state, loss = step(state, data.batch(positions))
+        return t + 1, state, loss_sum + loss
 
-        def one_step(state, s):
-            batch = data.batch(jax.lax.dynamic_slice(order, (s * batch_size,), (batch_size,)))
-            new_state, loss = step(state, batch)
-            real = s < real_steps
-            return tree_select(real, new_state, state), jnp.where(real, loss, 0.0)
-
-        return jax.lax.scan(one_step, state, jnp.arange(steps))
-
-    state, losses = jax.lax.scan(epoch, state, jax.random.split(rng, epochs))
-    taken = real_steps * epochs
+    _, state, loss_sum = jax.lax.while_loop(
+        lambda carry: carry[0] < total_steps, body, (jnp.int32(0), state, jnp.float32(0))
+    )
     return state, {
-        "train_loss": jnp.sum(losses) / jnp.maximum(taken, 1),
-        "steps": taken.astype(jnp.float32),
+        "train_loss": loss_sum / jnp.maximum(total_steps, 1),
+        "steps": total_steps.astype(jnp.float32),
     }
 
 

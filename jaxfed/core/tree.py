@@ -50,6 +50,4 @@ def tree_select(predicate, on_true, on_false):
 
 def tree_bytes(tree) -> int:
     """Bytes of all array leaves of ``tree`` (static: from shapes and dtypes)."""
-    return int(
-        sum(np.prod(np.shape(x), dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-    )
+    return int(sum(np.prod(np.shape(x), dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))

@@ -96,7 +96,9 @@ def _load_npz(path: Path):
     with np.load(path) as f:
         missing = {"x_train", "y_train", "x_test", "y_test"} - set(f.files)
         if missing:
-            raise ConfigError(f"data_dir: {path} lacks arrays {sorted(missing)}; needs x_train, y_train, x_test, y_test")
+            raise ConfigError(
+                f"data_dir: {path} lacks arrays {sorted(missing)}; needs x_train, y_train, x_test, y_test"
+            )
         return f["x_train"], f["y_train"], f["x_test"], f["y_test"]
 
 

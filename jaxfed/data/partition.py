@@ -160,7 +160,8 @@ def _check_non_empty(parts):
     empty = [k for k, p in enumerate(parts) if len(p) == 0]
     if empty:
         raise ConfigError(
-            f"partition: leaves {len(empty)} client(s) empty (e.g. client {empty[0]}); use fewer clients or another partition"
+            f"partition: leaves {len(empty)} client(s) empty (e.g. client {empty[0]}); "
+            "use fewer clients or another partition"
         )
 
 

@@ -9,13 +9,15 @@ mask, so padded examples never enter the statistics.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxfed.errors import ConfigError
+from jaxfed.nn.conv import CONV_IMPLS, Conv
 
 NORMS = ("group", "batch")
 GROUPS = 2
@@ -50,11 +52,12 @@ class CNN(nn.Module):
     """The CNN of McMahan et al.'s FedAvg paper (PFLlib's FedAvgCNN), VALID padding."""
 
     num_classes: int
+    conv: str = "patches"
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None, features: bool = False):
-        h = nn.max_pool(nn.relu(nn.Conv(32, (5, 5), padding="VALID", name="conv1")(x)), (2, 2), (2, 2))
-        h = nn.max_pool(nn.relu(nn.Conv(64, (5, 5), padding="VALID", name="conv2")(h)), (2, 2), (2, 2))
+        h = nn.max_pool(nn.relu(Conv(32, (5, 5), padding="VALID", impl=self.conv, name="conv1")(x)), (2, 2), (2, 2))
+        h = nn.max_pool(nn.relu(Conv(64, (5, 5), padding="VALID", impl=self.conv, name="conv2")(h)), (2, 2), (2, 2))
         h = nn.relu(nn.Dense(512, name="fc1")(h.reshape(h.shape[0], -1)))
         return h if features else nn.Dense(self.num_classes, name="head")(h)
 
@@ -65,12 +68,13 @@ class CNN4(nn.Module):
 
     num_classes: int
     widths: Sequence[int] = (32, 64, 128, 256)
+    conv: str = "patches"
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None, features: bool = False):
         h = x
         for i, width in enumerate(self.widths):
-            h = nn.relu(nn.Conv(width, (3, 3), padding="SAME", name=f"conv{i + 1}")(h))
+            h = nn.relu(Conv(width, (3, 3), padding="SAME", impl=self.conv, name=f"conv{i + 1}")(h))
             h = nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
         h = h.mean(axis=(1, 2))
         return h if features else nn.Dense(self.num_classes, name="head")(h)
@@ -80,15 +84,18 @@ class BasicBlock(nn.Module):
     width: int
     stride: int
     norm: str
+    conv: str = "patches"
 
     @nn.compact
     def __call__(self, x, train: bool, mask=None):
-        h = nn.Conv(self.width, (3, 3), (self.stride, self.stride), padding="SAME", use_bias=False, name="conv1")(x)
+        h = Conv(
+            self.width, (3, 3), (self.stride, self.stride), padding="SAME", use_bias=False, impl=self.conv, name="conv1"
+        )(x)
         h = nn.relu(Norm(self.norm, name="norm1")(h, train, mask))
-        h = nn.Conv(self.width, (3, 3), padding="SAME", use_bias=False, name="conv2")(h)
+        h = Conv(self.width, (3, 3), padding="SAME", use_bias=False, impl=self.conv, name="conv2")(h)
         h = Norm(self.norm, name="norm2")(h, train, mask)
         if self.stride != 1 or x.shape[-1] != self.width:
-            x = nn.Conv(self.width, (1, 1), (self.stride, self.stride), use_bias=False, name="shortcut")(x)
+            x = Conv(self.width, (1, 1), (self.stride, self.stride), use_bias=False, impl=self.conv, name="shortcut")(x)
             x = Norm(self.norm, name="shortcut_norm")(x, train, mask)
         return nn.relu(h + x)
 
@@ -100,15 +107,16 @@ class ResNet(nn.Module):
     blocks: Sequence[int]
     widths: Sequence[int]
     norm: str = "group"
+    conv: str = "patches"
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None, features: bool = False):
-        h = nn.Conv(self.widths[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
+        h = Conv(self.widths[0], (3, 3), padding="SAME", use_bias=False, impl=self.conv, name="stem")(x)
         h = nn.relu(Norm(self.norm, name="stem_norm")(h, train, mask))
         for stage, (count, width) in enumerate(zip(self.blocks, self.widths)):
             for j in range(count):
                 stride = 2 if stage > 0 and j == 0 else 1
-                h = BasicBlock(width, stride, self.norm, name=f"layer{stage + 1}_{j}")(h, train, mask)
+                h = BasicBlock(width, stride, self.norm, self.conv, name=f"layer{stage + 1}_{j}")(h, train, mask)
         h = h.mean(axis=(1, 2))
         return h if features else nn.Dense(self.num_classes, name="head")(h)
 
@@ -118,6 +126,7 @@ class VGG8(nn.Module):
 
     num_classes: int
     norm: str = "group"
+    conv: str = "patches"
     plan: Sequence[Any] = (32, "M", 64, "M", 128, 128, "M", 256, "M")
 
     @nn.compact
@@ -128,7 +137,7 @@ class VGG8(nn.Module):
                 h = nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
             else:
                 conv += 1
-                h = nn.Conv(item, (3, 3), padding="SAME", use_bias=False, name=f"conv{conv}")(h)
+                h = Conv(item, (3, 3), padding="SAME", use_bias=False, impl=self.conv, name=f"conv{conv}")(h)
                 h = nn.relu(Norm(self.norm, name=f"norm{conv}")(h, train, mask))
         h = h.reshape(h.shape[0], -1)
         h = nn.relu(nn.Dense(256, name="fc1")(h))
@@ -137,18 +146,18 @@ class VGG8(nn.Module):
 
 
 def _resnet(blocks, widths):
-    return lambda num_classes, norm: ResNet(num_classes, blocks=blocks, widths=widths, norm=norm)
+    return lambda num_classes, norm, conv: ResNet(num_classes, blocks=blocks, widths=widths, norm=norm, conv=conv)
 
 
-# name -> constructor(num_classes, norm)
-MODELS: dict[str, Callable[[int, str], nn.Module]] = {
-    "mlp": lambda num_classes, norm: MLP(num_classes),
-    "cnn": lambda num_classes, norm: CNN(num_classes),
-    "cnn4": lambda num_classes, norm: CNN4(num_classes),
+# name -> constructor(num_classes, norm, conv implementation)
+MODELS: dict[str, Callable[[int, str, str], nn.Module]] = {
+    "mlp": lambda num_classes, norm, conv: MLP(num_classes),
+    "cnn": lambda num_classes, norm, conv: CNN(num_classes, conv=conv),
+    "cnn4": lambda num_classes, norm, conv: CNN4(num_classes, conv=conv),
     "resnet8": _resnet((1, 1, 1), (16, 32, 64)),
     "resnet10": _resnet((1, 1, 1, 1), (64, 128, 256, 512)),
     "resnet18": _resnet((2, 2, 2, 2), (64, 128, 256, 512)),
-    "vgg8": lambda num_classes, norm: VGG8(num_classes, norm=norm),
+    "vgg8": lambda num_classes, norm, conv: VGG8(num_classes, norm=norm, conv=conv),
 }
 
 
@@ -174,17 +183,22 @@ class Model(NamedTuple):
         return self.module.apply(variables, x, train=train, mask=mask, features=features), state
 
 
-def get_model(name: str, input_shape, num_classes: int, norm: str = "group") -> Model:
-    """The model ``name`` for inputs of ``input_shape`` (HWC); a clear error if it cannot fit them."""
+def get_model(name: str, input_shape, num_classes: int, norm: str = "group", conv: str = "patches") -> Model:
+    """The model ``name`` for inputs of ``input_shape`` (HWC); a clear error if it cannot fit them.
+
+    ``conv`` picks the convolution implementation (see :mod:`jaxfed.nn.conv`)."""
     if name not in MODELS:
         raise ConfigError(f"model: unknown '{name}'; allowed: {', '.join(MODELS)}")
     if norm not in NORMS:
         raise ConfigError(f"norm: unknown '{norm}'; allowed: {', '.join(NORMS)}")
-    model = Model(name, MODELS[name](num_classes, norm), tuple(input_shape))
+    if conv not in CONV_IMPLS:
+        raise ConfigError(f"conv: unknown '{conv}'; allowed: {', '.join(CONV_IMPLS)}")
+    model = Model(name, MODELS[name](num_classes, norm, conv), tuple(input_shape))
     try:
         jax.eval_shape(model.init, jax.random.key(0))
     except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
         raise ConfigError(
-            f"model: '{name}' cannot take inputs of shape {tuple(input_shape)} ({type(err).__name__}); pick another model"
+            f"model: '{name}' cannot take inputs of shape {tuple(input_shape)} "
+            f"({type(err).__name__}); pick another model"
         ) from None
     return model

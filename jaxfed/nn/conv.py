@@ -1,0 +1,60 @@
+"""2-D convolution as shifted slices and one einsum, and the ``Conv`` layer the models use.
+
+XLA's CPU convolution is slow in two places this library lives in: inside loop bodies (local
+steps under ``lax.scan``: about 8x slower than the same conv outside a loop, jax-ml/jax#12868)
+and under ``vmap`` over per-client kernels (a grouped convolution). Written as ``kh * kw``
+strided slices of the padded input and an einsum against the kernel, a conv is a plain
+(batched) matmul in both places. ``impl="xla"`` keeps ``lax.conv_general_dilated``.
+Parameters are Flax ``nn.Conv``'s: ``kernel [kh, kw, cin, cout]`` and ``bias [cout]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+CONV_IMPLS = ("patches", "xla")
+
+
+def conv2d(x, kernel, strides: Sequence[int] = (1, 1), padding="SAME", impl: str = "patches"):
+    """``x [B, H, W, cin]`` convolved with ``kernel [kh, kw, cin, cout]`` (cross-correlation, as
+    ``lax.conv_general_dilated`` with NHWC / HWIO)."""
+    strides = tuple(strides)
+    if impl == "xla":
+        return jax.lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    kh, kw, cin, cout = kernel.shape
+    pads = jax.lax.padtype_to_pads(x.shape[1:3], (kh, kw), strides, padding) if isinstance(padding, str) else padding
+    x = jnp.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
+    sh, sw = strides
+    out_h = (x.shape[1] - kh) // sh + 1
+    out_w = (x.shape[2] - kw) // sw + 1
+    shifted = [
+        x[:, i : i + sh * (out_h - 1) + 1 : sh, j : j + sw * (out_w - 1) + 1 : sw, :]
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    patches = jnp.stack(shifted, axis=3)  # [B, out_h, out_w, kh*kw, cin]
+    return jnp.einsum("bhwkc,kco->bhwo", patches, kernel.reshape(kh * kw, cin, cout))
+
+
+class Conv(nn.Module):
+    """A drop-in for ``flax.linen.Conv`` (same parameters and initializers) computed by :func:`conv2d`."""
+
+    features: int
+    kernel_size: Sequence[int]
+    strides: Sequence[int] = (1, 1)
+    padding: str = "SAME"
+    use_bias: bool = True
+    impl: str = "patches"
+
+    @nn.compact
+    def __call__(self, x):
+        kh, kw = self.kernel_size
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (kh, kw, x.shape[-1], self.features))
+        y = conv2d(x, kernel, self.strides, self.padding, self.impl)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        return y
