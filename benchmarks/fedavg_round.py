@@ -94,7 +94,7 @@ def loop_round_seconds(sim, rounds: int, batch_size: int):
         jax.block_until_ready(server)
         times.append(time.perf_counter() - tick)
         real = -(-counts[ids] // batch_size)
-        useful.append(real.sum() / (real.max() * len(ids)))
+        useful.append(real.sum() / (real.max() * len(ids)))  # if all sampled clients were vmapped
     return statistics.median(times), compile_seconds, float(np.mean(useful))
 
 
@@ -123,7 +123,7 @@ def main():
             loop_round_seconds_median=loop_s,
             loop_compile_seconds=loop_compile,
             speedup_engine_vs_loop=loop_s / engine_s,
-            engine_useful_step_fraction=useful,
+            vmap_all_useful_step_fraction=useful,
         )
     print(json.dumps(result, indent=2))
 

@@ -89,6 +89,10 @@ class Simulation:
     # ----- state -----------------------------------------------------------------------------
 
     def init(self) -> SimState:
+        """The starting state: the algorithm's init, one client state stacked for every client."""
+        return jax.jit(self._init)()
+
+    def _init(self) -> SimState:
         server, client = self.algorithm.init(sampling.init_key(self.root))
         return SimState(server=server, clients=stack_clients(client, self.num_clients), round=jnp.int32(0))
 
