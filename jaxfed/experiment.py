@@ -20,7 +20,7 @@ from jaxfed.config import Config
 from jaxfed.data import default_model, describe, federate, load_dataset, partition, summarize
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
-from jaxfed.simulation import Simulation, default_client_chunk
+from jaxfed.simulation import Simulation
 
 
 class Built(NamedTuple):
@@ -57,7 +57,6 @@ def build(config: Config) -> Built:
     if config.devices > len(available):
         raise ConfigError(f"devices: {config.devices} requested but {len(available)} visible")
     devices = available[: config.devices or None]
-    chunk = config.client_chunk if config.client_chunk >= 0 else default_client_chunk(devices[0].platform)
     simulation = Simulation(
         algorithm,
         model,
@@ -67,7 +66,7 @@ def build(config: Config) -> Built:
         seed=config.seed,
         devices=devices,
         eval_batch_size=config.eval_batch_size,
-        client_chunk=chunk,
+        client_chunk=None if config.client_chunk < 0 else config.client_chunk,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, split_variables, train_classifier
+from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_classifier
 from jaxfed.core import tree_select, weighted_mean
 
 
@@ -106,8 +106,6 @@ def from_config(config, model) -> FederatedAlgorithm:
     return fedavg(
         model,
         client_optimizer(config),
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
+        **local_training_options(config),
         server_optimizer=server_optimizer_from_config(config),
     )

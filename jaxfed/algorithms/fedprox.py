@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms import fedavg as fedavg_module
-from jaxfed.algorithms.training import client_optimizer
+from jaxfed.algorithms.training import client_optimizer, local_training_options
 
 
 def proximal_term(mu: float):
@@ -27,9 +27,7 @@ def from_config(config, model):
     return fedprox(
         model,
         client_optimizer(config),
+        **local_training_options(config),
         mu=config.mu,
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
         server_optimizer=fedavg_module.server_optimizer_from_config(config),
     )

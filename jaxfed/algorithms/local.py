@@ -7,7 +7,7 @@ state never changes and there is no global model.
 from __future__ import annotations
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, train_classifier
+from jaxfed.algorithms.training import client_optimizer, local_training_options, train_classifier
 
 
 def local(model, optimizer, *, local_epochs: int, batch_size: int, drop_last: bool = False) -> FederatedAlgorithm:
@@ -40,10 +40,4 @@ def local(model, optimizer, *, local_epochs: int, batch_size: int, drop_last: bo
 
 
 def from_config(config, model) -> FederatedAlgorithm:
-    return local(
-        model,
-        client_optimizer(config),
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
-    )
+    return local(model, client_optimizer(config), **local_training_options(config))

@@ -135,6 +135,11 @@ def client_optimizer(config) -> optax.GradientTransformation:
     return sgd(config.lr, config.momentum, config.weight_decay)
 
 
+def local_training_options(config) -> dict:
+    """The keyword arguments every algorithm's local training takes from a config."""
+    return {"local_epochs": config.local_epochs, "batch_size": config.batch_size, "drop_last": config.drop_last}
+
+
 def split_variables(variables: dict):
     """``(params, model_state)`` of a Flax variables dict."""
     return variables["params"], {k: v for k, v in variables.items() if k != "params"}

@@ -1,8 +1,9 @@
 """The engine: gather -> vmapped client update -> scatter -> server update, rounds under ``lax.scan``.
 
 Client states are one stacked pytree ``[num_clients, ...]``. A round samples client ids,
-gathers their states and data views, runs ``vmap(algorithm.client_update)`` over them, scatters
-the new states back by id, and hands the stacked messages to ``algorithm.server_update``.
+gathers their states and data views, maps ``algorithm.client_update`` over them (``vmap`` over all,
+or ``lax.map`` over chunks of vmapped clients: ``client_chunk``), scatters the new states back by
+id, and hands the stacked messages to ``algorithm.server_update``.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered.
@@ -51,7 +52,7 @@ class Simulation:
 
     ``client_chunk`` picks how the sampled clients run: 0 vmaps them all at once; k > 0 runs
     ``lax.map`` over chunks of k vmapped clients (k = 1: one client at a time, each doing only
-    its own steps). See :func:`default_client_chunk`.
+    its own steps); ``None`` picks :func:`default_client_chunk` for the devices.
     """
 
     def __init__(
@@ -66,7 +67,7 @@ class Simulation:
         devices: Sequence[jax.Device] | None = None,
         eval_batch_size: int = 256,
         eval_examples_per_call: int = 8192,
-        client_chunk: int = 0,
+        client_chunk: int | None = None,
     ):
         self.algorithm = algorithm
         self.model = model
@@ -79,7 +80,7 @@ class Simulation:
         self.mesh = Mesh(np.array(devices), (CLIENT_AXIS,)) if len(devices) > 1 else None
         self.num_devices = len(devices)
         self.eval_batch_size = eval_batch_size
-        self.client_chunk = client_chunk
+        self.client_chunk = default_client_chunk(devices[0].platform) if client_chunk is None else client_chunk
         self.eval_examples_per_call = eval_examples_per_call
         self.compile_seconds = 0.0
         self._executables: dict[int, Any] = {}
