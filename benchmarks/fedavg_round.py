@@ -84,9 +84,9 @@ def loop_round_seconds(sim, rounds: int, batch_size: int):
         key = sampling.round_key(sim.root, t)
         ids = np.asarray(sampling.sample_clients(sim.root, key, sim.num_clients, sim.num_sampled))
         message = alg.broadcast(server, 0)
+        rngs = sampling.client_keys(key, jnp.asarray(ids))  # the engine's per-client keys
         uploads = []
-        for k in ids:
-            rng = jax.random.fold_in(jax.random.fold_in(key, 1), int(k))
+        for k, rng in zip(ids, rngs):
             _, up, _ = update(message, client_state, view(int(k)), rng)
             uploads.append(up)
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *uploads)

@@ -1,8 +1,8 @@
-"""Local training shared by every algorithm: minibatch epochs of one client under ``lax.scan``.
+"""Local training shared by every algorithm: minibatch epochs of one client in a ``lax.while_loop``.
 
-A client's examples are padded to the largest client of the round. Padded examples carry a
-zero mask in the loss and padded steps leave the training state untouched, so a client's
-result is exactly what it would be alone.
+A client's example list is padded to the largest client's. Padded examples carry a zero mask in
+the loss and the loop runs only the client's own steps, so a client's result is exactly what it
+would be alone.
 """
 
 from __future__ import annotations

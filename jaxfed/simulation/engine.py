@@ -84,6 +84,7 @@ class Simulation:
         self.eval_examples_per_call = eval_examples_per_call
         self.compile_seconds = 0.0
         self._executables: dict[int, Any] = {}
+        self._init_state = jax.jit(self._init)
         self._run = jax.jit(self._run_rounds, static_argnums=2)
         self._eval = jax.jit(self._evaluate)
 
@@ -91,7 +92,7 @@ class Simulation:
 
     def init(self) -> SimState:
         """The starting state: the algorithm's init, one client state stacked for every client."""
-        return jax.jit(self._init)()
+        return self._init_state()
 
     def _init(self) -> SimState:
         server, client = self.algorithm.init(sampling.init_key(self.root))
