@@ -1,6 +1,7 @@
-"""The command line: ``jaxfed run``, ``jaxfed list``.
+"""The command line: ``jaxfed run``, ``jaxfed plot``, ``jaxfed list``.
 
-User mistakes end with one line on stderr and exit code 2, never a traceback.
+User mistakes end with one line on stderr and exit code 2, never a traceback; a run stopped by
+a non-finite client update ends with one line and exit code 1.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import sys
 import time
 
 from jaxfed.config import Config
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, NonFiniteUpdateError
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,31 +33,66 @@ def _parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
     )
     run.add_argument("--out", help="run directory (default: runs/<algorithm>_<dataset>_<time>)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its newest checkpoint (its saved config, with --set applied on top)",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    plot = commands.add_parser("plot", help="plot accuracy vs round and vs bytes uploaded for run directories")
+    plot.add_argument("runs", nargs="+", metavar="DIR", help="run directories (written by jaxfed run)")
+    plot.add_argument("--out", help="PNG file (default: DIR/accuracy.png for one run, ./accuracy.png for several)")
+    plot.add_argument(
+        "--metric",
+        default="personalized_acc_mean",
+        help="personalized_acc_mean (default), personalized_acc_weighted or global_acc",
+    )
     commands.add_parser("list", help="list algorithms, datasets, models, partitioners and config keys")
     return parser
 
 
-def config_from_args(args) -> Config:
+def config_from_args(args, base: Config | None = None) -> Config:
     pairs = list(args.set)
     for key, value in (("algorithm", args.algorithm), ("dataset", args.dataset), ("data_dir", args.data_dir)):
         if value is not None:
             pairs.insert(0, f"{key}={value}")
-    return Config().with_overrides(pairs).validate()
+    return (base or Config()).with_overrides(pairs).validate()
 
 
 def _run(args) -> int:
-    from jaxfed.experiment import human_bytes, run
+    from jaxfed.experiment import human_bytes, run, saved_config
 
-    config = config_from_args(args)
+    if args.resume and not args.out:
+        raise ConfigError("--resume: needs --out DIR, the run directory to continue")
+    config = config_from_args(args, saved_config(args.out) if args.resume else None)
     out = args.out or f"runs/{config.algorithm}_{config.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
-    s = run(config, out, progress=not args.quiet)
+    try:
+        s = run(config, out, resume=args.resume, progress=not args.quiet)
+    except NonFiniteUpdateError as err:
+        saved = getattr(err, "checkpoint", None)
+        where = f"; last good state saved in {saved}" if saved else ""
+        print(
+            f"jaxfed: error: {err}{where}; to drop such clients instead, continue with "
+            f"`jaxfed run --out {out} --resume --set nonfinite=skip` (or lower lr)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     global_part = f", global acc {s['global_acc']:.4f}" if s["global_acc"] is not None else ""
     print(
         f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, {s['rounds']} rounds): "
         f"personalized acc {s['personalized_acc_mean']:.4f} (weighted {s['personalized_acc_weighted']:.4f})"
         f"{global_part}; uploaded {human_bytes(s['bytes_up_total'])}; {s['wall_seconds']:.1f} s -> {out}"
     )
+    return 0
+
+
+def _plot(args) -> int:
+    from pathlib import Path
+
+    from jaxfed.plots import plot_runs
+
+    out = args.out or (Path(args.runs[0]) / "accuracy.png" if len(args.runs) == 1 else "accuracy.png")
+    print(plot_runs(args.runs, out, args.metric))
     return 0
 
 
@@ -78,7 +114,7 @@ def _list(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"run": _run, "list": _list}[args.command](args)
+        return {"run": _run, "plot": _plot, "list": _list}[args.command](args)
     except ConfigError as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_USAGE

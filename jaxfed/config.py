@@ -65,6 +65,11 @@ class Config:
         "clients vmapped together: 0 = all sampled at once, k = lax.map over chunks of k, -1 = auto "
         "(1 on CPU, 0 on GPU/TPU)",
     )
+    checkpoint_every: int = _field(10, "save an orbax checkpoint every this many rounds and after the last; 0 = never")
+    keep_checkpoints: int = _field(3, "checkpoints kept in the run directory (newest first)")
+    nonfinite: str = _field(
+        "error", "a client update with NaN/inf: error (stop, last good state checkpointed) or skip (drop that client)"
+    )
 
     # ----- parsing ---------------------------------------------------------------------------
 
@@ -103,7 +108,7 @@ class Config:
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
         from jaxfed.data import DATASETS, PARTITIONERS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
-        from jaxfed.simulation import SAMPLINGS
+        from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
 
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("dataset", self.dataset, DATASETS)
@@ -114,6 +119,7 @@ class Config:
         _choice("partition", self.partition, PARTITIONERS)
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if not 0 < self.participation <= 1:
             raise ConfigError(f"participation: must be in (0, 1], got {self.participation}")
         if not self.alpha > 0:
@@ -126,6 +132,7 @@ class Config:
             "eval_every",
             "rounds_per_call",
             "eval_batch_size",
+            "keep_checkpoints",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -136,7 +143,15 @@ class Config:
             raise ConfigError(
                 f"client_chunk: must be -1 (auto), 0 (vmap all) or a chunk size >= 1, got {self.client_chunk}"
             )
-        for name in ("momentum", "server_momentum", "weight_decay", "mu", "min_examples", "devices"):
+        for name in (
+            "momentum",
+            "server_momentum",
+            "weight_decay",
+            "mu",
+            "min_examples",
+            "devices",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         return self

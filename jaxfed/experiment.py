@@ -1,7 +1,11 @@
 """Build a simulation from a :class:`Config`, run it, and write the run directory.
 
-``run(config, out_dir)`` is what ``jaxfed run`` calls: it writes ``config.json``,
-``metrics.jsonl`` (one row per evaluated round) and ``summary.json`` into ``out_dir``.
+``run(config, out_dir)`` is what ``jaxfed run`` calls. The run directory holds ``config.json``,
+``metrics.jsonl`` (one row per evaluated round), ``summary.json``, ``accuracy.png`` and
+``checkpoints/<round>`` (orbax; every ``checkpoint_every`` rounds and at the end). With
+``resume=True`` the run continues from the newest readable checkpoint, bit for bit as if it had
+never stopped; ``metrics.jsonl`` is rewritten from the checkpoint's rows, so it never holds a
+partial line or a round twice.
 """
 
 from __future__ import annotations
@@ -18,9 +22,27 @@ import numpy as np
 from jaxfed.algorithms import ALGORITHMS
 from jaxfed.config import Config
 from jaxfed.data import default_model, describe, federate, load_dataset, partition, summarize
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.nn import get_model
 from jaxfed.simulation import Simulation
+from jaxfed.simulation.checkpoint import RunCheckpoints
+
+# Keys a resumed run may change: they decide how long it runs, what it logs, where it reads data
+# from and what happens on a NaN, never the numbers a round computes (rounds run bit-identically
+# whatever the chunking of rounds into compiled calls).
+RESUMABLE_KEYS = frozenset(
+    {
+        "rounds",
+        "eval_every",
+        "rounds_per_call",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "nonfinite",
+        "data_dir",
+        "download",
+    }
+)
+TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
 
 
 class Built(NamedTuple):
@@ -67,18 +89,33 @@ def build(config: Config) -> Built:
         devices=devices,
         eval_batch_size=config.eval_batch_size,
         client_chunk=None if config.client_chunk < 0 else config.client_chunk,
+        nonfinite=config.nonfinite,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
 
 
-def chunk_schedule(rounds: int, eval_every: int, rounds_per_call: int):
-    """``(chunk_length, evaluate_after)`` pairs covering ``rounds``: chunks never cross an evaluation."""
-    done = 0
+def next_multiple(done: int, every: int) -> int:
+    return (done // every + 1) * every
+
+
+def chunk_schedule(start: int, rounds: int, eval_every: int, rounds_per_call: int, checkpoint_every: int = 0):
+    """``(length, evaluate, checkpoint)`` for each compiled call from round ``start`` to ``rounds``.
+
+    A call never crosses an evaluation or checkpoint round (multiples of ``eval_every`` and
+    ``checkpoint_every``, counted from round 0, and the last round), so a run resumed from a
+    checkpoint makes the same calls as the run left alone.
+    """
+    done = start
     while done < rounds:
-        next_eval = min((done // eval_every + 1) * eval_every, rounds)
-        length = min(rounds_per_call, next_eval - done)
-        done += length
-        yield length, done == next_eval
+        end = min(rounds, done + rounds_per_call, next_multiple(done, eval_every))
+        if checkpoint_every:
+            end = min(end, next_multiple(done, checkpoint_every))
+        yield (
+            end - done,
+            end % eval_every == 0 or end == rounds,
+            bool(checkpoint_every) and (end % checkpoint_every == 0 or end == rounds),
+        )
+        done = end
 
 
 def human_bytes(n: float) -> str:
@@ -89,68 +126,227 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def run(config: Config, out_dir: str | Path, *, progress: bool = True, log=None) -> dict:
-    """Run ``config`` end to end; write the run directory; return the summary."""
+class RunRecord:
+    """Everything a run has logged so far, as JSON: stored in each checkpoint.
+
+    ``pending`` holds the per-round metrics since the last evaluation (floats), ``rows`` the
+    evaluated metrics rows, ``totals`` the running sums, ``round_times`` each round's seconds.
+    """
+
+    def __init__(self, config: Config, record: dict | None = None):
+        record = record or {}
+        self.config = config
+        self.rows: list[dict] = record.get("rows", [])
+        self.pending: dict[str, list[float]] = record.get("pending", {})
+        self.totals: dict[str, float] = record.get("totals", {"bytes_up": 0.0, "bytes_down": 0.0, "nonfinite": 0.0})
+        self.round_times: list[float] = record.get("round_times", [])
+        self.wall_before = float(record.get("wall_seconds", 0.0))
+        self.devices = record.get("devices")
+
+    def add_rounds(self, metrics: dict, seconds_per_round: float) -> None:
+        """Per-round metrics of one call (arrays with a leading round axis)."""
+        count = len(metrics["train_loss"])
+        for key, values in metrics.items():
+            if key == "nonfinite_ids":
+                continue
+            self.pending.setdefault(key, []).extend(float(v) for v in np.asarray(values).reshape(count))
+        for total, key in (("bytes_up", "bytes_up"), ("bytes_down", "bytes_down"), ("nonfinite", "nonfinite_clients")):
+            self.totals[total] += float(np.sum(np.asarray(metrics[key], np.float64)))
+        self.round_times += [seconds_per_round] * count
+
+    def add_row(self, round_: int, evaluation: dict, wall: float) -> dict:
+        window = len(self.pending.get("train_loss", []))
+        row = {"round": round_, **evaluation, "global_acc": evaluation.get("global_acc")}
+        for key, values in self.pending.items():
+            if key not in ("bytes_up", "bytes_down", "nonfinite_clients"):
+                row[key] = float(np.mean(values)) if values else None
+        row.update(
+            bytes_up_round=self.pending["bytes_up"][-1] if window else 0.0,
+            bytes_down_round=self.pending["bytes_down"][-1] if window else 0.0,
+            bytes_up_total=self.totals["bytes_up"],
+            bytes_down_total=self.totals["bytes_down"],
+            nonfinite_skipped=float(sum(self.pending.get("nonfinite_clients", []))),
+            round_seconds=float(np.mean(self.round_times[-window:])) if window else None,
+            wall_seconds=self.wall_before + wall,
+        )
+        self.rows.append(row)
+        self.pending = {}
+        return row
+
+    def to_json(self, round_: int, wall: float, devices: int) -> dict:
+        return {
+            "config": self.config.to_dict(),
+            "round": round_,
+            "rows": self.rows,
+            "pending": self.pending,
+            "totals": self.totals,
+            "round_times": self.round_times,
+            "wall_seconds": self.wall_before + wall,
+            "devices": devices,
+        }
+
+
+def saved_config(out_dir: str | Path, log=None) -> Config:
+    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from)."""
+    found = _newest_record(RunCheckpoints(Path(out_dir) / "checkpoints"), log)
+    if found is None:
+        raise ConfigError(f"--resume: no checkpoint in {Path(out_dir) / 'checkpoints'}")
+    return _config_from_dict(found[1]["config"])
+
+
+def _newest_record(checkpoints: RunCheckpoints, log=None):
+    return checkpoints.newest(checkpoints.read_record, warn=log)
+
+
+def _config_from_dict(values: dict) -> Config:
+    known = {k: v for k, v in values.items() if k in Config.keys()}
+    return Config(**known)
+
+
+def check_resumable(saved: Config, config: Config) -> None:
+    """Refuse (ConfigError) a resume whose config changes what a round computes."""
+    changed = [
+        f"{key} ({getattr(saved, key)!r} -> {getattr(config, key)!r})"
+        for key in Config.keys()
+        if key not in RESUMABLE_KEYS and getattr(saved, key) != getattr(config, key)
+    ]
+    if changed:
+        raise ConfigError(
+            "--resume: the config differs from the checkpoint's in "
+            + ", ".join(changed)
+            + f"; only {', '.join(sorted(RESUMABLE_KEYS))} may change"
+        )
+
+
+def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=None) -> dict:
+    """Run ``config`` end to end (or continue it from its newest checkpoint); write the run
+    directory; return the summary.
+
+    Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
+    state; its ``checkpoint`` attribute says where.
+    """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     start = time.perf_counter()
+    out = Path(out_dir)
+    config.validate()
+    checkpoints = RunCheckpoints(out / "checkpoints", keep=config.keep_checkpoints)
+    _check_run_dir(out, checkpoints, config, resume, log)  # refuses before anything is written
+
     built = build(config)
     sim = built.simulation
-    out = Path(out_dir)
+    state, record = _resume_point(config, sim, checkpoints, log) if resume else (sim.init(), RunRecord(config))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    _write_rows(out / "metrics.jsonl", record.rows)
     log(f"partition: {describe(built.partition_summary)}")
 
-    from tqdm import tqdm
-
-    state = sim.init()
-    rows, totals, round_times, since_eval = [], {"bytes_up": 0.0, "bytes_down": 0.0}, [], []
-    bar = tqdm(total=config.rounds, desc=config.algorithm, unit="round", disable=not progress, file=sys.stderr)
-    with open(out / "metrics.jsonl", "w") as metrics_file:
-        for length, evaluate in chunk_schedule(config.rounds, config.eval_every, config.rounds_per_call):
-            compile_before = sim.compile_seconds
-            tick = time.perf_counter()
-            state, metrics = sim.run_rounds(state, length)
-            metrics = jax.device_get(metrics)
-            elapsed = time.perf_counter() - tick - (sim.compile_seconds - compile_before)
-            round_times += [elapsed / length] * length
-            since_eval.append(metrics)
-            for key in totals:
-                totals[key] += float(np.sum(metrics[key]))
-            bar.update(length)
-            if not evaluate:
-                continue
-            row = _metrics_row(int(state.round), sim.evaluate(state), since_eval, totals, round_times, start)
-            since_eval = []
-            rows.append(row)
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            bar.set_postfix(acc=f"{row['personalized_acc_mean']:.3f}", up=human_bytes(row["bytes_up_total"]))
-    bar.close()
-    summary = _summary(config, built, rows, sim, round_times, time.perf_counter() - start)
+    _run_rounds(config, sim, state, record, checkpoints, out / "metrics.jsonl", start, progress)
+    summary = _summary(config, built, record, sim, time.perf_counter() - start)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_plots(out, record.rows, log)
     return summary
 
 
-def _metrics_row(round_, evaluation, chunks, totals, round_times, start) -> dict:
-    def last(key):
-        return float(chunks[-1][key][-1])
-
-    rounds_in_window = sum(len(c["train_loss"]) for c in chunks)
-    return {
-        "round": round_,
-        **evaluation,
-        "global_acc": evaluation.get("global_acc"),
-        "train_loss": float(np.mean(np.concatenate([c["train_loss"] for c in chunks]))),
-        "bytes_up_round": last("bytes_up"),
-        "bytes_down_round": last("bytes_down"),
-        "bytes_up_total": totals["bytes_up"],
-        "bytes_down_total": totals["bytes_down"],
-        "round_seconds": float(np.mean(round_times[-rounds_in_window:])),
-        "wall_seconds": time.perf_counter() - start,
-    }
+def _check_run_dir(out: Path, checkpoints: RunCheckpoints, config: Config, resume: bool, log) -> None:
+    if resume:
+        found = _newest_record(checkpoints, log)
+        if found is None:
+            raise ConfigError(f"--resume: no checkpoint in {checkpoints.directory}")
+        check_resumable(_config_from_dict(found[1]["config"]), config)
+    elif checkpoints.rounds() or (out / "metrics.jsonl").exists():
+        raise ConfigError(f"--out {out}: already holds a run; pass --resume to continue it, or choose another --out")
 
 
-def _summary(config, built, rows, sim, round_times, wall) -> dict:
+def _resume_point(config: Config, sim: Simulation, checkpoints: RunCheckpoints, log):
+    """State and record of the newest readable checkpoint; unreadable newer ones are set aside."""
+    like = sim.init()
+    restored = checkpoints.newest(lambda r: checkpoints.restore(r, like=like), warn=log)
+    if restored is None:
+        raise ConfigError(f"--resume: no readable checkpoint in {checkpoints.directory}")
+    round_, (state, saved) = restored
+    check_resumable(_config_from_dict(saved["config"]), config)
+    for newer in [r for r in checkpoints.rounds() if r > round_]:
+        log(f"moved the unreadable checkpoint to {checkpoints.set_aside(newer)}")
+    log(f"resuming from round {round_} ({checkpoints.directory / str(round_)})")
+    record = RunRecord(config, saved)
+    if record.devices is not None and record.devices != sim.num_devices:
+        log(
+            f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
+            "results match to float tolerance, not bit for bit"
+        )
+    return state, record
+
+
+def _run_rounds(config, sim, state, record: RunRecord, checkpoints: RunCheckpoints, metrics_path, start, progress):
+    """The rounds still to run: compiled calls, evaluations appended to ``metrics_path``, checkpoints."""
+    from tqdm import tqdm
+
+    def save(state):
+        round_ = int(state.round)
+        checkpoints.save(round_, state, record.to_json(round_, time.perf_counter() - start, sim.num_devices))
+
+    done = int(state.round)
+    bar = tqdm(
+        total=config.rounds,
+        initial=min(done, config.rounds),
+        desc=config.algorithm,
+        unit="round",
+        disable=not progress,
+        file=sys.stderr,
+    )
+    schedule = chunk_schedule(done, config.rounds, config.eval_every, config.rounds_per_call, config.checkpoint_every)
+    try:
+        with open(metrics_path, "a") as metrics_file:
+            for length, evaluate, checkpoint in schedule:
+                compile_before, tick = sim.compile_seconds, time.perf_counter()
+                try:
+                    state, metrics = sim.run_rounds(state, length)
+                except NonFiniteUpdateError as err:  # keep the good rounds, then stop
+                    record.add_rounds(jax.device_get(err.metrics), 0.0)
+                    save(err.state)
+                    checkpoints.wait()
+                    err.checkpoint = checkpoints.directory / str(int(err.state.round))
+                    raise
+                metrics = jax.device_get(metrics)
+                record.add_rounds(
+                    metrics, (time.perf_counter() - tick - (sim.compile_seconds - compile_before)) / length
+                )
+                bar.update(length)
+                if evaluate:
+                    row = record.add_row(int(state.round), sim.evaluate(state), time.perf_counter() - start)
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                    bar.set_postfix(acc=f"{row['personalized_acc_mean']:.3f}", up=human_bytes(row["bytes_up_total"]))
+                if checkpoint:
+                    save(state)
+        checkpoints.wait()
+    finally:
+        bar.close()
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    """Replace ``path`` atomically with ``rows`` as JSON lines."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def _write_plots(out: Path, rows: list[dict], log) -> None:
+    """``accuracy.png`` (personalized) and, where there is a global model, ``global_accuracy.png``."""
+    from jaxfed.plots import plot_runs
+
+    plots = {"accuracy.png": "personalized_acc_mean"}
+    if any(r.get("global_acc") is not None for r in rows):
+        plots["global_accuracy.png"] = "global_acc"
+    for name, metric in plots.items():
+        try:
+            plot_runs([out], out / name, metric)
+        except Exception as err:  # a plot must never cost the run its results
+            log(f"warning: could not write {out / name}: {err}")
+
+
+def _summary(config, built, record: RunRecord, sim, wall) -> dict:
+    rows = record.rows
     final = rows[-1]
     global_accs = [r["global_acc"] for r in rows if r["global_acc"] is not None]
     return {
@@ -168,9 +364,10 @@ def _summary(config, built, rows, sim, round_times, wall) -> dict:
         "best_global_acc": max(global_accs) if global_accs else None,
         "bytes_up_total": final["bytes_up_total"],
         "bytes_down_total": final["bytes_down_total"],
-        "round_seconds_median": float(np.median(round_times)),
+        "nonfinite_skipped_total": record.totals["nonfinite"],
+        "round_seconds_median": float(np.median(record.round_times)),
         "compile_seconds": sim.compile_seconds,
-        "wall_seconds": wall,
+        "wall_seconds": record.wall_before + wall,
         "devices": sim.num_devices,
         "partition": built.partition_summary,
     }

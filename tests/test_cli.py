@@ -39,6 +39,9 @@ def test_default_run_writes_the_run_directory(tmp_path, monkeypatch, capsys):
     assert rows[-1]["bytes_up_total"] == summary["bytes_up_total"] > rows[0]["bytes_up_total"] > 0
     config = json.loads((run_dir / "config.json").read_text())
     assert config["algorithm"] == "fedavg" and config["dataset"] == "digits"
+    for png in ("accuracy.png", "global_accuracy.png"):
+        assert (run_dir / png).read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["10", "20", "30"]
 
 
 def test_out_and_overrides(tmp_path, capsys):

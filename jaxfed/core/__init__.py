@@ -1,8 +1,11 @@
 """Pure, model-agnostic building blocks on pytrees shared by every algorithm."""
 
 from jaxfed.core.tree import (
+    finite_rows,
     gather_clients,
+    masked_weighted_mean,
     scatter_clients,
+    select_rows,
     stack_clients,
     tree_bytes,
     tree_select,
@@ -10,8 +13,11 @@ from jaxfed.core.tree import (
 )
 
 __all__ = [
+    "finite_rows",
     "gather_clients",
+    "masked_weighted_mean",
     "scatter_clients",
+    "select_rows",
     "stack_clients",
     "tree_bytes",
     "tree_select",

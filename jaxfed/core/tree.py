@@ -43,6 +43,38 @@ def weighted_mean(stacked, weights):
     return jax.tree.map(reduce, stacked)
 
 
+def masked_weighted_mean(previous, stacked, masks, weights):
+    """Per position, ``sum_k w_k m_k x_k / sum_k w_k m_k`` over the client axis, where that
+    denominator is positive; ``previous`` where no client (with positive weight) sent the position.
+
+    ``masks`` has the structure and shapes of ``stacked`` (bool or 0/1): which positions each
+    client sent. ``previous`` has the shapes of one client's row.
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+
+    def reduce(prev, x, m):
+        w = weights.reshape((-1,) + (1,) * (x.ndim - 1)) * m.astype(jnp.float32)
+        total = jnp.sum(w, axis=0)
+        mean = jnp.sum(w * x, axis=0) / jnp.where(total > 0, total, 1.0)
+        return jnp.where(total > 0, mean.astype(prev.dtype), prev)
+
+    return jax.tree.map(reduce, previous, stacked, masks)
+
+
+def finite_rows(stacked, num_rows: int):
+    """``[num_rows]`` bool: whether every floating value in client row k (all leaves) is finite."""
+    rows = jnp.ones((num_rows,), bool)
+    for x in jax.tree.leaves(stacked):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            rows = rows & jnp.all(jnp.isfinite(x.reshape(num_rows, -1)), axis=1)
+    return rows
+
+
+def select_rows(keep, on_true, on_false):
+    """Row k of ``on_true`` where ``keep[k]``, else row k of ``on_false`` (stacked pytrees)."""
+    return jax.tree.map(lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), on_true, on_false)
+
+
 def tree_select(predicate, on_true, on_false):
     """Leafwise ``where(predicate, on_true, on_false)`` for a scalar predicate."""
     return jax.tree.map(lambda a, b: jnp.where(predicate, a, b), on_true, on_false)

@@ -1,6 +1,17 @@
 """The simulation engine: sampling, vmapped client updates, server updates, evaluation."""
 
-from jaxfed.simulation.engine import CLIENT_AXIS, SimState, Simulation, default_client_chunk
+from jaxfed.simulation.checkpoint import RunCheckpoints, load_state, save_state
+from jaxfed.simulation.engine import CLIENT_AXIS, NONFINITE_POLICIES, SimState, Simulation, default_client_chunk
 from jaxfed.simulation.sampling import SAMPLINGS
 
-__all__ = ["CLIENT_AXIS", "SAMPLINGS", "SimState", "Simulation", "default_client_chunk"]
+__all__ = [
+    "CLIENT_AXIS",
+    "NONFINITE_POLICIES",
+    "SAMPLINGS",
+    "RunCheckpoints",
+    "SimState",
+    "Simulation",
+    "default_client_chunk",
+    "load_state",
+    "save_state",
+]

@@ -4,6 +4,10 @@ Client states are one stacked pytree ``[num_clients, ...]``. A round samples cli
 gathers their states and data views, maps ``algorithm.client_update`` over them (``vmap`` over all,
 or ``lax.map`` over chunks of vmapped clients: ``client_chunk``), scatters the new states back by
 id, and hands the stacked messages to ``algorithm.server_update``.
+A client whose returned state, message or metrics hold NaN or inf is caught inside the round:
+``nonfinite="error"`` rejects the whole round (state unchanged) and ``run_rounds`` raises
+:class:`NonFiniteUpdateError` with the last good state; ``nonfinite="skip"`` gives that client
+weight 0, keeps its previous state and counts it in the metrics.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered.
@@ -22,12 +26,23 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.core import gather_clients, scatter_clients, stack_clients, tree_bytes, weighted_mean
+from jaxfed.core import (
+    finite_rows,
+    gather_clients,
+    scatter_clients,
+    select_rows,
+    stack_clients,
+    tree_bytes,
+    tree_select,
+    weighted_mean,
+)
 from jaxfed.data import ClientData, FederatedData
+from jaxfed.errors import NonFiniteUpdateError
 from jaxfed.simulation import sampling
 from jaxfed.simulation.evaluation import evaluate_examples, personalized_metrics, pooled_view
 
 CLIENT_AXIS = "clients"
+NONFINITE_POLICIES = ("error", "skip")
 
 
 @struct.dataclass
@@ -68,7 +83,11 @@ class Simulation:
         eval_batch_size: int = 256,
         eval_examples_per_call: int = 8192,
         client_chunk: int | None = None,
+        nonfinite: str = "error",
     ):
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
+        self.nonfinite = nonfinite
         self.algorithm = algorithm
         self.model = model
         self.data = data
@@ -160,28 +179,55 @@ class Simulation:
         )
         new_states, messages_up, client_metrics = self._map_clients(update, per_client, client_data.count)
 
-        weights = jnp.where(is_real, client_data.count, 0).astype(jnp.float32)
+        bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
+        if self.nonfinite == "skip":  # a bad client keeps its old state and sends nothing
+            kept = ~bad
+            messages_up = select_rows(kept, messages_up, jax.tree.map(jnp.zeros_like, messages_up))
+            client_metrics = select_rows(kept, client_metrics, jax.tree.map(jnp.zeros_like, client_metrics))
+            round_ok = jnp.bool_(True)
+        else:  # error: the whole round is rejected and the host raises
+            kept = jnp.broadcast_to(~jnp.any(bad), bad.shape)
+            round_ok = ~jnp.any(bad)
+
+        weights = jnp.where(is_real & kept, client_data.count, 0).astype(jnp.float32)
         server = alg.server_update(state.server, messages_up, weights)
-        clients = scatter_clients(state.clients, ids, new_states)
+        server = tree_select(round_ok & jnp.any(weights > 0), server, state.server)
+        clients = scatter_clients(state.clients, jnp.where(kept, ids, self.num_clients), new_states)
 
         per_client_up = tree_bytes(messages_up) // len(ids)
         metrics = {
             **weighted_mean(client_metrics, weights),
             "bytes_up": jnp.float32(per_client_up * self.num_sampled),
             "bytes_down": jnp.float32(tree_bytes(message_down) * self.num_sampled),
+            "nonfinite_clients": jnp.sum(bad).astype(jnp.float32),
+            "nonfinite_ids": jnp.where(bad, ids, -1),
         }
-        return SimState(server=server, clients=clients, round=state.round + 1), metrics
+        next_round = state.round + round_ok.astype(state.round.dtype)
+        return SimState(server=server, clients=clients, round=next_round), metrics
 
     def _run_rounds(self, state, data, num_rounds: int):
         return jax.lax.scan(lambda s, _: self.round(s, data), state, None, length=num_rounds)
 
     def run_rounds(self, state: SimState, num_rounds: int):
-        """Run ``num_rounds`` rounds in one compiled call; metrics have a leading round axis."""
+        """Run ``num_rounds`` rounds in one compiled call; metrics have a leading round axis.
+
+        Under ``nonfinite="error"`` a round with a non-finite client update raises
+        :class:`NonFiniteUpdateError` carrying the last good state and the good rounds' metrics
+        (the rejected round leaves the state unchanged, so later rounds of the call repeat it).
+        """
         if num_rounds not in self._executables:
             start = time.perf_counter()
             self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
             self.compile_seconds += time.perf_counter() - start
-        return self._executables[num_rounds](state, self.data)
+        new_state, metrics = self._executables[num_rounds](state, self.data)
+        if self.nonfinite == "error":
+            bad = np.asarray(metrics["nonfinite_clients"]) > 0
+            if bad.any():
+                first = int(np.argmax(bad))
+                ids = sorted(int(c) for c in np.asarray(metrics["nonfinite_ids"][first]) if c >= 0)
+                good = jax.tree.map(lambda m: m[:first], metrics)
+                raise NonFiniteUpdateError(int(new_state.round) + 1, ids, new_state, good)
+        return new_state, metrics
 
     # ----- evaluation ------------------------------------------------------------------------
 

@@ -1,0 +1,126 @@
+"""Checkpoints with orbax-checkpoint.
+
+- :func:`save_state` / :func:`load_state`: one :class:`SimState` (or any pytree of arrays) to
+  and from a directory, for research code that drives the engine itself.
+- :class:`RunCheckpoints`: the numbered checkpoints of a run directory (``DIR/checkpoints/<round>``),
+  each holding the simulation state and a JSON record of the run so far (config, metrics rows,
+  pending per-round metrics). Orbax writes each one into a temporary directory and renames it
+  when complete, so a run killed mid-save leaves the previous checkpoints intact; a checkpoint
+  that fails to restore (truncated, corrupt) is skipped for the previous one with a warning.
+
+Everything random in a run derives from the config's seed and the round counter held in the
+state, so state + config are all a resume needs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+STATE, RECORD = "state", "run"
+
+
+def abstract_like(tree):
+    """Shapes, dtypes and shardings of ``tree`` (concrete arrays or ``ShapeDtypeStruct`` leaves)."""
+
+    def leaf(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(leaf, tree)
+
+
+def save_state(path: str | Path, state, *, overwrite: bool = False) -> None:
+    """Write ``state`` (a pytree of arrays) to the directory ``path`` (absolute or relative).
+
+    Blocks until the write is complete. An existing ``path`` is an error unless ``overwrite``.
+    """
+    path = Path(path).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state, force=overwrite)
+        checkpointer.wait_until_finished()
+
+
+def load_state(path: str | Path, like=None):
+    """Read a state written by :func:`save_state`.
+
+    ``like`` (a state of the same structure, e.g. ``simulation.init()``, or its
+    ``jax.eval_shape``) gives the structure, dtypes and device placement of the result; without
+    it the result is nested dicts of arrays.
+    """
+    path = Path(path).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path, abstract_like(like) if like is not None else None)
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory, newest ``keep`` kept.
+
+    ``save(round, state, record)`` writes asynchronously (training goes on while it writes);
+    ``wait()`` blocks until every save is complete.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False),
+            item_names=(STATE, RECORD),
+        )
+
+    def rounds(self) -> list[int]:
+        """Rounds with a complete checkpoint, oldest first."""
+        if not self.directory.exists():
+            return []
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(self, round_: int, state, record: dict) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)})
+        self._manager.save(round_, args=args, force=True)
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def read_record(self, round_: int) -> dict:
+        return self._manager.restore(round_, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
+
+    def restore(self, round_: int, like) -> tuple[Any, dict]:
+        args = ocp.args.Composite(
+            **{STATE: ocp.args.StandardRestore(abstract_like(like)), RECORD: ocp.args.JsonRestore()}
+        )
+        restored = self._manager.restore(round_, args=args)
+        return restored[STATE], restored[RECORD]
+
+    def newest(self, load: Callable[[int], Any], warn: Callable[[str], None] | None = None):
+        """``(round, load(round))`` for the newest checkpoint that ``load`` reads without error,
+        warning about each newer one skipped; ``None`` if there is none."""
+        warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
+        for round_ in reversed(self.rounds()):
+            try:
+                return round_, load(round_)
+            except Exception as err:  # a truncated or corrupt checkpoint: any reader error
+                reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                warn(f"checkpoint {self.directory / str(round_)} is unreadable ({reason}); using an older one")
+        return None
+
+    def set_aside(self, round_: int) -> Path:
+        """Rename checkpoint ``round_`` to ``<round>.unreadable`` (kept for inspection, out of the way)."""
+        target = self.directory / f"{round_}.unreadable"
+        suffix = 1
+        while target.exists():
+            target, suffix = self.directory / f"{round_}.unreadable{suffix}", suffix + 1
+        (self.directory / str(round_)).rename(target)
+        self._manager.reload()
+        return target
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,186 @@
+"""Checkpoints and resume: exact continuation after SIGKILL, refused configs, corrupt checkpoints."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxfed import load_state, save_state
+from jaxfed.cli import main
+from jaxfed.config import Config
+from jaxfed.experiment import TIMING_KEYS, build, chunk_schedule
+from jaxfed.simulation import SimState
+
+SMALL = ["--quiet", "--set", "num_clients=8", "--set", "local_epochs=1", "--set", "eval_every=2"]
+
+
+def _rows(run_dir):
+    """metrics.jsonl rows without the timing fields (the only ones that differ between runs)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def _final_leaves(run_dir, round_):
+    state = load_state(Path(run_dir) / "checkpoints" / str(round_) / "state")
+    return jax.tree.leaves(state)
+
+
+def _assert_bitwise(a, b):
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _tree_digest(directory):
+    digest = {}
+    for path in sorted(Path(directory).rglob("*")):
+        stat = path.stat()
+        digest[str(path)] = (stat.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "")
+    return digest
+
+
+def test_save_and_load_state_round_trip_bitwise(tmp_path):
+    sim = build(Config(algorithm="local", num_clients=6, local_epochs=1)).simulation
+    state, _ = sim.run_rounds(sim.init(), 2)
+    save_state(tmp_path / "ckpt", state)
+    restored = load_state(tmp_path / "ckpt", like=sim.init())
+    assert isinstance(restored, SimState) and int(restored.round) == 2
+    _assert_bitwise(jax.tree.leaves(restored), jax.tree.leaves(state))
+    # the restored state runs on: the same next round as the original
+    _assert_bitwise(jax.tree.leaves(sim.run_rounds(restored, 1)[0]), jax.tree.leaves(sim.run_rounds(state, 1)[0]))
+    as_dicts = load_state(tmp_path / "ckpt")
+    assert int(as_dicts["round"]) == 2
+    with pytest.raises(ValueError):
+        save_state(tmp_path / "ckpt", state)  # no silent overwrite
+    save_state(tmp_path / "ckpt", state, overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "start, rounds, eval_every, per_call, checkpoint_every, expected",
+    [
+        (0, 7, 3, 5, 0, [(3, True, False), (3, True, False), (1, True, False)]),
+        (0, 7, 3, 5, 2, [(2, False, True), (1, True, False), (1, False, True), (2, True, True), (1, True, True)]),
+        (4, 7, 3, 5, 2, [(2, True, True), (1, True, True)]),  # resumed at a checkpoint: the same calls
+        (5, 5, 3, 5, 2, []),
+    ],
+)
+def test_chunk_schedule_is_aligned_to_absolute_rounds(start, rounds, eval_every, per_call, checkpoint_every, expected):
+    assert list(chunk_schedule(start, rounds, eval_every, per_call, checkpoint_every)) == expected
+
+
+def _jaxfed(*args):
+    return [sys.executable, "-m", "jaxfed.cli", "run", *args]
+
+
+def test_sigkill_then_resume_matches_the_run_left_alone(tmp_path):
+    settings = ["--quiet", "--set", "rounds=120", "--set", "eval_every=3", "--set", "checkpoint_every=4"]
+    settings += ["--set", "rounds_per_call=2", "--set", "keep_checkpoints=2", "--set", "momentum=0.5"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    killed_dir, alone_dir = tmp_path / "killed", tmp_path / "alone"
+
+    proc = subprocess.Popen(_jaxfed("--out", str(killed_dir), *settings), env=env, stderr=subprocess.PIPE)
+    checkpoints = killed_dir / "checkpoints"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()] if checkpoints.exists() else []
+        if done and max(done) >= 8:
+            break
+        time.sleep(0.01)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.3))  # somewhere mid-run (or mid-save)
+    assert proc.poll() is None, "the run finished before it could be killed: " + proc.stderr.read().decode()[-500:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(int(p.name) for p in checkpoints.glob("*") if p.name.isdigit())
+    assert 8 <= killed_at < 120
+
+    resumed = subprocess.run(_jaxfed("--out", str(killed_dir), "--resume", "--quiet"), env=env, capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    assert f"resuming from round {killed_at} ".encode() in resumed.stderr
+    alone = subprocess.run(_jaxfed("--out", str(alone_dir), *settings), env=env, capture_output=True)
+    assert alone.returncode == 0, alone.stderr.decode()[-2000:]
+
+    rows = _rows(killed_dir)
+    assert rows == _rows(alone_dir)
+    assert [r["round"] for r in rows] == list(range(3, 121, 3))  # no duplicated round, no partial line
+    _assert_bitwise(_final_leaves(killed_dir, 120), _final_leaves(alone_dir, 120))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """SMALL for 8 rounds, checkpoints every 2, left alone."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert main(["run", "--out", str(run_dir), *SMALL, "--set", "rounds=8", "--set", "checkpoint_every=2"]) == 0
+    return run_dir
+
+
+def test_resume_extends_a_finished_run(tmp_path, reference_run):
+    assert main(["run", "--out", str(tmp_path / "a"), *SMALL, "--set", "rounds=4", "--set", "checkpoint_every=4"]) == 0
+    assert main(["run", "--out", str(tmp_path / "a"), "--resume", "--quiet", "--set", "rounds=8"]) == 0
+    assert _rows(tmp_path / "a") == _rows(reference_run)
+    assert [r["round"] for r in _rows(tmp_path / "a")] == [2, 4, 6, 8]
+    _assert_bitwise(_final_leaves(tmp_path / "a", 8), _final_leaves(reference_run, 8))
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["rounds"] == 8
+
+
+def test_resume_with_a_different_config_is_refused_and_changes_nothing(reference_run, capsys):
+    run_dir = reference_run
+    before = _tree_digest(run_dir)
+    capsys.readouterr()
+    code = main(["run", "--out", str(run_dir), "--resume", "--quiet", "--set", "lr=0.2", "--set", "batch_size=8"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "lr (0.05 -> 0.2)" in err and "batch_size (32 -> 8)" in err
+    assert _tree_digest(run_dir) == before
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--resume"], "--resume: needs --out DIR"),
+        (["--resume", "--out", "{empty}"], "--resume: no checkpoint in"),
+        (["--out", "{done}"], "already holds a run; pass --resume"),
+        (["--out", "{new}", "--set", "nonfinite=ignore"], "nonfinite: unknown 'ignore'; allowed: error, skip"),
+        (["--out", "{new}", "--set", "checkpoint_every=-1"], "checkpoint_every: must be >= 0"),
+        (["--out", "{new}", "--set", "keep_checkpoints=0"], "keep_checkpoints: must be >= 1"),
+    ],
+)
+def test_lifecycle_mistakes_are_one_line_exit_2(args, expected, tmp_path, reference_run, capsys):
+    paths = {"{empty}": str(tmp_path / "empty"), "{done}": str(reference_run), "{new}": str(tmp_path / "new")}
+    assert main(["run", "--quiet", *[paths.get(a, a) for a in args]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference_run, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["run", "--out", str(run_dir), *SMALL, "--set", "rounds=6", "--set", "checkpoint_every=2"]) == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4", "6"]
+    for path in (run_dir / "checkpoints" / "6" / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"round": 8, "personalized_acc')  # a partial line, as if killed mid-write
+    capsys.readouterr()
+    assert main(["run", "--out", str(run_dir), "--resume", "--quiet", "--set", "rounds=8"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoints/6 is unreadable" in err and "resuming from round 4" in err
+    assert _rows(run_dir) == _rows(reference_run)
+    assert [r["round"] for r in _rows(run_dir)] == [2, 4, 6, 8]
+    _assert_bitwise(_final_leaves(run_dir, 8), _final_leaves(reference_run, 8))
+
+
+def test_keep_checkpoints_keeps_the_newest(tmp_path):
+    args = ["--set", "rounds=5", "--set", "checkpoint_every=1", "--set", "keep_checkpoints=2"]
+    assert main(["run", "--out", str(tmp_path / "run"), *SMALL, *args]) == 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4", "5"]

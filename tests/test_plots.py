@@ -1,0 +1,57 @@
+"""``jaxfed plot``: PNGs from run directories, labels from the config keys that differ."""
+
+import json
+
+from jaxfed.cli import main
+from jaxfed.plots import read_run, run_labels
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_run(directory, config, accuracies, bytes_per_round):
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    rows = [
+        {
+            "round": 5 * (i + 1),
+            "personalized_acc_mean": a,
+            "global_acc": None,
+            "bytes_up_total": bytes_per_round * (i + 1),
+        }
+        for i, a in enumerate(accuracies)
+    ]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"round": 2')
+    return directory
+
+
+def test_labels_name_the_algorithm_and_the_differing_keys():
+    configs = [
+        {"algorithm": "fedavg", "lr": 0.05, "seed": 0, "eval_every": 5},
+        {"algorithm": "fedavg", "lr": 0.1, "seed": 0, "eval_every": 2},
+        {"algorithm": "local", "lr": 0.05, "seed": 0, "eval_every": 5},
+    ]
+    assert run_labels(configs) == ["fedavg lr=0.05", "fedavg lr=0.1", "local lr=0.05"]
+
+
+def test_plot_command_writes_a_png(tmp_path, capsys):
+    a = _fake_run(tmp_path / "a", {"algorithm": "fedavg", "lr": 0.05}, [0.5, 0.7, 0.8], 1e6)
+    b = _fake_run(tmp_path / "b", {"algorithm": "fedprox", "lr": 0.05}, [0.4, 0.6], 2e6)
+    config, rows = read_run(a)
+    assert [r["round"] for r in rows] == [5, 10, 15]  # the unfinished last line is ignored
+    out = tmp_path / "plots" / "cmp.png"
+    assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG) and out.stat().st_size > 10_000
+    assert main(["plot", str(a)]) == 0
+    assert (a / "accuracy.png").read_bytes().startswith(PNG)
+    capsys.readouterr()
+    assert main(["plot", str(a), "--metric", "global_acc"]) == 2  # no run has it
+    assert "no run has global_acc" in capsys.readouterr().err
+
+
+def test_plot_of_something_that_is_not_a_run_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no metrics.jsonl (not a jaxfed run directory)" in err
+    _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5], 1e6)
+    assert main(["plot", str(tmp_path / "a"), "--metric", "accuracy"]) == 2
+    assert "--metric: unknown 'accuracy'" in capsys.readouterr().err
