@@ -1,0 +1,283 @@
+"""Low-rank primitives shared by every low-rank algorithm (FedLoRU family, FedHM, FedDecomp,
+FedARA, FLoRAL): conv-kernel matricization, truncated-SVD factorization, rank rules, LoRA
+factors, and the factorized Dense / Conv computations.
+
+A kernel is a Dense ``[in, out]`` or a Conv ``[kh, kw, cin, cout]`` (Flax layout). A conv kernel
+is matricized as ``M[(kh*cin), (kw*cout)]`` (transpose to ``[kh, cin, kw, cout]``, reshape), the
+layout in which ``M = U V^T`` runs as a ``kh x 1`` conv (cin -> r) followed by a ``1 x kw`` conv
+(r -> cout). Every function here is pure and jit / vmap compatible; rank rules are static Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxfed.errors import ConfigError
+from jaxfed.nn.conv import conv2d
+
+
+class Factors(NamedTuple):
+    """``M ~= u @ v.T`` with ``u [rows, r]`` and ``v [cols, r]`` (matricized layout)."""
+
+    u: jax.Array
+    v: jax.Array
+
+
+# ----- layout -----------------------------------------------------------------------------------
+
+
+def matrix_shape(kernel_shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of a kernel's matricized form."""
+    if len(kernel_shape) == 2:
+        return tuple(kernel_shape)
+    if len(kernel_shape) == 4:
+        kh, kw, cin, cout = kernel_shape
+        return kh * cin, kw * cout
+    raise ValueError(f"kernel: expected a Dense [in, out] or Conv [kh, kw, cin, cout] shape, got {tuple(kernel_shape)}")
+
+
+def matricize(kernel: jax.Array) -> jax.Array:
+    """Dense kernels unchanged; conv ``[kh, kw, cin, cout] -> [(kh*cin), (kw*cout)]``."""
+    if kernel.ndim == 2:
+        return kernel
+    kh, kw, cin, cout = kernel.shape
+    return kernel.transpose(0, 2, 1, 3).reshape(kh * cin, kw * cout)
+
+
+def fold(matrix: jax.Array, kernel_shape: Sequence[int]) -> jax.Array:
+    """The inverse of :func:`matricize` for a kernel of ``kernel_shape``."""
+    if len(kernel_shape) == 2:
+        return matrix.reshape(kernel_shape)
+    kh, kw, cin, cout = kernel_shape
+    return matrix.reshape(kh, cin, kw, cout).transpose(0, 2, 1, 3)
+
+
+# ----- rank rules (static) ----------------------------------------------------------------------
+
+
+def check_ratio(field: str, ratio: float) -> float:
+    if not 0 < ratio <= 1:
+        raise ConfigError(f"{field}: a rank ratio must be in (0, 1], got {ratio}")
+    return ratio
+
+
+def max_rank(kernel_shape: Sequence[int]) -> int:
+    return min(matrix_shape(kernel_shape))
+
+
+def rank_from_ratio(kernel_shape: Sequence[int], ratio: float, field: str = "rank ratio") -> int:
+    """``max(1, round(ratio * min(rows, cols)))`` on the matricized shape (halves round up)."""
+    check_ratio(field, ratio)
+    return max(1, math.floor(ratio * max_rank(kernel_shape) + 0.5))
+
+
+def rank_from_budget(rows: int, cols: int, rho: float, field: str = "rho") -> int:
+    """``max(1, floor(rho * rows * cols / (rows + cols)))``: the rank whose two factors hold a
+    ``rho`` fraction of the ``rows x cols`` matrix's parameters (FLoRAL's budget)."""
+    check_ratio(field, rho)
+    return max(1, math.floor(rho * rows * cols / (rows + cols)))
+
+
+def check_rank(kernel_shape: Sequence[int], rank: int, field: str = "rank", name: str = "") -> int:
+    """``rank`` itself, or a ConfigError if the (matricized) kernel cannot hold it."""
+    limit = max_rank(kernel_shape)
+    if not 1 <= rank <= limit:
+        where = f" for {name}" if name else ""
+        raise ConfigError(
+            f"{field}: {rank} is not a valid rank{where} (kernel {tuple(kernel_shape)}, matricized "
+            f"{matrix_shape(kernel_shape)}): allowed 1..{limit}"
+        )
+    return rank
+
+
+# ----- factorization ----------------------------------------------------------------------------
+
+
+def factorize(matrix: jax.Array, rank: int) -> Factors:
+    """Truncated SVD: ``u = U_r sqrt(S_r)``, ``v = V_r sqrt(S_r)`` so ``u @ v.T`` is the best
+    rank-``rank`` approximation (Eckart-Young)."""
+    left, singular, right_t = jnp.linalg.svd(matrix, full_matrices=False)
+    root = jnp.sqrt(singular[:rank])
+    return Factors(u=left[:, :rank] * root, v=right_t[:rank].T * root)
+
+
+def reconstruct(factors: Factors) -> jax.Array:
+    return factors.u @ factors.v.T
+
+
+def factorize_kernel(kernel: jax.Array, rank: int) -> Factors:
+    return factorize(matricize(kernel), rank)
+
+
+def reconstruct_kernel(factors: Factors, kernel_shape: Sequence[int]) -> jax.Array:
+    return fold(reconstruct(factors), kernel_shape)
+
+
+# ----- LoRA -------------------------------------------------------------------------------------
+
+
+class LoRA(NamedTuple):
+    """``delta = scale * b @ a`` with ``a [r, cols]`` and ``b [rows, r]`` (matricized layout)."""
+
+    a: jax.Array
+    b: jax.Array
+
+
+def lora_init(rng: jax.Array, kernel_shape: Sequence[int], rank: int, dtype=jnp.float32) -> LoRA:
+    """``a`` Kaiming-uniform (bound ``1/sqrt(cols)``, as ``torch``'s LoRA), ``b`` zero: the delta
+    starts at 0."""
+    rows, cols = matrix_shape(kernel_shape)
+    bound = 1.0 / math.sqrt(cols)
+    a = jax.random.uniform(rng, (rank, cols), dtype, -bound, bound)
+    return LoRA(a=a, b=jnp.zeros((rows, rank), dtype))
+
+
+def lora_delta(lora: LoRA, kernel_shape: Sequence[int], scale: float = 1.0) -> jax.Array:
+    """``fold(scale * b @ a)``: the LoRA update in the kernel's own shape."""
+    return fold(scale * (lora.b @ lora.a), kernel_shape)
+
+
+# ----- factorized execution ---------------------------------------------------------------------
+
+
+def factorized_dense(x: jax.Array, factors: Factors) -> jax.Array:
+    """``x @ (u v^T)`` as two thin matmuls: ``(x @ u) @ v.T``."""
+    return (x @ factors.u) @ factors.v.T
+
+
+def factorized_conv(
+    x: jax.Array,
+    factors: Factors,
+    kernel_shape: Sequence[int],
+    strides: Sequence[int] = (1, 1),
+    padding="SAME",
+    impl: str = "patches",
+) -> jax.Array:
+    """The conv with kernel ``fold(u v^T)`` as a ``kh x 1`` conv (cin -> r; the row stride and
+    padding) followed by a ``1 x kw`` conv (r -> cout; the column stride and padding)."""
+    kh, kw, cin, cout = kernel_shape
+    rank = factors.u.shape[1]
+    pads = (
+        jax.lax.padtype_to_pads(x.shape[1:3], (kh, kw), tuple(strides), padding)
+        if isinstance(padding, str)
+        else padding
+    )
+    (top, bottom), (left, right) = pads
+    first = factors.u.reshape(kh, 1, cin, rank)  # u rows are (kh, cin)
+    second = factors.v.reshape(1, kw, cout, rank).transpose(0, 1, 3, 2)  # v rows are (kw, cout)
+    h = conv2d(x, first, (strides[0], 1), ((top, bottom), (0, 0)), impl)
+    return conv2d(h, second, (1, strides[1]), ((0, 0), (left, right)), impl)
+
+
+# ----- parameter trees --------------------------------------------------------------------------
+# A layer is addressed by its Flax module path joined with dots ("layer1_0.conv1"). A factorized
+# layer holds ``u`` and ``v`` instead of ``kernel``: Dense ``u [in, r]``, ``v [out, r]``; Conv
+# ``u [kh, cin, r]``, ``v [kw, cout, r]`` (the matricized factors, reshaped so that the kernel's
+# shape can be read back from them).
+
+
+def _layers(params, prefix=()):
+    """``(key, layer_dict)`` for every dict of ``params`` that holds a ``kernel`` or ``u``/``v``."""
+    for name, child in params.items():
+        if not isinstance(child, dict):
+            continue
+        path = prefix + (name,)
+        if "kernel" in child or "u" in child:
+            yield ".".join(path), child
+        else:
+            yield from _layers(child, path)
+
+
+def _replace_layer(params, key: str, layer: dict):
+    head, _, rest = key.partition(".")
+    if not rest:
+        return {**params, head: layer}
+    return {**params, head: _replace_layer(params[head], rest, layer)}
+
+
+def get_layer(params, key: str) -> dict:
+    for part in key.split("."):
+        params = params[part]
+    return params
+
+
+def factorizable_layers(params, include: Sequence[str] = (), exclude: Sequence[str] = (), min_size: int = 0):
+    """Keys of the layers with a Dense or Conv ``kernel`` whose key contains one of ``include``
+    (all when empty) and none of ``exclude``, with at least ``min_size`` kernel parameters."""
+    keys = []
+    for key, layer in _layers(params):
+        kernel = layer.get("kernel")
+        if kernel is None or kernel.ndim not in (2, 4) or math.prod(kernel.shape) < min_size:
+            continue
+        if include and not any(p in key for p in include):
+            continue
+        if any(p in key for p in exclude):
+            continue
+        keys.append(key)
+    return keys
+
+
+def kernel_shape_of(layer: dict) -> tuple[int, ...]:
+    """The full kernel shape of a plain or factorized layer."""
+    if "kernel" in layer:
+        return tuple(layer["kernel"].shape)
+    u, v = layer["u"], layer["v"]
+    if u.ndim == 2:
+        return u.shape[0], v.shape[0]
+    return u.shape[0], v.shape[0], u.shape[1], v.shape[1]
+
+
+def layer_factors(layer: dict) -> Factors:
+    u, v = layer["u"], layer["v"]
+    return Factors(u=u.reshape(-1, u.shape[-1]), v=v.reshape(-1, v.shape[-1]))
+
+
+def factorize_layers(params, ranks: dict[str, int]):
+    """``params`` with each layer in ``ranks`` replaced by its truncated-SVD factors ``u, v``."""
+    for key, rank in ranks.items():
+        layer = get_layer(params, key)
+        shape = tuple(layer["kernel"].shape)
+        check_rank(shape, rank, name=key)
+        factors = factorize_kernel(layer["kernel"], rank)
+        if len(shape) == 4:
+            kh, kw, cin, cout = shape
+            factors = Factors(u=factors.u.reshape(kh, cin, rank), v=factors.v.reshape(kw, cout, rank))
+        rest = {k: v for k, v in layer.items() if k != "kernel"}
+        params = _replace_layer(params, key, {**rest, "u": factors.u, "v": factors.v})
+    return params
+
+
+def reconstruct_layers(params):
+    """``params`` with every factorized layer's ``u, v`` replaced by the full ``kernel``."""
+    for key, layer in list(_layers(params)):
+        if "u" in layer:
+            kernel = reconstruct_kernel(layer_factors(layer), kernel_shape_of(layer))
+            rest = {k: v for k, v in layer.items() if k not in ("u", "v")}
+            params = _replace_layer(params, key, {**rest, "kernel": kernel})
+    return params
+
+
+def init_loras(rng: jax.Array, params, ranks: dict[str, int]) -> dict[str, LoRA]:
+    """A fresh :class:`LoRA` (zero delta) for each layer in ``ranks``."""
+    keys = jax.random.split(rng, max(len(ranks), 1))
+    loras = {}
+    for k, (key, rank) in zip(keys, sorted(ranks.items())):
+        shape = kernel_shape_of(get_layer(params, key))
+        loras[key] = lora_init(k, shape, check_rank(shape, rank, name=key))
+    return loras
+
+
+def add_loras(params, loras: dict[str, LoRA], scale: float | dict[str, float] = 1.0):
+    """``params`` with ``kernel + scale * fold(b @ a)`` for each layer in ``loras``."""
+    for key, lora in loras.items():
+        layer = get_layer(params, key)
+        s = scale[key] if isinstance(scale, dict) else scale
+        params = _replace_layer(
+            params, key, {**layer, "kernel": layer["kernel"] + lora_delta(lora, layer["kernel"].shape, s)}
+        )
+    return params
