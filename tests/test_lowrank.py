@@ -101,17 +101,21 @@ def test_rank_larger_than_the_layer_is_a_clear_error():
         lowrank.check_rank((3, 10), 0)
 
 
-def test_lora_starts_at_zero_and_composes_in_kernel_layout():
+@pytest.mark.parametrize("layout", ["balanced", "im2col"])
+def test_lora_starts_at_zero_and_composes_in_kernel_layout(layout):
     shape = (3, 3, 4, 6)
-    lora = lowrank.lora_init(jax.random.key(0), shape, 2)
-    rows, cols = lowrank.matrix_shape(shape)
-    assert lora.a.shape == (2, cols) and lora.b.shape == (rows, 2)
-    assert float(jnp.abs(lora.a).max()) <= 1 / np.sqrt(cols) and float(jnp.abs(lora.a).std()) > 0
-    np.testing.assert_array_equal(lowrank.lora_delta(lora, shape, scale=3.0), np.zeros(shape))
-    b = jnp.asarray(_random((rows, 2), seed=4))
-    delta = np.asarray(lowrank.lora_delta(lowrank.LoRA(a=lora.a, b=b), shape, scale=0.5), np.float64)
-    expected = 0.5 * np.asarray(b, np.float64) @ np.asarray(lora.a, np.float64)
-    np.testing.assert_allclose(lowrank.matricize(jnp.asarray(delta)), expected, rtol=1e-5, atol=1e-6)
+    lora = lowrank.lora_init(jax.random.key(0), shape, 2, layout)
+    rows, cols = lowrank.matrix_shape(shape, layout)
+    assert (rows, cols) == ((12, 18) if layout == "balanced" else (36, 6))
+    assert lora.down.shape == (rows, 2) and lora.up.shape == (2, cols)
+    assert float(jnp.abs(lora.down).max()) <= 1 / np.sqrt(rows) and float(jnp.abs(lora.down).std()) > 0
+    np.testing.assert_array_equal(lowrank.lora_delta(lora, shape, 3.0, layout), np.zeros(shape))
+    up = jnp.asarray(_random((2, cols), seed=4))
+    delta = np.asarray(lowrank.lora_delta(lowrank.LoRA(down=lora.down, up=up), shape, 0.5, layout), np.float64)
+    expected = 0.5 * np.asarray(lora.down, np.float64) @ np.asarray(up, np.float64)
+    np.testing.assert_allclose(lowrank.matricize(jnp.asarray(delta), layout), expected, rtol=1e-5, atol=1e-6)
+    if layout == "im2col":  # rows are (kh, kw, cin): the kh x kw "down" conv's kernel
+        np.testing.assert_allclose(delta.reshape(-1, cols), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_factorized_dense_equals_the_reconstructed_kernel():
@@ -224,8 +228,8 @@ def test_loras_start_at_zero_and_add_their_delta(resnet8):
     merged = forward(lowrank.add_loras(params, loras, scale=4.0), x)
     np.testing.assert_array_equal(merged, base)  # b = 0: no change at init
     key = layers[0]
-    lora = loras[key]._replace(b=jnp.ones_like(loras[key].b))
+    lora = loras[key]._replace(up=jnp.ones_like(loras[key].up))
     updated = lowrank.add_loras(params, {key: lora}, scale=0.5)
     kernel = lowrank.get_layer(params, key)["kernel"]
-    expected = np.asarray(kernel) + 0.5 * np.asarray(lowrank.fold(lora.b @ lora.a, kernel.shape))
+    expected = np.asarray(kernel) + 0.5 * np.asarray(lowrank.fold(lora.down @ lora.up, kernel.shape))
     np.testing.assert_allclose(lowrank.get_layer(updated, key)["kernel"], expected, rtol=1e-6)

@@ -31,27 +31,34 @@ class Factors(NamedTuple):
 # ----- layout -----------------------------------------------------------------------------------
 
 
-def matrix_shape(kernel_shape: Sequence[int]) -> tuple[int, int]:
-    """``(rows, cols)`` of a kernel's matricized form."""
+LAYOUTS = ("balanced", "im2col")
+
+
+def matrix_shape(kernel_shape: Sequence[int], layout: str = "balanced") -> tuple[int, int]:
+    """``(rows, cols)`` of a kernel's matricized form (see :func:`matricize`)."""
     if len(kernel_shape) == 2:
         return tuple(kernel_shape)
-    if len(kernel_shape) == 4:
-        kh, kw, cin, cout = kernel_shape
-        return kh * cin, kw * cout
-    raise ValueError(f"kernel: expected a Dense [in, out] or Conv [kh, kw, cin, cout] shape, got {tuple(kernel_shape)}")
+    if len(kernel_shape) != 4:
+        raise ValueError(f"kernel: expected a Dense [in, out] or Conv [kh, kw, cin, cout] shape, got {kernel_shape}")
+    kh, kw, cin, cout = kernel_shape
+    return (kh * cin, kw * cout) if layout == "balanced" else (kh * kw * cin, cout)
 
 
-def matricize(kernel: jax.Array) -> jax.Array:
-    """Dense kernels unchanged; conv ``[kh, kw, cin, cout] -> [(kh*cin), (kw*cout)]``."""
+def matricize(kernel: jax.Array, layout: str = "balanced") -> jax.Array:
+    """Dense kernels unchanged. Conv ``[kh, kw, cin, cout]``: ``balanced`` (the default) gives
+    ``[(kh*cin), (kw*cout)]`` (a rank-r product runs as a kh x 1 then a 1 x kw conv); ``im2col``
+    gives ``[(kh*kw*cin), cout]`` (a kh x kw conv to r channels then a 1 x 1 conv: FedLoRU's)."""
     if kernel.ndim == 2:
         return kernel
     kh, kw, cin, cout = kernel.shape
+    if layout == "im2col":
+        return kernel.reshape(kh * kw * cin, cout)
     return kernel.transpose(0, 2, 1, 3).reshape(kh * cin, kw * cout)
 
 
-def fold(matrix: jax.Array, kernel_shape: Sequence[int]) -> jax.Array:
+def fold(matrix: jax.Array, kernel_shape: Sequence[int], layout: str = "balanced") -> jax.Array:
     """The inverse of :func:`matricize` for a kernel of ``kernel_shape``."""
-    if len(kernel_shape) == 2:
+    if len(kernel_shape) == 2 or layout == "im2col":
         return matrix.reshape(kernel_shape)
     kh, kw, cin, cout = kernel_shape
     return matrix.reshape(kh, cin, kw, cout).transpose(0, 2, 1, 3)
@@ -122,24 +129,29 @@ def reconstruct_kernel(factors: Factors, kernel_shape: Sequence[int]) -> jax.Arr
 
 
 class LoRA(NamedTuple):
-    """``delta = scale * b @ a`` with ``a [r, cols]`` and ``b [rows, r]`` (matricized layout)."""
+    """``delta = scale * down @ up`` in a kernel's matricized ``[rows, cols]`` form.
 
-    a: jax.Array
-    b: jax.Array
+    ``down [rows, r]`` is the input-side factor (LoRA's A: Kaiming-uniform at init) and
+    ``up [r, cols]`` the output-side one (LoRA's B: zero at init), so the delta starts at 0 and
+    the first step trains ``up``, as in LoRA. (Flax kernels are ``[in, out]``: rows are inputs.)
+    """
 
-
-def lora_init(rng: jax.Array, kernel_shape: Sequence[int], rank: int, dtype=jnp.float32) -> LoRA:
-    """``a`` Kaiming-uniform (bound ``1/sqrt(cols)``, as ``torch``'s LoRA), ``b`` zero: the delta
-    starts at 0."""
-    rows, cols = matrix_shape(kernel_shape)
-    bound = 1.0 / math.sqrt(cols)
-    a = jax.random.uniform(rng, (rank, cols), dtype, -bound, bound)
-    return LoRA(a=a, b=jnp.zeros((rows, rank), dtype))
+    down: jax.Array
+    up: jax.Array
 
 
-def lora_delta(lora: LoRA, kernel_shape: Sequence[int], scale: float = 1.0) -> jax.Array:
-    """``fold(scale * b @ a)``: the LoRA update in the kernel's own shape."""
-    return fold(scale * (lora.b @ lora.a), kernel_shape)
+def lora_init(rng: jax.Array, kernel_shape: Sequence[int], rank: int, layout: str = "balanced", dtype=jnp.float32):
+    """A zero-delta :class:`LoRA`: ``down`` uniform in ``+-1/sqrt(rows)`` (torch's
+    ``kaiming_uniform_(a=sqrt(5))`` on LoRA's A), ``up`` zero."""
+    rows, cols = matrix_shape(kernel_shape, layout)
+    bound = 1.0 / math.sqrt(rows)
+    down = jax.random.uniform(rng, (rows, rank), dtype, -bound, bound)
+    return LoRA(down=down, up=jnp.zeros((rank, cols), dtype))
+
+
+def lora_delta(lora: LoRA, kernel_shape: Sequence[int], scale: float = 1.0, layout: str = "balanced") -> jax.Array:
+    """``fold(scale * down @ up)``: the LoRA update in the kernel's own shape."""
+    return fold(scale * (lora.down @ lora.up), kernel_shape, layout)
 
 
 # ----- factorized execution ---------------------------------------------------------------------
