@@ -54,6 +54,11 @@ class Config:
     server_lr: float = _field(1.0, "server optimizer learning rate")
     server_momentum: float = _field(0.0, "server SGD momentum")
     mu: float = _field(0.01, "fedprox proximal coefficient")
+    # low-rank
+    lora_rank: int = _field(16, "fedlora/fedloru: rank r of every LoRA update (at most the layer's matricized min dim)")
+    lora_alpha: float = _field(0.0, "fedlora/fedloru: LoRA alpha, scale = alpha / r; 0 = alpha equals r (scale 1)")
+    accumulate_every: int = _field(50, "fedloru: fold the LoRA updates into the global model every this many rounds")
+    reinit: bool = _field(True, "fedloru: restart the LoRA factors after accumulating (false: continue them)")
     # run
     seed: int = _field(0, "root random seed: partition, init, sampling and training all derive from it")
     eval_every: int = _field(5, "evaluate every this many rounds (and after the last)")
@@ -133,6 +138,8 @@ class Config:
             "rounds_per_call",
             "eval_batch_size",
             "keep_checkpoints",
+            "lora_rank",
+            "accumulate_every",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -151,6 +158,7 @@ class Config:
             "min_examples",
             "devices",
             "checkpoint_every",
+            "lora_alpha",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

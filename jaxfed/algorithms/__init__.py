@@ -3,13 +3,15 @@
 ``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
 """
 
-from jaxfed.algorithms import fedavg, fedprox, local
+from jaxfed.algorithms import fedavg, fedloru, fedprox, local
 from jaxfed.algorithms.base import FederatedAlgorithm
 
 ALGORITHMS = {
     "fedavg": fedavg.from_config,
     "fedprox": fedprox.from_config,
     "local": local.from_config,
+    "fedlora": fedloru.fedlora_from_config,
+    "fedloru": fedloru.from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]

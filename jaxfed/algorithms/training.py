@@ -30,11 +30,17 @@ def masked_cross_entropy(logits, labels, mask):
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
-def classification_loss(model, regularizer: Callable[[Any], jax.Array] | None = None):
-    """``loss(params, model_state, batch) -> (loss, new_model_state)``: masked CE plus ``regularizer(params)``."""
+def classification_loss(
+    model, regularizer: Callable[[Any], jax.Array] | None = None, to_params: Callable[[Any], Any] | None = None
+):
+    """``loss(params, model_state, batch) -> (loss, new_model_state)``: masked CE plus ``regularizer(params)``.
+
+    ``to_params`` maps the trained tree to the model's parameters (e.g. frozen kernels plus LoRA
+    deltas); by default the trained tree is the model's parameters."""
 
     def loss(params, model_state, batch: Batch):
-        logits, new_state = model.apply({"params": params, **model_state}, batch.x, train=True, mask=batch.mask)
+        model_params = params if to_params is None else to_params(params)
+        logits, new_state = model.apply({"params": model_params, **model_state}, batch.x, train=True, mask=batch.mask)
         value = masked_cross_entropy(logits, batch.y, batch.mask)
         if regularizer is not None:
             value = value + regularizer(params)
@@ -111,15 +117,17 @@ def train_classifier(
     batch_size: int,
     drop_last: bool = False,
     regularizer=None,
+    to_params=None,
 ):
     """Train all ``params`` of ``variables`` on one client's data with masked cross-entropy.
 
+    ``to_params`` maps ``variables["params"]`` (what is trained) to the model's parameters.
     Returns ``(variables, metrics)``; the optimizer state starts fresh (local optimizers are
     re-created every round).
     """
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    step = gradient_step(classification_loss(model, regularizer), optimizer)
+    step = gradient_step(classification_loss(model, regularizer, to_params), optimizer)
     state = TrainState(params, optimizer.init(params), model_state)
     state, metrics = run_epochs(step, state, data, rng, epochs=epochs, batch_size=batch_size, drop_last=drop_last)
     return {"params": state.params, **state.model_state}, metrics

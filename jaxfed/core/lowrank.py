@@ -274,22 +274,39 @@ def reconstruct_layers(params):
     return params
 
 
-def init_loras(rng: jax.Array, params, ranks: dict[str, int]) -> dict[str, LoRA]:
+def init_loras(rng: jax.Array, params, ranks: dict[str, int], layout: str = "balanced") -> dict[str, LoRA]:
     """A fresh :class:`LoRA` (zero delta) for each layer in ``ranks``."""
     keys = jax.random.split(rng, max(len(ranks), 1))
     loras = {}
     for k, (key, rank) in zip(keys, sorted(ranks.items())):
         shape = kernel_shape_of(get_layer(params, key))
-        loras[key] = lora_init(k, shape, check_rank(shape, rank, name=key))
+        check_rank(matrix_shape(shape, layout), rank, name=key)
+        loras[key] = lora_init(k, shape, rank, layout)
     return loras
 
 
-def add_loras(params, loras: dict[str, LoRA], scale: float | dict[str, float] = 1.0):
-    """``params`` with ``kernel + scale * fold(b @ a)`` for each layer in ``loras``."""
+def add_loras(params, loras: dict[str, LoRA], scale: float | dict[str, float] = 1.0, layout: str = "balanced"):
+    """``params`` with ``kernel + scale * fold(down @ up)`` for each layer in ``loras``."""
     for key, lora in loras.items():
         layer = get_layer(params, key)
-        s = scale[key] if isinstance(scale, dict) else scale
-        params = _replace_layer(
-            params, key, {**layer, "kernel": layer["kernel"] + lora_delta(lora, layer["kernel"].shape, s)}
-        )
+        factor = scale[key] if isinstance(scale, dict) else scale
+        delta = lora_delta(lora, layer["kernel"].shape, factor, layout)
+        params = _replace_layer(params, key, {**layer, "kernel": layer["kernel"] + delta})
+    return params
+
+
+def split_kernels(params, keys: Sequence[str]):
+    """``(params without the kernels of layers keys, {key: kernel})``."""
+    kernels = {}
+    for key in keys:
+        layer = get_layer(params, key)
+        kernels[key] = layer["kernel"]
+        params = _replace_layer(params, key, {k: v for k, v in layer.items() if k != "kernel"})
+    return params, kernels
+
+
+def merge_kernels(params, kernels: dict):
+    """The inverse of :func:`split_kernels`."""
+    for key, kernel in kernels.items():
+        params = _replace_layer(params, key, {**get_layer(params, key), "kernel": kernel})
     return params

@@ -1,0 +1,112 @@
+"""FedLoRA and FedLoRU: accumulation keeps the model, factors averaged separately, they learn."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_federation
+
+from jaxfed.algorithms.fedloru import fedloru
+from jaxfed.algorithms.training import sgd
+from jaxfed.cli import main
+from jaxfed.core import lowrank
+from jaxfed.errors import ConfigError
+from jaxfed.simulation import Simulation
+
+
+def _algorithm(mlp, **options):
+    return fedloru(mlp, sgd(0.05), local_epochs=1, batch_size=32, rank=4, **options)
+
+
+def _with_random_updates(server, seed):
+    """A server state whose LoRA factors (and hence the model) are not at their init."""
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    loras = {
+        k: lowrank.LoRA(f.down, 0.3 * jax.random.normal(next(keys), f.up.shape)) for k, f in server["loras"].items()
+    }
+    return {**server, "loras": loras}
+
+
+def _logits(alg, mlp, server, x):
+    return mlp.apply(alg.global_params(server), x)[0]
+
+
+def _message(alg, server):
+    """What a client that did not move would upload: the broadcast trainable tree."""
+    free, _ = lowrank.split_kernels(server["params"], list(server["loras"]))
+    return {"free": free, "loras": server["loras"]}
+
+
+@pytest.mark.parametrize("reinit", [True, False])
+def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
+    alg = _algorithm(mlp, accumulate_every=3, reinit=reinit)
+    server, _ = alg.init(jax.random.key(0))
+    server = _with_random_updates({**server, "round": jnp.int32(2)}, seed=1)  # the next round accumulates
+    x = jnp.asarray(digits.x_test[:64])
+    before = _logits(alg, mlp, server, x)
+    stacked = jax.tree.map(lambda a: a[None], _message(alg, server))
+    after_state = alg.server_update(server, stacked, jnp.ones(1))
+    np.testing.assert_allclose(_logits(alg, mlp, after_state, x), before, rtol=1e-5, atol=1e-5)
+    key = next(iter(server["loras"]))
+    kernel_before = lowrank.get_layer(server["params"], key)["kernel"]
+    kernel_after = lowrank.get_layer(after_state["params"], key)["kernel"]
+    assert float(jnp.abs(kernel_after - kernel_before).max()) > 1e-3  # the update moved into W
+    if reinit:
+        np.testing.assert_array_equal(after_state["loras"][key].up, 0)
+        assert not np.array_equal(after_state["loras"][key].down, server["loras"][key].down)
+    else:  # continued factors: W holds them once, the model subtracts what W already holds
+        np.testing.assert_array_equal(after_state["loras"][key].up, server["loras"][key].up)
+        np.testing.assert_array_equal(after_state["merged"][key].up, server["loras"][key].up)
+        again = alg.server_update(
+            {**after_state, "round": jnp.int32(5)},
+            jax.tree.map(lambda a: a[None], _message(alg, after_state)),
+            jnp.ones(1),
+        )
+        np.testing.assert_allclose(_logits(alg, mlp, again, x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_factors_are_averaged_separately(mlp):
+    alg = _algorithm(mlp, accumulate_every=0)  # fedlora: never accumulates
+    server, _ = alg.init(jax.random.key(0))
+    one, two = _with_random_updates(server, 1), _with_random_updates(server, 2)
+    two = {**two, "loras": {k: lowrank.LoRA(2 * f.down, f.up) for k, f in two["loras"].items()}}
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), _message(alg, one), _message(alg, two))
+    weights = jnp.array([1.0, 3.0])
+    new = alg.server_update(server, stacked, weights)
+    for key in server["loras"]:
+        a, b = one["loras"][key], two["loras"][key]
+        np.testing.assert_allclose(new["loras"][key].down, (np.asarray(a.down) + 3 * np.asarray(b.down)) / 4, rtol=1e-6)
+        np.testing.assert_allclose(new["loras"][key].up, (np.asarray(a.up) + 3 * np.asarray(b.up)) / 4, rtol=1e-5)
+        product_mean = (np.asarray(a.down @ a.up) + 3 * np.asarray(b.down @ b.up)) / 4
+        assert not np.allclose(new["loras"][key].down @ new["loras"][key].up, product_mean, atol=1e-4)
+    # frozen W: fedlora's adapted kernels never change
+    for key in server["loras"]:
+        np.testing.assert_array_equal(
+            lowrank.get_layer(new["params"], key)["kernel"], lowrank.get_layer(server["params"], key)["kernel"]
+        )
+
+
+def test_clients_upload_only_factors_of_the_adapted_layers(mlp):
+    alg = _algorithm(mlp)
+    server, client = alg.init(jax.random.key(0))
+    message = _message(alg, server)
+    assert list(server["loras"]) == ["fc2"]  # not the first layer, not the head
+    assert "kernel" not in message["free"]["fc2"] and "kernel" in message["free"]["fc1"]
+    assert message["loras"]["fc2"].down.shape == (200, 4) and message["loras"]["fc2"].up.shape == (4, 200)
+
+
+def test_fedloru_learns_digits(mlp, digits):
+    fed = make_federation(digits, num_clients=10, alpha=0.5)
+    alg = fedloru(mlp, sgd(0.05), local_epochs=2, batch_size=32, rank=8, accumulate_every=5)
+    sim = Simulation(alg, mlp, fed, participation=0.5)
+    state, metrics = sim.run_rounds(sim.init(), 15)
+    assert sim.evaluate(state)["global_acc"] > 0.8
+    full_bytes = sum(x.size * 4 for x in jax.tree.leaves(mlp.init(jax.random.key(0))["params"]))
+    assert float(metrics["bytes_up"][0]) < 0.5 * 5 * full_bytes  # fc2 travels as two rank-8 factors
+
+
+def test_rank_larger_than_a_layer_allows_is_a_clear_error(mlp, capsys, tmp_path):
+    with pytest.raises(ConfigError, match=r"lora_rank: 500 is not a valid rank for fc2 .* allowed 1..200"):
+        fedloru(mlp, sgd(0.1), local_epochs=1, batch_size=32, rank=500)
+    assert main(["run", "fedloru", "--quiet", "--out", str(tmp_path / "r"), "--set", "lora_rank=0"]) == 2
+    assert "lora_rank: must be >= 1" in capsys.readouterr().err
