@@ -25,9 +25,10 @@ LAYOUT = "im2col"
 
 
 def default_lora_layers(params) -> list[str]:
-    """Every Dense / Conv kernel except the first layer and the head (the paper's choice)."""
-    layers = lowrank.factorizable_layers(params)
-    return [k for k in layers[1:] if k != "head"]
+    """Every Dense / Conv kernel except the first layer and the head (the paper's choice); in a
+    model that has nothing else, every kernel but the head."""
+    layers = [k for k in lowrank.factorizable_layers(params) if k != "head"]
+    return layers[1:] or layers
 
 
 def fedloru(
@@ -62,13 +63,14 @@ def fedloru(
         init_rng, lora_rng, server_rng = jax.random.split(rng, 3)
         params, model_state = split_variables(model.init(init_rng))
         loras = fresh_loras(lora_rng)
-        return {
+        server = {
             "params": params,
             "loras": loras,
             "merged": loras_zero_like(loras),
             "round": jnp.int32(0),
-            "rng": server_rng,
-        }, {"model_state": model_state}
+            "key_data": jax.random.key_data(server_rng),  # raw bits (checkpointable); reinit folds in the round
+        }
+        return server, {"model_state": model_state}
 
     def broadcast(server_state, tier=0):
         return {k: server_state[k] for k in ("params", "loras", "merged")}
@@ -105,7 +107,7 @@ def fedloru(
         params = lowrank.merge_kernels(average["free"], frozen)
         loras, merged = average["loras"], server_state["merged"]
         round_ = server_state["round"] + 1
-        rng, lora_rng = jax.random.split(server_state["rng"])
+        lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state["key_data"]), round_)
         if accumulate_every:
             accumulated = effective_params(params, loras, merged)
             restarted = fresh_loras(lora_rng) if reinit else loras
@@ -114,7 +116,7 @@ def fedloru(
             merged = tree_select(now, loras_zero_like(loras) if reinit else loras, merged)
             loras = tree_select(now, restarted, loras)
         received = jnp.sum(weights) > 0
-        new = {"params": params, "loras": loras, "merged": merged, "round": round_, "rng": rng}
+        new = {**server_state, "params": params, "loras": loras, "merged": merged, "round": round_}
         return tree_select(received, new, server_state)
 
     def eval_params(server_state, client_state):
