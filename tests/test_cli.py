@@ -112,6 +112,8 @@ def test_installed_entry_point_lists_and_fails_cleanly():
         [sys.executable, "-m", "jaxfed.cli", "run", "nope"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    from jaxfed.algorithms import ALGORITHMS
+
     assert bad.stderr.strip().splitlines() == [
-        "jaxfed: error: algorithm: unknown 'nope'; allowed: fedavg, fedprox, local"
+        f"jaxfed: error: algorithm: unknown 'nope'; allowed: {', '.join(ALGORITHMS)}"
     ]
