@@ -47,7 +47,7 @@ def fedloru(
 ) -> FederatedAlgorithm:
     """``accumulate_every=0`` is FedLoRA. ``lora_alpha=0`` means ``alpha = rank`` (scale 1)."""
     scale = (lora_alpha or rank) / rank
-    template = split_variables(jax.eval_shape(model.init, jax.random.key(0)))[0]
+    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     keys = default_lora_layers(template) if layers is None else list(layers)
     if not keys:
         raise ConfigError("lora_layers: no Dense or Conv layer to adapt in this model")
@@ -126,7 +126,6 @@ def fedloru(
     def global_params(server_state):
         return {"params": effective_params(server_state["params"], server_state["loras"], server_state["merged"])}
 
-    has_private_stats = bool(split_variables(jax.eval_shape(model.init, jax.random.key(0)))[1])
     return FederatedAlgorithm(
         name=name,
         init=init,
@@ -134,7 +133,7 @@ def fedloru(
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,
-        global_params=None if has_private_stats else global_params,
+        global_params=None if private_stats else global_params,
     )
 
 
@@ -142,25 +141,18 @@ def loras_zero_like(loras):
     return jax.tree.map(jnp.zeros_like, loras)
 
 
-def from_config(config, model) -> FederatedAlgorithm:
+def from_config(config, model, name: str = "fedloru") -> FederatedAlgorithm:
     return fedloru(
         model,
         client_optimizer(config),
         **local_training_options(config),
         rank=config.lora_rank,
         lora_alpha=config.lora_alpha,
-        accumulate_every=config.accumulate_every,
+        accumulate_every=0 if name == "fedlora" else config.accumulate_every,
         reinit=config.reinit,
+        name=name,
     )
 
 
 def fedlora_from_config(config, model) -> FederatedAlgorithm:
-    return fedloru(
-        model,
-        client_optimizer(config),
-        **local_training_options(config),
-        rank=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        accumulate_every=0,
-        name="fedlora",
-    )
+    return from_config(config, model, name="fedlora")
