@@ -59,6 +59,15 @@ class Config:
     lora_alpha: float = _field(0.0, "fedlora/fedloru: LoRA alpha, scale = alpha / r; 0 = alpha equals r (scale 1)")
     accumulate_every: int = _field(50, "fedloru: fold the LoRA updates into the global model every this many rounds")
     reinit: bool = _field(True, "fedloru: restart the LoRA factors after accumulating (false: continue them)")
+    personal_rank: int = _field(8, "pfedloru: rank of the personal LoRA pair (the global pair has lora_rank)")
+    personal_epochs: int = _field(1, "pfedloru: epochs on the personal pair each round, before the global pair")
+    global_epochs: int = _field(1, "pfedloru: epochs on the global pair (and the full-rank layers) each round")
+    tiers: str = _field(
+        "",
+        "tiered algorithms (fedhm, mfedloru): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
+        "(mfedloru: relative to lora_rank); clients split into equal contiguous id blocks; "
+        "empty = the algorithm's default",
+    )
     # run
     seed: int = _field(0, "root random seed: partition, init, sampling and training all derive from it")
     eval_every: int = _field(5, "evaluate every this many rounds (and after the last)")
@@ -102,6 +111,10 @@ class Config:
             changes[key] = _parse(key, raw.strip(), types[key])
         return dataclasses.replace(self, **changes)
 
+    def tier_ratios(self, default: tuple[float, ...]) -> tuple[float, ...]:
+        """The ``tiers`` list as floats, or ``default`` when it is empty."""
+        return parse_tiers(self.tiers) if self.tiers.strip() else tuple(default)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -140,6 +153,7 @@ class Config:
             "keep_checkpoints",
             "lora_rank",
             "accumulate_every",
+            "personal_rank",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -159,10 +173,31 @@ class Config:
             "devices",
             "checkpoint_every",
             "lora_alpha",
+            "personal_epochs",
+            "global_epochs",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.tiers.strip() and len(parse_tiers(self.tiers)) > self.num_clients:
+            raise ConfigError(
+                f"tiers: {len(parse_tiers(self.tiers))} tiers for {self.num_clients} clients; "
+                "every tier needs at least one client"
+            )
         return self
+
+
+def parse_tiers(text: str) -> tuple[float, ...]:
+    """``"0.5,0.25"`` -> ``(0.5, 0.25)``; every ratio must be in (0, 1]."""
+    ratios = []
+    for part in text.split(","):
+        try:
+            ratio = float(part)
+        except ValueError:
+            raise ConfigError(f"tiers: expected comma-separated rank ratios in (0, 1] such as 0.5,0.25, got '{text}'")
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"tiers: every rank ratio must be in (0, 1], got {ratio} in '{text}'")
+        ratios.append(ratio)
+    return tuple(ratios)
 
 
 def _choice(field: str, value: str, allowed) -> None:

@@ -10,13 +10,18 @@ import jax
 import numpy as np
 import pytest
 
+from jaxfed.core import lowrank
 from jaxfed.data import federate, load_dataset, partition
 from jaxfed.nn import get_model
+from jaxfed.nn.models import CNN4, Model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # Many tests compile the same small simulations (and subprocesses inherit the environment):
 # a persistent compilation cache for the session cuts the suite's time without changing results.
+# Tests check semantics, not speed: XLA's backend optimizations off cut compile time about in half.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxfed-test-xla-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
@@ -33,6 +38,12 @@ def mlp(digits):
     return get_model("mlp", digits.input_shape, digits.num_classes)
 
 
+@pytest.fixture(scope="session")
+def small_cnn(digits):
+    """A three-conv CNN (8, 16, 16 channels) on digits: conv layers that compile and train fast."""
+    return Model("cnn4", CNN4(digits.num_classes, widths=(8, 16, 16)), digits.input_shape)
+
+
 def make_federation(dataset, num_clients=10, name="dirichlet", seed=0, **options):
     train, test = partition(name, dataset.y_train, dataset.y_test, num_clients, np.random.default_rng(seed), **options)
     return federate(dataset, train, test)
@@ -46,3 +57,12 @@ def digits_federation(digits):
 def shared_data_dir():
     """``../shared/data`` beside the repository when present (offline MNIST etc.)."""
     return SHARED_DATA if (SHARED_DATA / "mnist.npz").exists() else None
+
+
+def with_random_lora_updates(server, seed):
+    """A FedLoRU-family server state whose global LoRA factors are not at their init."""
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    loras = {
+        k: lowrank.LoRA(f.down, 0.3 * jax.random.normal(next(keys), f.up.shape)) for k, f in server["loras"].items()
+    }
+    return {**server, "loras": loras}

@@ -14,6 +14,7 @@ from jaxfed.algorithms.fedprox import fedprox, proximal_term
 from jaxfed.algorithms.local import local
 from jaxfed.algorithms.training import sgd
 from jaxfed.config import Config
+from jaxfed.core import gather_clients
 from jaxfed.data import ClientData
 from jaxfed.nn import Model
 from jaxfed.nn.models import Norm
@@ -93,14 +94,22 @@ def test_private_client_state_never_reaches_the_server(name, digits):
     server state after an engine round is exactly server_update applied to the messages."""
     model = Model("tiny_bn", TinyBatchNormNet(digits.num_classes), digits.input_shape)
     fed = make_federation(digits, num_clients=4, alpha=1.0)
-    alg = ALGORITHMS[name](Config(algorithm=name, local_epochs=1, batch_size=32), model)
+    config = Config(algorithm=name, local_epochs=1, batch_size=32, lora_rank=8, personal_rank=4, tiers="1.0,0.5")
+    alg = ALGORITHMS[name](config, model)
     sim = Simulation(alg, model, fed, participation=1.0)
     state = sim.init()
 
-    ids = jnp.arange(4)
-    keys = sampling.client_keys(sampling.round_key(sim.root, 0), ids)  # the engine's keys for round 0
+    tiers = sampling.tier_bounds(4, alg.num_tiers) if alg.num_tiers else [(0, 4)]
     update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, 0, ClientData.vmap_axes(), 0)))
-    new_clients, messages, _ = update(alg.broadcast(state.server, 0), state.clients, fed.train_data(ids), keys)
+    new_clients, messages, weights = [], [], []
+    for tier, (lo, hi) in enumerate(tiers):
+        ids = jnp.arange(lo, hi)
+        keys = sampling.client_keys(sampling.round_key(sim.root, 0), ids)  # the engine's keys for round 0
+        message_down = alg.broadcast(state.server, tier)
+        clients, message, _ = update(message_down, gather_clients(state.clients, ids), fed.train_data(ids), keys)
+        new_clients.append(clients)
+        messages.append(message)
+        weights.append(fed.train_count[lo:hi].astype(jnp.float32))
 
     private = [np.asarray(x) for x in jax.tree.leaves(new_clients) if np.size(x) > 4]
     assert private, "the test needs private state to look for"
@@ -109,6 +118,9 @@ def test_private_client_state_never_reaches_the_server(name, digits):
         assert not any(p.shape == leaf.shape and np.array_equal(p, leaf) for p in private)
 
     server_after_round = jax.jit(sim.round)(state, fed)[0].server
-    expected = jax.jit(alg.server_update)(state.server, messages, fed.train_count.astype(jnp.float32))
+    if alg.num_tiers:
+        expected = jax.jit(alg.server_update)(state.server, tuple(messages), tuple(weights))
+    else:
+        expected = jax.jit(alg.server_update)(state.server, messages[0], weights[0])
     for a, b in zip(jax.tree.leaves(server_after_round), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -34,7 +34,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, devices):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     out = tmp_path / f"devices_{devices}.npz"
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(devices), str(out)],

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import fedloru
 from jaxfed.algorithms.training import sgd
@@ -16,15 +16,6 @@ from jaxfed.simulation import Simulation
 
 def _algorithm(mlp, **options):
     return fedloru(mlp, sgd(0.05), local_epochs=1, batch_size=32, rank=4, **options)
-
-
-def _with_random_updates(server, seed):
-    """A server state whose LoRA factors (and hence the model) are not at their init."""
-    keys = iter(jax.random.split(jax.random.key(seed), 16))
-    loras = {
-        k: lowrank.LoRA(f.down, 0.3 * jax.random.normal(next(keys), f.up.shape)) for k, f in server["loras"].items()
-    }
-    return {**server, "loras": loras}
 
 
 def _logits(alg, mlp, server, x):
@@ -41,7 +32,7 @@ def _message(alg, server):
 def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
     alg = _algorithm(mlp, accumulate_every=3, reinit=reinit)
     server, _ = alg.init(jax.random.key(0))
-    server = _with_random_updates({**server, "round": jnp.int32(2)}, seed=1)  # the next round accumulates
+    server = with_random_lora_updates({**server, "round": jnp.int32(2)}, seed=1)  # the next round accumulates
     x = jnp.asarray(digits.x_test[:64])
     before = _logits(alg, mlp, server, x)
     stacked = jax.tree.map(lambda a: a[None], _message(alg, server))
@@ -68,7 +59,7 @@ def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
 def test_factors_are_averaged_separately(mlp):
     alg = _algorithm(mlp, accumulate_every=0)  # fedlora: never accumulates
     server, _ = alg.init(jax.random.key(0))
-    one, two = _with_random_updates(server, 1), _with_random_updates(server, 2)
+    one, two = with_random_lora_updates(server, 1), with_random_lora_updates(server, 2)
     two = {**two, "loras": {k: lowrank.LoRA(2 * f.down, f.up) for k, f in two["loras"].items()}}
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), _message(alg, one), _message(alg, two))
     weights = jnp.array([1.0, 3.0])

@@ -3,7 +3,7 @@
 ``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
 """
 
-from jaxfed.algorithms import fedavg, fedloru, fedprox, local
+from jaxfed.algorithms import fedavg, fedhm, fedloru, fedprox, local
 from jaxfed.algorithms.base import FederatedAlgorithm
 
 ALGORITHMS = {
@@ -12,6 +12,9 @@ ALGORITHMS = {
     "local": local.from_config,
     "fedlora": fedloru.fedlora_from_config,
     "fedloru": fedloru.from_config,
+    "pfedloru": fedloru.pfedloru_from_config,
+    "mfedloru": fedloru.mfedloru_from_config,
+    "fedhm": fedhm.from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]

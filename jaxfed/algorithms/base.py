@@ -11,6 +11,12 @@ In the spirit of optax's ``GradientTransformation`` and fedjax's ``FederatedAlgo
   stacked client axis of ``messages_up``. The server sees nothing but the messages.
 - ``eval_params(server_state, client_state) -> variables``: a client's personalized model as
   Flax variables; ``global_params(server_state) -> variables`` where there is a global model.
+
+A *tiered* algorithm (``num_tiers`` set; FedHM, mFedLoRU, FedARA) has clients in static tiers
+of equal contiguous id blocks (client k of N is in tier ``k * num_tiers // N``). The engine runs
+each tier's sampled clients as their own group with their own shapes: ``broadcast(server, t)``
+per tier, and ``server_update`` receives a tuple with one stacked message per tier and a tuple
+of their weights.
 """
 
 from __future__ import annotations
@@ -27,3 +33,4 @@ class FederatedAlgorithm(NamedTuple):
     server_update: Callable[[Any, Any, Any], Any]
     eval_params: Callable[[Any, Any], Any]
     global_params: Callable[[Any], Any] | None = None
+    num_tiers: int | None = None

@@ -1,16 +1,26 @@
-"""FedLoRU (Park et al.) and FedLoRA: clients train low-rank updates of a frozen global model.
+"""FedLoRU (Park et al.) and its family: clients train low-rank updates of a frozen global model.
 
-Each factorized kernel W runs as ``W + s * (down @ up - down0 @ up0)`` with ``s = lora_alpha / r``
+Each adapted kernel W runs as ``W + s * (down @ up - down0 @ up0)`` with ``s = lora_alpha / r``
 (conv: ``im2col`` layout, a kh x kw conv to r channels then a 1 x 1 conv, as the paper); the
-non-factorized parameters (the first layer, the head, biases, norms) train in full. The server
-averages ``down`` and ``up`` separately (and the full parameters) with sample weights. Every
+other parameters (the first layer, the head, biases, norms) train in full. The server averages
+``down`` and ``up`` separately (and the full parameters) with sample weights. Every
 ``accumulate_every`` rounds FedLoRU folds the update into W: ``W <- W + s * (down @ up - down0 @ up0)``;
 with ``reinit`` the factors restart (``down`` Kaiming, ``up`` 0), otherwise they continue and
-``(down0, up0)`` remembers what W already holds, so nothing is counted twice. FedLoRA never
-accumulates.
+``(down0, up0)`` remembers what W already holds, so nothing is counted twice.
+
+- ``fedlora``: never accumulates (W stays at its init).
+- ``pfedloru``: each client also holds a private personal pair (rank ``personal_rank``) added to
+  the model; every round it trains the personal pair ``personal_epochs``, then the global pair
+  and the full parameters ``global_epochs``. Only the global pair is uploaded.
+- ``mfedloru``: clients in tiers of rank ``r_k = round(ratio * r)``. A tier with ``r_k < r`` trains
+  nested factors of the updates of both factors, ``down + D1 D2`` and ``up + U1 U2`` with
+  ``down, up`` frozen, and uploads ``(D1, D2, U1, U2)``; a tier with ``r_k = r`` trains ``down, up``
+  as FedLoRU. The server recovers each client's rank-r factors and aggregates as FedLoRU.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +30,103 @@ from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_classifier
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
+from jaxfed.nn.factorized import interior_layers
 
 LAYOUT = "im2col"
+MFEDLORU_DEFAULT_TIERS = (1.0, 0.5, 0.25)
 
 
-def default_lora_layers(params) -> list[str]:
-    """Every Dense / Conv kernel except the first layer and the head (the paper's choice); in a
-    model that has nothing else, every kernel but the head."""
-    layers = [k for k in lowrank.factorizable_layers(params) if k != "head"]
-    return layers[1:] or layers
+class _Adapted(NamedTuple):
+    """The static description of a model's adapted layers, shared by the whole family."""
+
+    template: dict  # parameter shapes
+    has_private_stats: bool  # the model has BatchNorm statistics (no global model then)
+    ranks: dict[str, int]  # adapted layer -> rank
+    scale: float
+
+    def fresh(self, rng, ranks=None):
+        return lowrank.init_loras(rng, self.template, self.ranks if ranks is None else ranks, LAYOUT)
+
+    def effective(self, params, loras, merged):
+        """W + s * (down @ up - down0 @ up0) on every adapted layer."""
+        with_update = lowrank.add_loras(params, loras, self.scale, LAYOUT)
+        return lowrank.add_loras(with_update, merged, -self.scale, LAYOUT)
+
+    def split(self, params):
+        """``(free, frozen)``: the parameters trained in full, and the adapted kernels."""
+        return lowrank.split_kernels(params, list(self.ranks))
+
+
+def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_rank") -> _Adapted:
+    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    keys = interior_layers(model) if layers is None else list(layers)
+    if not keys:
+        raise ConfigError("lora_layers: no Dense or Conv layer to adapt in this model")
+    ranks = {}
+    for key in keys:
+        shape = lowrank.get_layer(template, key)["kernel"].shape
+        ranks[key] = lowrank.check_rank(lowrank.matrix_shape(shape, LAYOUT), rank, field=field, name=key)
+    return _Adapted(template, bool(private_stats), ranks, (lora_alpha or rank) / rank)
+
+
+def _zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _server_init(model, adapted: _Adapted):
+    """The family's server state and the client state holding only model statistics."""
+
+    def init(rng):
+        init_rng, lora_rng, server_rng = jax.random.split(rng, 3)
+        params, model_state = split_variables(model.init(init_rng))
+        loras = adapted.fresh(lora_rng)
+        server = {
+            "params": params,
+            "loras": loras,
+            "merged": _zeros_like(loras),
+            "round": jnp.int32(0),
+            "key_data": jax.random.key_data(server_rng),  # raw bits (checkpointable); folded with the round
+        }
+        return server, {"model_state": model_state}
+
+    return init
+
+
+def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
+    """``update(server_state, free, loras, weights)``: FedLoRU's server step from the stacked
+    uploads of the full parameters and the (rank-r) factors: separate weighted means, then
+    accumulation every ``accumulate_every`` rounds."""
+
+    def update(server_state, free, loras, weights):
+        params = lowrank.merge_kernels(weighted_mean(free, weights), adapted.split(server_state["params"])[1])
+        loras, merged = weighted_mean(loras, weights), server_state["merged"]
+        round_ = server_state["round"] + 1
+        if accumulate_every:
+            lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state["key_data"]), round_)
+            accumulated = adapted.effective(params, loras, merged)
+            restarted = adapted.fresh(lora_rng) if reinit else loras
+            now = round_ % accumulate_every == 0
+            params = tree_select(now, accumulated, params)
+            merged = tree_select(now, _zeros_like(loras) if reinit else loras, merged)
+            loras = tree_select(now, restarted, loras)
+        new = {**server_state, "params": params, "loras": loras, "merged": merged, "round": round_}
+        return tree_select(jnp.sum(weights) > 0, new, server_state)
+
+    return update
+
+
+def _global_model(adapted: _Adapted):
+    def global_params(server_state):
+        return {"params": adapted.effective(server_state["params"], server_state["loras"], server_state["merged"])}
+
+    return global_params
+
+
+def _train(model, optimizer, trainable, model_state, to_params, data, rng, epochs, options):
+    variables, metrics = train_classifier(
+        model, optimizer, {"params": trainable, **model_state}, data, rng, epochs=epochs, to_params=to_params, **options
+    )
+    return split_variables(variables) + (metrics,)
 
 
 def fedloru(
@@ -46,85 +144,113 @@ def fedloru(
     name: str = "fedloru",
 ) -> FederatedAlgorithm:
     """``accumulate_every=0`` is FedLoRA. ``lora_alpha=0`` means ``alpha = rank`` (scale 1)."""
-    scale = (lora_alpha or rank) / rank
-    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    keys = default_lora_layers(template) if layers is None else list(layers)
-    if not keys:
-        raise ConfigError("lora_layers: no Dense or Conv layer to adapt in this model")
-    ranks = {}
-    for key in keys:
-        shape = lowrank.get_layer(template, key)["kernel"].shape
-        ranks[key] = lowrank.check_rank(lowrank.matrix_shape(shape, LAYOUT), rank, field="lora_rank", name=key)
-
-    def fresh_loras(rng):
-        return lowrank.init_loras(rng, template, ranks, LAYOUT)
-
-    def init(rng):
-        init_rng, lora_rng, server_rng = jax.random.split(rng, 3)
-        params, model_state = split_variables(model.init(init_rng))
-        loras = fresh_loras(lora_rng)
-        server = {
-            "params": params,
-            "loras": loras,
-            "merged": loras_zero_like(loras),
-            "round": jnp.int32(0),
-            "key_data": jax.random.key_data(server_rng),  # raw bits (checkpointable); reinit folds in the round
-        }
-        return server, {"model_state": model_state}
+    adapted = _adapted(model, rank, lora_alpha, layers)
+    options = {"batch_size": batch_size, "drop_last": drop_last}
+    global_params = _global_model(adapted)
+    aggregate = _aggregate(adapted, accumulate_every, reinit)
 
     def broadcast(server_state, tier=0):
         return {k: server_state[k] for k in ("params", "loras", "merged")}
 
-    def effective_params(params, loras, merged):
-        """W + s * (down @ up - down0 @ up0) on every adapted layer."""
-        with_update = lowrank.add_loras(params, loras, scale, LAYOUT)
-        return lowrank.add_loras(with_update, merged, -scale, LAYOUT)
-
     def client_update(message, client_state, data, rng):
-        free, frozen = lowrank.split_kernels(message["params"], keys)
-        trainable = {"free": free, "loras": message["loras"]}
+        free, frozen = adapted.split(message["params"])
 
         def to_params(t):
-            return effective_params(lowrank.merge_kernels(t["free"], frozen), t["loras"], message["merged"])
+            return adapted.effective(lowrank.merge_kernels(t["free"], frozen), t["loras"], message["merged"])
 
-        variables, metrics = train_classifier(
-            model,
-            optimizer,
-            {"params": trainable, **client_state["model_state"]},
-            data,
-            rng,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            to_params=to_params,
+        trainable = {"free": free, "loras": message["loras"]}
+        trained, model_state, metrics = _train(
+            model, optimizer, trainable, client_state["model_state"], to_params, data, rng, local_epochs, options
         )
-        trained, model_state = split_variables(variables)
         return {"model_state": model_state}, trained, metrics
 
     def server_update(server_state, messages, weights):
-        average = weighted_mean(messages, weights)  # down, up and the full parameters, each on its own
-        _, frozen = lowrank.split_kernels(server_state["params"], keys)
-        params = lowrank.merge_kernels(average["free"], frozen)
-        loras, merged = average["loras"], server_state["merged"]
-        round_ = server_state["round"] + 1
-        lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state["key_data"]), round_)
-        if accumulate_every:
-            accumulated = effective_params(params, loras, merged)
-            restarted = fresh_loras(lora_rng) if reinit else loras
-            now = round_ % accumulate_every == 0
-            params = tree_select(now, accumulated, params)
-            merged = tree_select(now, loras_zero_like(loras) if reinit else loras, merged)
-            loras = tree_select(now, restarted, loras)
-        received = jnp.sum(weights) > 0
-        new = {**server_state, "params": params, "loras": loras, "merged": merged, "round": round_}
-        return tree_select(received, new, server_state)
+        return aggregate(server_state, messages["free"], messages["loras"], weights)
+
+    return FederatedAlgorithm(
+        name=name,
+        init=_server_init(model, adapted),
+        broadcast=broadcast,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
+        global_params=None if adapted.has_private_stats else global_params,
+    )
+
+
+def pfedloru(
+    model,
+    optimizer: optax.GradientTransformation,
+    *,
+    personal_epochs: int,
+    global_epochs: int,
+    batch_size: int,
+    drop_last: bool = False,
+    rank: int = 16,
+    personal_rank: int = 8,
+    lora_alpha: float = 0.0,
+    accumulate_every: int = 50,
+    reinit: bool = True,
+    layers: list[str] | None = None,
+    name: str = "pfedloru",
+) -> FederatedAlgorithm:
+    """pFedLoRU: the model is ``W + s_g down_g up_g + s_p down_p up_p`` (``s = alpha / rank`` of
+    each pair; ``lora_alpha=0``: scale 1). The personal pair is client state."""
+    adapted = _adapted(model, rank, lora_alpha, layers)
+    personal = _adapted(model, personal_rank, lora_alpha, list(adapted.ranks), field="personal_rank")
+    options = {"batch_size": batch_size, "drop_last": drop_last}
+    global_params = _global_model(adapted)
+    aggregate = _aggregate(adapted, accumulate_every, reinit)
+    server_init = _server_init(model, adapted)
+
+    def init(rng):
+        server_rng, personal_rng = jax.random.split(rng)
+        server, client = server_init(server_rng)
+        return server, {**client, "personal": personal.fresh(personal_rng)}
+
+    def broadcast(server_state, tier=0):
+        return {k: server_state[k] for k in ("params", "loras", "merged")}
+
+    def client_update(message, client_state, data, rng):
+        personal_rng, global_rng = jax.random.split(rng)
+        free, frozen = adapted.split(message["params"])
+
+        def model_params(free, global_pair, personal_pair):
+            shared = adapted.effective(lowrank.merge_kernels(free, frozen), global_pair, message["merged"])
+            return lowrank.add_loras(shared, personal_pair, personal.scale, LAYOUT)
+
+        personal_pair, model_state, personal_metrics = _train(
+            model,
+            optimizer,
+            client_state["personal"],
+            client_state["model_state"],
+            lambda p: model_params(free, message["loras"], p),
+            data,
+            personal_rng,
+            personal_epochs,
+            options,
+        )
+        trained, model_state, metrics = _train(
+            model,
+            optimizer,
+            {"free": free, "loras": message["loras"]},
+            model_state,
+            lambda t: model_params(t["free"], t["loras"], personal_pair),
+            data,
+            global_rng,
+            global_epochs,
+            options,
+        )
+        metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
+        return {"model_state": model_state, "personal": personal_pair}, trained, metrics
+
+    def server_update(server_state, messages, weights):
+        return aggregate(server_state, messages["free"], messages["loras"], weights)
 
     def eval_params(server_state, client_state):
-        params = effective_params(server_state["params"], server_state["loras"], server_state["merged"])
+        shared = global_params(server_state)["params"]
+        params = lowrank.add_loras(shared, client_state["personal"], personal.scale, LAYOUT)
         return {"params": params, **client_state["model_state"]}
-
-    def global_params(server_state):
-        return {"params": effective_params(server_state["params"], server_state["loras"], server_state["merged"])}
 
     return FederatedAlgorithm(
         name=name,
@@ -133,26 +259,167 @@ def fedloru(
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,
-        global_params=None if private_stats else global_params,
+        global_params=None if adapted.has_private_stats else global_params,
     )
 
 
-def loras_zero_like(loras):
-    return jax.tree.map(jnp.zeros_like, loras)
+def nested_rank(rank: int, ratio: float) -> int:
+    """mFedLoRU's tier rank ``max(1, round(ratio * rank))`` (a ratio outside (0, 1] is a ConfigError)."""
+    lowrank.check_ratio("tiers", ratio)
+    return max(1, int(ratio * rank + 0.5))
 
 
-def from_config(config, model, name: str = "fedloru") -> FederatedAlgorithm:
-    return fedloru(
-        model,
-        client_optimizer(config),
-        **local_training_options(config),
-        rank=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        accumulate_every=0 if name == "fedlora" else config.accumulate_every,
-        reinit=config.reinit,
+def with_nested(loras, nested):
+    """Each layer's rank-r factors ``(down + D1 D2, up + U1 U2)`` from ``nested[key] = (D, U)``,
+    two :class:`LoRA` pairs (``D.down`` = D1 ``[rows, r_k]``, ``D.up`` = D2 ``[r_k, r]``, ...)."""
+    combined = {}
+    for key, lora in loras.items():
+        down_update, up_update = nested[key]
+        combined[key] = lowrank.LoRA(
+            lora.down + down_update.down @ down_update.up, lora.up + up_update.down @ up_update.up
+        )
+    return combined
+
+
+def mfedloru(
+    model,
+    optimizer: optax.GradientTransformation,
+    *,
+    local_epochs: int,
+    batch_size: int,
+    drop_last: bool = False,
+    rank: int = 16,
+    lora_alpha: float = 0.0,
+    accumulate_every: int = 50,
+    reinit: bool = True,
+    tiers=MFEDLORU_DEFAULT_TIERS,
+    layers: list[str] | None = None,
+    name: str = "mfedloru",
+) -> FederatedAlgorithm:
+    """mFedLoRU over ``len(tiers)`` client tiers, tier ``t`` with nested rank ``round(tiers[t] * rank)``."""
+    adapted = _adapted(model, rank, lora_alpha, layers)
+    tier_ranks = [nested_rank(rank, ratio) for ratio in tiers]
+    options = {"batch_size": batch_size, "drop_last": drop_last}
+    global_params = _global_model(adapted)
+    aggregate = _aggregate(adapted, accumulate_every, reinit)
+
+    def nested_start(rng, nested: int):
+        """Fresh nested pairs of rank ``nested`` per layer: ``D1, U1`` Kaiming, ``D2, U2`` zero."""
+        keys = jax.random.split(rng, len(adapted.ranks))
+        starts = {}
+        for k, (key, lora_shape) in zip(keys, _lora_shapes(adapted).items()):
+            down_rng, up_rng = jax.random.split(k)
+            starts[key] = (
+                lowrank.lora_init(down_rng, lora_shape.down, nested),
+                lowrank.lora_init(up_rng, lora_shape.up, nested),
+            )
+        return starts
+
+    def broadcast(server_state, tier):
+        message = {k: server_state[k] for k in ("params", "loras", "merged")}
+        if tier_ranks[tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
+            return message
+        # The nested pairs' start (a real deployment would send its seed; counted as sent here).
+        rng = jax.random.fold_in(jax.random.wrap_key_data(server_state["key_data"]), server_state["round"])
+        return {**message, "nested": nested_start(jax.random.fold_in(rng, tier + 1), tier_ranks[tier])}
+
+    def client_update(message, client_state, data, rng):
+        free, frozen = adapted.split(message["params"])
+        nested = "nested" in message
+        key = "nested" if nested else "loras"
+
+        def to_params(t):
+            loras = with_nested(message["loras"], t["nested"]) if nested else t["loras"]
+            return adapted.effective(lowrank.merge_kernels(t["free"], frozen), loras, message["merged"])
+
+        trained, model_state, metrics = _train(
+            model,
+            optimizer,
+            {"free": free, key: message[key]},
+            client_state["model_state"],
+            to_params,
+            data,
+            rng,
+            local_epochs,
+            options,
+        )
+        return {"model_state": model_state}, trained, metrics
+
+    def server_update(server_state, messages, weights):
+        def rank_r(tier_messages):
+            if "nested" not in tier_messages:
+                return tier_messages["loras"]
+            loras = server_state["loras"]
+            return jax.vmap(lambda nested: with_nested(loras, nested))(tier_messages["nested"])
+
+        free = _concat([m["free"] for m in messages])
+        loras = _concat([rank_r(m) for m in messages])
+        return aggregate(server_state, free, loras, jnp.concatenate(weights))
+
+    return FederatedAlgorithm(
         name=name,
+        init=_server_init(model, adapted),
+        broadcast=broadcast,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
+        global_params=None if adapted.has_private_stats else global_params,
+        num_tiers=len(tier_ranks),
     )
+
+
+def _lora_shapes(adapted: _Adapted) -> dict[str, lowrank.LoRA]:
+    """Each adapted layer's factor shapes as a LoRA of shapes ``(rows, r)`` and ``(r, cols)``."""
+    shapes = {}
+    for key, r in sorted(adapted.ranks.items()):
+        rows, cols = lowrank.matrix_shape(lowrank.get_layer(adapted.template, key)["kernel"].shape, LAYOUT)
+        shapes[key] = lowrank.LoRA(down=(rows, r), up=(r, cols))
+    return shapes
+
+
+def _concat(trees):
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *trees)
+
+
+# ----- configs ----------------------------------------------------------------------------------
+
+
+def _lora_options(config) -> dict:
+    return {
+        "rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "accumulate_every": config.accumulate_every,
+        "reinit": config.reinit,
+    }
+
+
+def from_config(config, model) -> FederatedAlgorithm:
+    return fedloru(model, client_optimizer(config), **local_training_options(config), **_lora_options(config))
 
 
 def fedlora_from_config(config, model) -> FederatedAlgorithm:
-    return from_config(config, model, name="fedlora")
+    options = {**_lora_options(config), "accumulate_every": 0}
+    return fedloru(model, client_optimizer(config), **local_training_options(config), **options, name="fedlora")
+
+
+def pfedloru_from_config(config, model) -> FederatedAlgorithm:
+    return pfedloru(
+        model,
+        client_optimizer(config),
+        personal_epochs=config.personal_epochs,
+        global_epochs=config.global_epochs,
+        batch_size=config.batch_size,
+        drop_last=config.drop_last,
+        personal_rank=config.personal_rank,
+        **_lora_options(config),
+    )
+
+
+def mfedloru_from_config(config, model) -> FederatedAlgorithm:
+    return mfedloru(
+        model,
+        client_optimizer(config),
+        **local_training_options(config),
+        **_lora_options(config),
+        tiers=config.tier_ratios(MFEDLORU_DEFAULT_TIERS),
+    )

@@ -80,8 +80,11 @@ def run_epochs(step, state, data: ClientData, rng, *, epochs: int, batch_size: i
     largest client is done (finished clients keep their state); run one client at a time
     (``lax.map``), it does only real steps.
 
-    Returns the final state and ``{"train_loss": mean batch loss, "steps": steps taken}``.
+    Returns the final state and ``{"train_loss": mean batch loss, "steps": steps taken}``
+    (``epochs=0``: the state unchanged and zero metrics).
     """
+    if epochs == 0:
+        return state, {"train_loss": jnp.float32(0), "steps": jnp.float32(0)}
     max_examples = data.indices.shape[0]
     padded_length = -(-max_examples // batch_size) * batch_size
     steps_per_epoch = data.count // batch_size if drop_last else -(-data.count // batch_size)

@@ -8,6 +8,8 @@ A client whose returned state, message or metrics hold NaN or inf is caught insi
 ``nonfinite="error"`` rejects the whole round (state unchanged) and ``run_rounds`` raises
 :class:`NonFiniteUpdateError` with the last good state; ``nonfinite="skip"`` gives that client
 weight 0, keeps its previous state and counts it in the metrics.
+A tiered algorithm's clients run per tier (each tier's sampled clients padded to a static size,
+its own broadcast and shapes), see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,30 @@ from jaxfed.simulation.evaluation import evaluate_examples, personalized_metrics
 
 CLIENT_AXIS = "clients"
 NONFINITE_POLICIES = ("error", "skip")
+
+
+class _Group(NamedTuple):
+    """One group of clients run together in a round (all sampled clients, or one tier's)."""
+
+    tier: int
+    ids: jax.Array  # padded with num_clients
+    is_real: jax.Array
+    count: jax.Array
+    message_down: Any
+    new_states: Any
+    messages_up: Any
+    client_metrics: Any
+    bad: jax.Array  # a real client whose update holds NaN / inf
+    kept: jax.Array | None = None  # whose update counts: set by the round's non-finite policy
+
+    def without_bad_clients(self) -> _Group:
+        """``nonfinite=skip``: bad clients send zeros, report zero metrics and are not scattered."""
+        kept = ~self.bad
+        return self._replace(
+            kept=kept,
+            messages_up=select_rows(kept, self.messages_up, jax.tree.map(jnp.zeros_like, self.messages_up)),
+            client_metrics=select_rows(kept, self.client_metrics, jax.tree.map(jnp.zeros_like, self.client_metrics)),
+        )
 
 
 @struct.dataclass
@@ -93,6 +119,8 @@ class Simulation:
         self.data = data
         self.num_clients = data.num_clients
         self.num_sampled = sampling.num_sampled(self.num_clients, participation)
+        tiered = algorithm.num_tiers is not None
+        self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
         self.sampling_mode = sampling_mode
         self.root = jax.random.key(seed)
         devices = list(devices if devices is not None else jax.devices())
@@ -155,16 +183,25 @@ class Simulation:
         inverse = jnp.argsort(order)
         return jax.tree.map(lambda x: x[inverse], outputs)
 
-    def round(self, state: SimState, data: FederatedData):
-        """One round (pure): returns the new state and this round's metrics."""
-        alg = self.algorithm
-        key = sampling.round_key(self.root, state.round)
-        real_ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
-        ids = sampling.pad_ids(real_ids, self.num_devices, fill=self.num_clients)
-        is_real = ids < self.num_clients
+    def _client_groups(self, real_ids):
+        """``[(tier, ids)]`` with static sizes: all sampled clients for an untiered algorithm;
+        for a tiered one, each tier's sampled clients padded to ``min(num_sampled, tier size)``.
+        Every group is padded to a multiple of the device count with dummy ids (``num_clients``)."""
+        fill = self.num_clients
+        if self.tiers is None:
+            groups = [(0, real_ids)]
+        else:
+            groups = [
+                (t, sampling.tier_members(real_ids, lo, hi, min(self.num_sampled, hi - lo), fill))
+                for t, (lo, hi) in enumerate(self.tiers)
+            ]
+        return [(t, sampling.pad_ids(ids, self.num_devices, fill=fill)) for t, ids in groups]
 
+    def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids):
+        """``client_update`` of the clients ``ids`` (one tier): their new states, messages, metrics."""
+        alg = self.algorithm
         client_data = data.train_data(ids)
-        message_down = alg.broadcast(state.server, 0)
+        message_down = alg.broadcast(state.server, tier)
 
         def update(args):
             client_state, indices, count, rng = args
@@ -178,30 +215,48 @@ class Simulation:
             sampling.client_keys(key, ids),
         )
         new_states, messages_up, client_metrics = self._map_clients(update, per_client, client_data.count)
-
+        is_real = ids < self.num_clients
         bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
+        return _Group(tier, ids, is_real, client_data.count, message_down, new_states, messages_up, client_metrics, bad)
+
+    def round(self, state: SimState, data: FederatedData):
+        """One round (pure): returns the new state and this round's metrics."""
+        key = sampling.round_key(self.root, state.round)
+        real_ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
+        groups = [self._update_group(state, data, key, t, ids) for t, ids in self._client_groups(real_ids)]
+
+        any_bad = jnp.any(jnp.concatenate([g.bad for g in groups]))
         if self.nonfinite == "skip":  # a bad client keeps its old state and sends nothing
-            kept = ~bad
-            messages_up = select_rows(kept, messages_up, jax.tree.map(jnp.zeros_like, messages_up))
-            client_metrics = select_rows(kept, client_metrics, jax.tree.map(jnp.zeros_like, client_metrics))
+            groups = [g.without_bad_clients() for g in groups]
             round_ok = jnp.bool_(True)
         else:  # error: the whole round is rejected and the host raises
-            kept = jnp.broadcast_to(~jnp.any(bad), bad.shape)
-            round_ok = ~jnp.any(bad)
+            round_ok = ~any_bad
+            groups = [g._replace(kept=jnp.broadcast_to(round_ok, g.bad.shape)) for g in groups]
 
-        weights = jnp.where(is_real & kept, client_data.count, 0).astype(jnp.float32)
-        server = alg.server_update(state.server, messages_up, weights)
-        server = tree_select(round_ok & jnp.any(weights > 0), server, state.server)
-        clients = scatter_clients(state.clients, jnp.where(kept, ids, self.num_clients), new_states)
+        weights = [jnp.where(g.is_real & g.kept, g.count, 0).astype(jnp.float32) for g in groups]
+        messages = tuple(g.messages_up for g in groups)
+        if self.tiers is None:
+            server = self.algorithm.server_update(state.server, messages[0], weights[0])
+        else:
+            server = self.algorithm.server_update(state.server, messages, tuple(weights))
+        any_weight = jnp.any(jnp.concatenate(weights) > 0)
+        server = tree_select(round_ok & any_weight, server, state.server)
+        clients = state.clients
+        for g in groups:
+            clients = scatter_clients(clients, jnp.where(g.kept, g.ids, self.num_clients), g.new_states)
 
-        per_client_up = tree_bytes(messages_up) // len(ids)
+        client_metrics = jax.tree.map(lambda *rows: jnp.concatenate(rows), *(g.client_metrics for g in groups))
+        sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
+        bytes_per_client = [float(tree_bytes(g.messages_up) // len(g.ids)) for g in groups]
         metrics = {
-            **weighted_mean(client_metrics, weights),
-            "bytes_up": jnp.float32(per_client_up * self.num_sampled),
-            "bytes_down": jnp.float32(tree_bytes(message_down) * self.num_sampled),
-            "nonfinite_clients": jnp.sum(bad).astype(jnp.float32),
-            "nonfinite_ids": jnp.where(bad, ids, -1),
+            **weighted_mean(client_metrics, jnp.concatenate(weights)),
+            "bytes_up": sum(n * b for n, b in zip(sent, bytes_per_client)),
+            "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
+            "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),
+            "nonfinite_ids": jnp.concatenate([jnp.where(g.bad, g.ids, -1) for g in groups]),
         }
+        if self.tiers is not None:
+            metrics.update({f"bytes_up_client_tier{g.tier}": jnp.float32(b) for g, b in zip(groups, bytes_per_client)})
         next_round = state.round + round_ok.astype(state.round.dtype)
         return SimState(server=server, clients=clients, round=next_round), metrics
 

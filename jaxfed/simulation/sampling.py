@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxfed.errors import ConfigError
+
 SAMPLINGS = ("uniform", "fixed")
 
 _INIT, _ROUNDS, _COHORT = 0, 1, 2
@@ -38,6 +40,24 @@ def sample_clients(root, round_key_, num_clients: int, count: int, sampling: str
     cohort drawn once from the root key (``fixed``)."""
     key = jax.random.fold_in(root, _COHORT) if sampling == "fixed" else jax.random.fold_in(round_key_, _SAMPLE)
     return jnp.sort(jax.random.choice(key, num_clients, (count,), replace=False)).astype(jnp.int32)
+
+
+def tier_bounds(num_clients: int, num_tiers: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` client-id ranges of ``num_tiers`` equal contiguous blocks: client k is in tier
+    ``k * num_tiers // num_clients``. Raises :class:`ConfigError` when a tier would be empty."""
+    if not 1 <= num_tiers <= num_clients:
+        raise ConfigError(
+            f"tiers: {num_tiers} tiers for {num_clients} clients; allowed 1..{num_clients} (every tier needs a client)"
+        )
+    starts = [-(-t * num_clients // num_tiers) for t in range(num_tiers + 1)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def tier_members(ids, lo: int, hi: int, size: int, fill: int):
+    """The ids in ``[lo, hi)``, first, in a fixed-size array padded with ``fill``."""
+    inside = (ids >= lo) & (ids < hi)
+    (positions,) = jnp.nonzero(inside, size=size, fill_value=0)
+    return jnp.where(jnp.arange(size) < jnp.sum(inside), ids[positions], fill).astype(ids.dtype)
 
 
 def pad_ids(ids, multiple: int, fill: int):

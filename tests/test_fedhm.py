@@ -1,0 +1,103 @@
+"""FedHM: exact at full rank, per-tier ranks and bytes, reconstruction-then-average, tier errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_federation
+
+from jaxfed.algorithms.fedhm import fedhm
+from jaxfed.algorithms.training import sgd
+from jaxfed.cli import main
+from jaxfed.config import Config
+from jaxfed.core import lowrank
+from jaxfed.errors import ConfigError
+from jaxfed.nn.factorized import factorized_execution, interior_layers
+from jaxfed.simulation import Simulation
+
+
+def _fedhm(model, lr=0.05, **options):
+    return fedhm(model, sgd(lr), local_epochs=1, batch_size=32, **options)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
+def test_full_rank_factors_reproduce_the_global_model(digits, model_name, request):
+    model = request.getfixturevalue(model_name)
+    alg = _fedhm(model, tiers=(1.0, 0.25))
+    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    broadcast = jax.jit(alg.broadcast, static_argnums=1)
+    x = jnp.asarray(digits.x_test[:32])
+
+    @jax.jit
+    def logits(params):
+        with factorized_execution():
+            return model.apply({"params": params}, x)[0]
+
+    factorized = broadcast(server, 0)
+    assert all("kernel" not in lowrank.get_layer(factorized, k) for k in interior_layers(model))
+    expected = logits(server["params"])
+    np.testing.assert_allclose(logits(factorized), expected, rtol=1e-4, atol=1e-4)
+    truncated = logits(broadcast(server, 1))  # the rank-0.25 tier is a different model
+    assert float(jnp.abs(truncated - expected).max()) > 1e-3
+
+
+def test_a_round_with_lr_zero_leaves_the_global_model_unchanged(small_cnn, digits):
+    fed = make_federation(digits, num_clients=4, alpha=0.5)
+    sim = Simulation(_fedhm(small_cnn, lr=0.0, tiers=(1.0,)), small_cnn, fed, participation=1.0)
+    start = sim.init()
+    state, _ = sim.run_rounds(start, 1)
+    for before, after in zip(jax.tree.leaves(start.server), jax.tree.leaves(state.server)):
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_server_reconstructs_each_upload_then_averages_with_sample_weights(mlp):
+    alg = _fedhm(mlp, tiers=(0.5, 0.25))
+    server, _ = alg.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+
+    def noisy(tree, n):  # n clients' uploads: the broadcast factors plus client-specific noise
+        return jax.tree.map(lambda a: jnp.asarray(a + rng.normal(size=(n,) + a.shape), jnp.float32), tree)
+
+    messages = (noisy(alg.broadcast(server, 0), 2), noisy(alg.broadcast(server, 1), 1))
+    weights = (jnp.array([10.0, 30.0]), jnp.array([60.0]))
+    new = alg.server_update(server, messages, weights)
+
+    uploads = [jax.tree.map(lambda a, i=i: np.float64(a[i]), m) for m, n in zip(messages, (2, 1)) for i in range(n)]
+    fc2 = [m["fc2"]["u"] @ m["fc2"]["v"].T for m in uploads]  # each client's kernel, then the mean
+    expected = (10 * fc2[0] + 30 * fc2[1] + 60 * fc2[2]) / 100
+    np.testing.assert_allclose(new["params"]["fc2"]["kernel"], expected, rtol=1e-4, atol=1e-4)
+    head = [m["head"]["kernel"] for m in uploads]
+    expected = (10 * head[0] + 30 * head[1] + 60 * head[2]) / 100
+    np.testing.assert_allclose(new["params"]["head"]["kernel"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fedhm_learns_with_upload_bytes_falling_with_the_tier_ratio(mlp, digits):
+    fed = make_federation(digits, num_clients=9, alpha=0.5)
+    alg = _fedhm(mlp, tiers=(1.0, 0.5, 0.25))
+    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    fc2 = alg.broadcast(server, 2)["fc2"]  # 200 x 200 at ratio 0.25
+    assert fc2["u"].shape == (200, 50) and fc2["v"].shape == (200, 50)
+    sim = Simulation(alg, mlp, fed, participation=1.0)
+    state, metrics = sim.run_rounds(sim.init(), 8)
+    per_client = [float(metrics[f"bytes_up_client_tier{t}"][0]) for t in range(3)]
+    fc2_bytes = [4 * 2 * 200 * r for r in (200, 100, 50)]
+    assert per_client[0] - per_client[1] == fc2_bytes[0] - fc2_bytes[1]
+    assert per_client[1] - per_client[2] == fc2_bytes[1] - fc2_bytes[2]
+    assert float(metrics["bytes_up"][0]) == 3 * sum(per_client)  # 3 clients per tier, all sampled
+    assert sim.evaluate(state)["global_acc"] > 0.8
+
+
+def test_tier_errors_are_clear(mlp, digits, capsys, tmp_path):
+    fed = make_federation(digits, num_clients=3, alpha=0.5)
+    with pytest.raises(ConfigError, match=r"tiers: 4 tiers for 3 clients; allowed 1..3"):
+        Simulation(_fedhm(mlp, tiers=(1.0, 0.5, 0.25, 0.1)), mlp, fed)
+    with pytest.raises(ConfigError, match=r"tiers: a rank ratio must be in \(0, 1\], got 1.5"):
+        _fedhm(mlp, tiers=(1.5,))
+    with pytest.raises(ConfigError, match=r"tiers: every rank ratio must be in \(0, 1\], got 0.0"):
+        Config().with_overrides(["tiers=0.5,0"]).tier_ratios(())
+    with pytest.raises(ConfigError, match=r"tiers: expected comma-separated rank ratios"):
+        Config().with_overrides(["tiers=half"]).validate()
+    with pytest.raises(ConfigError, match=r"tiers: 3 tiers for 2 clients"):
+        Config().with_overrides(["tiers=1,0.5,0.25", "num_clients=2"]).validate()
+    assert main(["run", "fedhm", "--quiet", "--out", str(tmp_path / "r"), "--set", "tiers=0.5,2"]) == 2
+    assert "tiers: every rank ratio must be in (0, 1], got 2.0 in '0.5,2'" in capsys.readouterr().err
