@@ -69,6 +69,11 @@ def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_ran
     return _Adapted(template, bool(private_stats), ranks, (lora_alpha or rank) / rank)
 
 
+def _shared_message(server_state, tier=0):
+    """What every FedLoRU-family client receives: W, the global factors and what W already holds."""
+    return {k: server_state[k] for k in ("params", "loras", "merged")}
+
+
 def _zeros_like(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
@@ -149,9 +154,6 @@ def fedloru(
     global_params = _global_model(adapted)
     aggregate = _aggregate(adapted, accumulate_every, reinit)
 
-    def broadcast(server_state, tier=0):
-        return {k: server_state[k] for k in ("params", "loras", "merged")}
-
     def client_update(message, client_state, data, rng):
         free, frozen = adapted.split(message["params"])
 
@@ -164,15 +166,14 @@ def fedloru(
         )
         return {"model_state": model_state}, trained, metrics
 
-    def server_update(server_state, messages, weights):
-        return aggregate(server_state, messages["free"], messages["loras"], weights)
-
     return FederatedAlgorithm(
         name=name,
         init=_server_init(model, adapted),
-        broadcast=broadcast,
+        broadcast=_shared_message,
         client_update=client_update,
-        server_update=server_update,
+        server_update=lambda server_state, messages, weights: aggregate(
+            server_state, messages["free"], messages["loras"], weights
+        ),
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
         global_params=None if adapted.has_private_stats else global_params,
     )
@@ -208,9 +209,6 @@ def pfedloru(
         server, client = server_init(server_rng)
         return server, {**client, "personal": personal.fresh(personal_rng)}
 
-    def broadcast(server_state, tier=0):
-        return {k: server_state[k] for k in ("params", "loras", "merged")}
-
     def client_update(message, client_state, data, rng):
         personal_rng, global_rng = jax.random.split(rng)
         free, frozen = adapted.split(message["params"])
@@ -244,9 +242,6 @@ def pfedloru(
         metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
         return {"model_state": model_state, "personal": personal_pair}, trained, metrics
 
-    def server_update(server_state, messages, weights):
-        return aggregate(server_state, messages["free"], messages["loras"], weights)
-
     def eval_params(server_state, client_state):
         shared = global_params(server_state)["params"]
         params = lowrank.add_loras(shared, client_state["personal"], personal.scale, LAYOUT)
@@ -255,9 +250,11 @@ def pfedloru(
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=broadcast,
+        broadcast=_shared_message,
         client_update=client_update,
-        server_update=server_update,
+        server_update=lambda server_state, messages, weights: aggregate(
+            server_state, messages["free"], messages["loras"], weights
+        ),
         eval_params=eval_params,
         global_params=None if adapted.has_private_stats else global_params,
     )
@@ -316,7 +313,7 @@ def mfedloru(
         return starts
 
     def broadcast(server_state, tier):
-        message = {k: server_state[k] for k in ("params", "loras", "merged")}
+        message = _shared_message(server_state)
         if tier_ranks[tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
             return message
         # The nested pairs' start (a real deployment would send its seed; counted as sent here).
