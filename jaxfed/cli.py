@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from jaxfed.config import Config
+from jaxfed.config import Config, read_config_file
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
@@ -29,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("algorithm", nargs="?", help="algorithm name (default: fedavg)")
     run.add_argument("--dataset", help="dataset name (default: digits)")
     run.add_argument("--data-dir", help="directory with <dataset>.npz files or TFDS data")
+    run.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="config file of 'key = value' lines (# comments), applied before the options (repeatable)",
+    )
     run.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
     )
@@ -52,11 +59,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args, base: Config | None = None) -> Config:
-    pairs = list(args.set)
+    """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
+    files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set``."""
+    pairs = [pair for path in args.config for pair in read_config_file(path)]
     for key, value in (("algorithm", args.algorithm), ("dataset", args.dataset), ("data_dir", args.data_dir)):
         if value is not None:
-            pairs.insert(0, f"{key}={value}")
-    return (base or Config()).with_overrides(pairs).validate()
+            pairs.append(f"{key}={value}")
+    return (base or Config()).with_overrides(pairs + list(args.set)).validate()
 
 
 def _run(args) -> int:

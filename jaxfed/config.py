@@ -1,8 +1,9 @@
 """Every run setting in one place, with its default and meaning (``jaxfed list`` prints them).
 
-``Config`` is a frozen dataclass; ``Config.from_overrides(["lr=0.1", ...])`` parses the CLI's
-``--set key=value`` pairs and ``validate()`` turns each user mistake into one clear
-:class:`ConfigError` naming the field and its allowed values.
+``Config`` is a frozen dataclass; ``Config().with_overrides(["lr=0.1", ...])`` parses the CLI's
+``--set key=value`` pairs (:func:`read_config_file` reads a ``--config`` file into such pairs),
+and ``validate()`` turns each user mistake into one clear :class:`ConfigError` naming the field
+and its allowed values.
 """
 
 from __future__ import annotations
@@ -56,12 +57,21 @@ class Config:
     mu: float = _field(0.01, "fedprox proximal coefficient")
     # low-rank
     lora_rank: int = _field(16, "fedlora/fedloru: rank r of every LoRA update (at most the layer's matricized min dim)")
-    lora_alpha: float = _field(0.0, "fedlora/fedloru: LoRA alpha, scale = alpha / r; 0 = alpha equals r (scale 1)")
+    lora_alpha: float = _field(
+        0.0, "LoRA alpha of fedlora/fedloru and feddecomp's private part: scale = alpha / r; 0 = scale 1"
+    )
     accumulate_every: int = _field(50, "fedloru: fold the LoRA updates into the global model every this many rounds")
     reinit: bool = _field(True, "fedloru: restart the LoRA factors after accumulating (false: continue them)")
     personal_rank: int = _field(8, "pfedloru: rank of the personal LoRA pair (the global pair has lora_rank)")
     personal_epochs: int = _field(1, "pfedloru: epochs on the personal pair each round, before the global pair")
     global_epochs: int = _field(1, "pfedloru: epochs on the global pair (and the full-rank layers) each round")
+    rank_dense: float = _field(0.6, "feddecomp: rank ratio R_l of the private part of Dense kernels, in (0, 1]")
+    rank_conv: float = _field(0.6, "feddecomp: rank ratio R_c of the private part of Conv kernels, in (0, 1]")
+    lora_epochs: int = _field(
+        -1, "feddecomp: epochs on the private low-rank part before the shared part; -1 = round(0.4 * local_epochs)"
+    )
+    schedule: str = _field("alternating", "feddecomp: alternating (private part, then shared) or simultaneous")
+    decomp_aggregation: str = _field("uniform", "feddecomp: server mean over uploads, uniform (paper) or samples")
     tiers: str = _field(
         "",
         "tiered algorithms (fedhm, mfedloru): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
@@ -124,6 +134,7 @@ class Config:
         """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
         from jaxfed.algorithms import ALGORITHMS
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
+        from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
         from jaxfed.data import DATASETS, PARTITIONERS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
@@ -138,6 +149,15 @@ class Config:
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("decomp_aggregation", self.decomp_aggregation, AGGREGATIONS)
+        for name in ("rank_dense", "rank_conv"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name}: a rank ratio must be in (0, 1], got {getattr(self, name)}")
+        if not -1 <= self.lora_epochs <= self.local_epochs:
+            raise ConfigError(
+                f"lora_epochs: must be -1 (auto) or in 0..local_epochs ({self.local_epochs}), got {self.lora_epochs}"
+            )
         if not 0 < self.participation <= 1:
             raise ConfigError(f"participation: must be in (0, 1], got {self.participation}")
         if not self.alpha > 0:
@@ -184,6 +204,26 @@ class Config:
                 "every tier needs at least one client"
             )
         return self
+
+
+def read_config_file(path) -> list[str]:
+    """The ``key=value`` pairs of a config file: one ``key = value`` per line, ``#`` starts a comment."""
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read '{path}': {err.strerror or err}") from None
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--config: {path} line {number}: expected 'key = value', got '{line}'")
+        pairs.append(f"{key.strip()}={value.strip()}")
+    return pairs
 
 
 def parse_tiers(text: str) -> tuple[float, ...]:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxfed.cli import main
+from jaxfed.cli import _parser, config_from_args, main
 
 SUMMARY_KEYS = {
     "algorithm",
@@ -117,3 +117,32 @@ def test_installed_entry_point_lists_and_fails_cleanly():
     assert bad.stderr.strip().splitlines() == [
         f"jaxfed: error: algorithm: unknown 'nope'; allowed: {', '.join(ALGORITHMS)}"
     ]
+
+
+def test_config_files_apply_in_order_before_the_command_line(tmp_path):
+    base, variant = tmp_path / "base.conf", tmp_path / "variant.conf"
+    base.write_text("# base settings\nalgorithm = fedprox\nrounds = 7\nlr = 0.2  # paper value\n\nmu = 0.5\n")
+    variant.write_text("rounds = 9\n")
+    args = _parser().parse_args(["run", "--config", str(base), "--config", str(variant), "--set", "mu=0.1"])
+    config = config_from_args(args)
+    assert (config.algorithm, config.rounds, config.lr, config.mu) == ("fedprox", 9, 0.2, 0.1)
+    args = _parser().parse_args(["run", "local", "--config", str(base)])
+    assert config_from_args(args).algorithm == "local"  # the positional algorithm overrides the file
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (None, "--config: cannot read"),
+        ("rounds = 5\nlocal_epochs\n", "line 2: expected 'key = value', got 'local_epochs'"),
+        ("roundz = 5\n", "unknown config key 'roundz'; did you mean rounds?"),
+    ],
+)
+def test_bad_config_files_are_one_line_errors(text, expected, tmp_path, capsys):
+    path = tmp_path / "run.conf"
+    if text is not None:
+        path.write_text(text)
+    assert main(["run", "--config", str(path), "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
+    assert not (tmp_path / "r").exists()

@@ -3,7 +3,7 @@
 ``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
 """
 
-from jaxfed.algorithms import fedavg, fedhm, fedloru, fedprox, local
+from jaxfed.algorithms import fedavg, feddecomp, fedhm, fedloru, fedprox, local
 from jaxfed.algorithms.base import FederatedAlgorithm
 
 ALGORITHMS = {
@@ -15,6 +15,7 @@ ALGORITHMS = {
     "pfedloru": fedloru.pfedloru_from_config,
     "mfedloru": fedloru.mfedloru_from_config,
     "fedhm": fedhm.from_config,
+    "feddecomp": feddecomp.from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]
