@@ -72,9 +72,25 @@ class Config:
     )
     schedule: str = _field("alternating", "feddecomp: alternating (private part, then shared) or simultaneous")
     decomp_aggregation: str = _field("uniform", "feddecomp: server mean over uploads, uniform (paper) or samples")
+    pack_size: int = _field(1024, "fedcspack: parameters per pack (the flattened model is zero-padded to packs)")
+    share_ratio: float = _field(0.1, "fedcspack: top_k shares K = ceil(share_ratio * packs) packs, in (0, 1]")
+    select: str = _field("top_k", "fedcspack: top_k (paper) or all_below (every pack below the cosine threshold)")
+    weight: str = _field("cos_kl", "fedcspack: pack weight |cos + KL| (cos_kl), |cos| (cos) or |KL| (kl)")
+    merge: str = _field("masked", "fedcspack: masked (global packs where the global mask is set) or full")
+    lambda_: float = _field(
+        2.0, "fedara: anchor alignment weight lambda (key 'lambda'; paper: 10 homogeneous, 2 CIFAR-10)"
+    )
+    lambda_warmup_rounds: int = _field(10, "fedara: lambda ramps linearly from 0 (round 1) over this many rounds")
+    mu_fro: float = _field(1e-3, "fedara: Frobenius decay of the decomposed layers, mu * sum ||U V^T||_F^2")
+    anchor_loss: str = _field(
+        "mean", "fedara: anchor MSE averaged over feature dimensions (mean) or summed over them (sum)"
+    )
+    decompose_layers: str = _field(
+        "", "fedara: comma-separated feature-extractor layers to decompose; empty = all but the first"
+    )
     tiers: str = _field(
         "",
-        "tiered algorithms (fedhm, mfedloru): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
+        "tiered algorithms (fedhm, mfedloru, fedara): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
         "(mfedloru: relative to lora_rank); clients split into equal contiguous id blocks; "
         "empty = the algorithm's default",
     )
@@ -103,22 +119,25 @@ class Config:
 
     @classmethod
     def describe(cls) -> list[tuple[str, object, str]]:
-        return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]
+        """``(key, default, help)`` of every field; a key is its field's name without a trailing
+        underscore (``lambda`` is the field ``lambda_``)."""
+        return [(f.name.rstrip("_"), f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]
 
     def with_overrides(self, pairs: Iterable[str]) -> Config:
         """A copy with ``key=value`` pairs applied (values parsed to the field's type)."""
-        types = {f.name: type(f.default) for f in dataclasses.fields(self)}
+        fields = {f.name.rstrip("_"): f for f in dataclasses.fields(self)}
+        fields.update({f.name: f for f in dataclasses.fields(self)})
         changes = {}
         for pair in pairs:
             key, sep, raw = pair.partition("=")
             key = key.strip().replace("-", "_")
             if not sep:
                 raise ConfigError(f"--set: expected key=value, got '{pair}'")
-            if key not in types:
-                close = difflib.get_close_matches(key, types, n=3)
+            if key not in fields:
+                close = difflib.get_close_matches(key, [k for k in fields if not k.endswith("_")], n=3)
                 hint = f"; did you mean {', '.join(close)}?" if close else "; see `jaxfed list`"
                 raise ConfigError(f"unknown config key '{key}'{hint}")
-            changes[key] = _parse(key, raw.strip(), types[key])
+            changes[fields[key].name] = _parse(key, raw.strip(), type(fields[key].default))
         return dataclasses.replace(self, **changes)
 
     def tier_ratios(self, default: tuple[float, ...]) -> tuple[float, ...]:
@@ -133,8 +152,11 @@ class Config:
     def validate(self) -> Config:
         """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
         from jaxfed.algorithms import ALGORITHMS
+        from jaxfed.algorithms.fedara import ANCHOR_LOSSES
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
+        from jaxfed.algorithms.fedcspack import MERGES, SELECTIONS
         from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
+        from jaxfed.core.packs import WEIGHTS
         from jaxfed.data import DATASETS, PARTITIONERS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
@@ -151,6 +173,12 @@ class Config:
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("decomp_aggregation", self.decomp_aggregation, AGGREGATIONS)
+        _choice("select", self.select, SELECTIONS)
+        _choice("weight", self.weight, WEIGHTS)
+        _choice("merge", self.merge, MERGES)
+        _choice("anchor_loss", self.anchor_loss, ANCHOR_LOSSES)
+        if not 0 < self.share_ratio <= 1:
+            raise ConfigError(f"share_ratio: must be in (0, 1], got {self.share_ratio}")
         for name in ("rank_dense", "rank_conv"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name}: a rank ratio must be in (0, 1], got {getattr(self, name)}")
@@ -174,6 +202,7 @@ class Config:
             "lora_rank",
             "accumulate_every",
             "personal_rank",
+            "pack_size",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -195,9 +224,12 @@ class Config:
             "lora_alpha",
             "personal_epochs",
             "global_epochs",
+            "lambda_",
+            "lambda_warmup_rounds",
+            "mu_fro",
         ):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name.rstrip('_')}: must be >= 0, got {getattr(self, name)}")
         if self.tiers.strip() and len(parse_tiers(self.tiers)) > self.num_clients:
             raise ConfigError(
                 f"tiers: {len(parse_tiers(self.tiers))} tiers for {self.num_clients} clients; "

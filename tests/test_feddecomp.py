@@ -124,13 +124,13 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_no_lora_epochs_with_sample_weights_follows_fedavg(small_cnn, digits_federation):
+def test_no_lora_epochs_with_sample_weights_follows_fedavg(mlp, digits_federation):
     servers = []
     for alg in (
-        _feddecomp(small_cnn, local_epochs=1, lora_epochs=0, aggregation="samples"),
-        fedavg(small_cnn, sgd(0.05), local_epochs=1, batch_size=32),
+        _feddecomp(mlp, local_epochs=1, lora_epochs=0, aggregation="samples"),
+        fedavg(mlp, sgd(0.05), local_epochs=1, batch_size=32),
     ):
-        sim = Simulation(alg, small_cnn, digits_federation, participation=0.5)
+        sim = Simulation(alg, mlp, digits_federation, participation=0.5)
         servers.append(sim.run_rounds(sim.init(), 3)[0].server["params"])
     for a, b in zip(jax.tree.leaves(servers[0]), jax.tree.leaves(servers[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

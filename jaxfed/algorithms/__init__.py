@@ -3,7 +3,7 @@
 ``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
 """
 
-from jaxfed.algorithms import fedavg, feddecomp, fedhm, fedloru, fedprox, local
+from jaxfed.algorithms import fedara, fedavg, fedcspack, feddecomp, fedhm, fedloru, fedprox, local
 from jaxfed.algorithms.base import FederatedAlgorithm
 
 ALGORITHMS = {
@@ -16,6 +16,8 @@ ALGORITHMS = {
     "mfedloru": fedloru.mfedloru_from_config,
     "fedhm": fedhm.from_config,
     "feddecomp": feddecomp.from_config,
+    "fedcspack": fedcspack.from_config,
+    "fedara": fedara.from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]

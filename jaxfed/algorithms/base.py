@@ -34,3 +34,5 @@ class FederatedAlgorithm(NamedTuple):
     eval_params: Callable[[Any, Any], Any]
     global_params: Callable[[Any], Any] | None = None
     num_tiers: int | None = None
+    message_bytes: Callable[[Any], Any] | None = None
+    eval_server: Callable[[Any, int], Any] | None = None

@@ -35,6 +35,15 @@ def tier_ranks(template, layers: list[str], tiers) -> list[dict[str, int]]:
     ]
 
 
+def reconstruct_and_average(previous, messages, weights):
+    """Every tier's uploads reconstructed to full kernels, then their sample-weighted mean over all
+    tiers (``previous`` when nobody contributed): FedHM's and FedARA's server step."""
+    full = [jax.vmap(lowrank.reconstruct_layers)(tier_messages) for tier_messages in messages]
+    stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *full)
+    all_weights = jnp.concatenate(weights)
+    return tree_select(jnp.sum(all_weights) > 0, weighted_mean(stacked, all_weights), previous)
+
+
 def fedhm(
     model,
     optimizer: optax.GradientTransformation,
@@ -77,11 +86,7 @@ def fedhm(
         return {"model_state": model_state}, trained, metrics
 
     def server_update(server_state, messages, weights):
-        full = [jax.vmap(lowrank.reconstruct_layers)(tier_messages) for tier_messages in messages]
-        stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *full)
-        all_weights = jnp.concatenate(weights)
-        params = weighted_mean(stacked, all_weights)
-        return {"params": tree_select(jnp.sum(all_weights) > 0, params, server_state["params"])}
+        return {"params": reconstruct_and_average(server_state["params"], messages, weights)}
 
     def eval_params(server_state, client_state):
         return {"params": server_state["params"], **client_state["model_state"]}

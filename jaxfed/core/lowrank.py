@@ -234,6 +234,11 @@ def factorizable_layers(params, include: Sequence[str] = (), exclude: Sequence[s
     return keys
 
 
+def layers_with_factors(params) -> dict[str, dict]:
+    """``{key: layer}`` of the layers of ``params`` that hold factors ``u, v``."""
+    return {key: layer for key, layer in _layers(params) if "u" in layer}
+
+
 def kernel_shape_of(layer: dict) -> tuple[int, ...]:
     """The full kernel shape of a plain or factorized layer."""
     if "kernel" in layer:

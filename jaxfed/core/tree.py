@@ -47,8 +47,9 @@ def masked_weighted_mean(previous, stacked, masks, weights):
     """Per position, ``sum_k w_k m_k x_k / sum_k w_k m_k`` over the client axis, where that
     denominator is positive; ``previous`` where no client (with positive weight) sent the position.
 
-    ``masks`` has the structure and shapes of ``stacked`` (bool or 0/1): which positions each
-    client sent. ``previous`` has the shapes of one client's row.
+    ``masks`` has the structure of ``stacked``, each leaf broadcastable to its shape: which
+    positions each client sent (bool or 0/1), or a per-position weight that is 0 where not sent.
+    ``previous`` has the shapes of one client's row.
     """
     weights = jnp.asarray(weights, jnp.float32)
 

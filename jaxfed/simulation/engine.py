@@ -219,6 +219,12 @@ class Simulation:
         bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
         return _Group(tier, ids, is_real, client_data.count, message_down, new_states, messages_up, client_metrics, bad)
 
+    def _client_bytes(self, group: _Group) -> jax.Array:
+        """``[clients]``: the bytes each client of ``group`` uploads."""
+        if self.algorithm.message_bytes is None:
+            return jnp.full(len(group.ids), float(tree_bytes(group.messages_up) // len(group.ids)), jnp.float32)
+        return jax.vmap(self.algorithm.message_bytes)(group.messages_up).astype(jnp.float32)
+
     def round(self, state: SimState, data: FederatedData):
         """One round (pure): returns the new state and this round's metrics."""
         key = sampling.round_key(self.root, state.round)
@@ -247,16 +253,23 @@ class Simulation:
 
         client_metrics = jax.tree.map(lambda *rows: jnp.concatenate(rows), *(g.client_metrics for g in groups))
         sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
-        bytes_per_client = [float(tree_bytes(g.messages_up) // len(g.ids)) for g in groups]
+        client_bytes = [self._client_bytes(g) for g in groups]
         metrics = {
             **weighted_mean(client_metrics, jnp.concatenate(weights)),
-            "bytes_up": sum(n * b for n, b in zip(sent, bytes_per_client)),
+            "bytes_up": sum(jnp.sum(jnp.where(g.is_real, b, 0.0)) for g, b in zip(groups, client_bytes)),
             "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
             "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),
             "nonfinite_ids": jnp.concatenate([jnp.where(g.bad, g.ids, -1) for g in groups]),
         }
-        if self.tiers is not None:
-            metrics.update({f"bytes_up_client_tier{g.tier}": jnp.float32(b) for g, b in zip(groups, bytes_per_client)})
+        if self.tiers is not None:  # what one client of the tier uploads (the mean, if it varies)
+            metrics.update(
+                {
+                    f"bytes_up_client_tier{g.tier}": jnp.sum(jnp.where(g.is_real, b, 0.0)) / jnp.maximum(n, 1.0)
+                    if self.algorithm.message_bytes
+                    else b[0]
+                    for g, b, n in zip(groups, client_bytes, sent)
+                }
+            )
         next_round = state.round + round_ok.astype(state.round.dtype)
         return SimState(server=server, clients=clients, round=next_round), metrics
 
@@ -292,15 +305,21 @@ class Simulation:
         eval_batch = min(batch, test.indices.shape[1])
         clients_per_chunk = max(1, self.eval_examples_per_call // eval_batch)
 
-        def one_client(args):
-            client_state, indices, count = args
-            variables = alg.eval_params(state.server, client_state)
-            view = ClientData(x=data.x_test, y=data.y_test, indices=indices, count=count)
-            return evaluate_examples(model, variables, view, eval_batch)
+        def evaluate_block(server_view, lo, hi):
+            def one_client(args):
+                client_state, indices, count = args
+                variables = alg.eval_params(server_view, client_state)
+                view = ClientData(x=data.x_test, y=data.y_test, indices=indices, count=count)
+                return evaluate_examples(model, variables, view, eval_batch)
 
-        correct, loss, count = jax.lax.map(
-            one_client, (state.clients, test.indices, test.count), batch_size=clients_per_chunk
-        )
+            block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
+            return jax.lax.map(one_client, block, batch_size=clients_per_chunk)
+
+        if alg.eval_server is None:
+            correct, loss, count = evaluate_block(state.server, 0, self.num_clients)
+        else:  # each tier's clients against that tier's view of the server, computed once
+            blocks = [evaluate_block(alg.eval_server(state.server, t), lo, hi) for t, (lo, hi) in enumerate(self.tiers)]
+            correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
         metrics = personalized_metrics(correct, loss, count)
         if alg.global_params is not None:
             pooled = pooled_view(data.x_test, data.y_test)

@@ -1,0 +1,152 @@
+"""FedCSPACK (Yang et al.): cosine-guided sparse parameter packs with double-weight aggregation.
+
+The model's parameters are seen as packs of ``pack_size`` values (:mod:`jaxfed.core.packs`).
+The server holds the global model and a global mask ``M`` (one weight per pack) and broadcasts
+both. A client merges (``merge="masked"``, the paper: packs the mask flags take the global
+values, the others keep the client's own; ``merge="full"``, the authors' code: the whole global
+model), trains ``local_epochs``, then scores its raw weights against the global ones: the
+whole-model cosine ``theta_a`` is the threshold, a pack is a candidate when its cosine
+``theta_j < theta_a``, and ``select="top_k"`` shares the ``K = ceil(share_ratio * packs)``
+candidates of lowest cosine (``select="all_below"``, the authors' code: every candidate). A
+selected pack's double weight is ``|theta_j + beta_j|`` with ``beta_j = KL(softmax(global_j) ||
+softmax(local_j))`` (``weight="cos"`` / ``"kl"``: one term). The client uploads only the selected
+packs' deltas, their indices and weights; the server moves each pack to the weight-averaged
+senders' pack (packs nobody sent stay) and the new mask is the sum of the weights.
+
+The message has a static number of slots (``K``, or every pack for ``all_below``) and a
+``sent`` flag per slot; ``bytes_up`` counts only the sent slots (values, index, weight).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.training import client_optimizer, split_variables, train_classifier
+from jaxfed.core import packs as pk
+from jaxfed.errors import ConfigError
+
+MERGES = ("masked", "full")
+SELECTIONS = ("top_k", "all_below")
+INDEX_BYTES = WEIGHT_BYTES = 4
+
+
+def merge_packs(local_packs, global_packs, global_mask, merge: str = "masked"):
+    """The client's starting packs: global where the mask is non-zero (``masked``) or everywhere."""
+    if merge == "full":
+        return global_packs
+    return jnp.where(global_mask[:, None] > 0, global_packs, local_packs)
+
+
+def score_and_select(local_packs, global_packs, slots: int, weight: str = "cos_kl"):
+    """``(indices, sent, weights)`` of the packs a client shares, ``slots`` of them (static)."""
+    threshold = pk.cosine(local_packs.reshape(-1), global_packs.reshape(-1))
+    theta = pk.pack_cosine(local_packs, global_packs)
+    indices, sent = pk.select_packs(theta, threshold, slots)
+    beta = pk.pack_kl(local_packs, global_packs)
+    weights = jnp.where(sent, pk.pack_weights(theta[indices], beta[indices], weight), 0.0)
+    return indices, sent, weights
+
+
+def fedcspack(
+    model,
+    optimizer: optax.GradientTransformation,
+    *,
+    local_epochs: int,
+    batch_size: int,
+    drop_last: bool = False,
+    pack_size: int = 1024,
+    share_ratio: float = 0.1,
+    select: str = "top_k",
+    weight: str = "cos_kl",
+    merge: str = "masked",
+    name: str = "fedcspack",
+) -> FederatedAlgorithm:
+    if merge not in MERGES:
+        raise ConfigError(f"merge: unknown '{merge}'; allowed: {', '.join(MERGES)}")
+    if select not in SELECTIONS:
+        raise ConfigError(f"select: unknown '{select}'; allowed: {', '.join(SELECTIONS)}")
+    if weight not in pk.WEIGHTS:
+        raise ConfigError(f"weight: unknown '{weight}'; allowed: {', '.join(pk.WEIGHTS)}")
+    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    view = pk.pack_view(template, pack_size)
+    top_k = pk.num_selected(view.num_packs, share_ratio)
+    slots = top_k if select == "top_k" else view.num_packs
+    pack_bytes = pack_size * jnp.dtype(jnp.float32).itemsize + INDEX_BYTES + WEIGHT_BYTES
+
+    def init(rng):
+        params, model_state = split_variables(model.init(rng))
+        server = {"params": params, "mask": jnp.ones((view.num_packs,), jnp.float32)}  # round 1: all global
+        return server, {"params": params, "model_state": model_state}
+
+    def personalized_params(server_state, client_state):
+        """The client's model after receiving the global model and mask."""
+        merged = merge_packs(
+            view.to_packs(client_state["params"]), view.to_packs(server_state["params"]), server_state["mask"], merge
+        )
+        return view.to_tree(merged)
+
+    def client_update(message, client_state, data, rng):
+        start = personalized_params(message, client_state)
+        variables, metrics = train_classifier(
+            model,
+            optimizer,
+            {"params": start, **client_state["model_state"]},
+            data,
+            rng,
+            epochs=local_epochs,
+            batch_size=batch_size,
+            drop_last=drop_last,
+        )
+        params, model_state = split_variables(variables)
+        local_packs, global_packs = view.to_packs(params), view.to_packs(message["params"])
+        indices, sent, weights = score_and_select(local_packs, global_packs, slots, weight)
+        deltas = jnp.where(sent[:, None], local_packs[indices] - global_packs[indices], 0.0)
+        upload = {"indices": indices, "sent": sent, "deltas": deltas, "weights": weights}
+        metrics = {**metrics, "packs_sent": jnp.sum(sent).astype(jnp.float32)}
+        return {"params": params, "model_state": model_state}, upload, metrics
+
+    def server_update(server_state, messages, weights):
+        participating = (weights > 0)[:, None]  # padding and skipped clients send nothing
+        pack_weights = jnp.where(participating & messages["sent"], messages["weights"], 0.0)
+        global_packs = view.to_packs(server_state["params"])
+        new_packs = pk.aggregate_packs(global_packs, messages["indices"], messages["deltas"], pack_weights)
+        mask = jax.vmap(lambda i, w: pk.scatter_packs(view.num_packs, i, w))(messages["indices"], pack_weights)
+        return {"params": view.to_tree(new_packs), "mask": jnp.sum(mask, axis=0)}
+
+    def eval_params(server_state, client_state):
+        return {"params": personalized_params(server_state, client_state), **client_state["model_state"]}
+
+    def global_params(server_state):
+        return {"params": server_state["params"]}
+
+    def message_bytes(message):
+        return jnp.sum(message["sent"]) * pack_bytes
+
+    return FederatedAlgorithm(
+        name=name,
+        init=init,
+        broadcast=lambda server_state, tier=0: server_state,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=eval_params,
+        global_params=None if private_stats else global_params,
+        message_bytes=message_bytes,
+    )
+
+
+def from_config(config, model) -> FederatedAlgorithm:
+    return fedcspack(
+        model,
+        client_optimizer(config),
+        local_epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        drop_last=config.drop_last,
+        pack_size=config.pack_size,
+        share_ratio=config.share_ratio,
+        select=config.select,
+        weight=config.weight,
+        merge=config.merge,
+    )

@@ -1,0 +1,117 @@
+"""Parameter packs: a pytree seen as ``[num_packs, pack_size]`` rows, scored and selected per pack.
+
+FedCSPACK's primitives, pure and vmappable (one client's packs in, static shapes out):
+
+- :class:`PackView` flattens a parameter tree (``jax.flatten_util.ravel_pytree``), zero-pads it
+  to a multiple of ``pack_size`` and reshapes it to packs; ``view.to_tree`` inverts it.
+- :func:`cosine` of two vectors (the whole-model threshold ``theta_a``) and
+  :func:`pack_cosine` per pack (``theta_j``); :func:`pack_kl` per pack,
+  ``KL(softmax(reference_j) || softmax(local_j))`` (the authors' ``F.kl_div(log softmax(local),
+  softmax(global), "sum")``).
+- :func:`select_packs`: the ``k`` packs with the lowest ``theta_j`` among those below the
+  threshold, as ``k`` indices and a validity mask (fewer than ``k`` may qualify).
+- :func:`pack_weights`: the double weight ``|theta + beta|`` (or ``|theta|``, ``|beta|``).
+- :func:`aggregate_packs`: each pack's weighted mean over the clients that sent it (the shared
+  :func:`~jaxfed.core.tree.masked_weighted_mean`); a pack nobody sent keeps its value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from jaxfed.core.tree import masked_weighted_mean
+from jaxfed.errors import ConfigError
+
+WEIGHTS = ("cos_kl", "cos", "kl")
+EPS = 1e-8  # torch.cosine_similarity's eps
+
+
+class PackView(NamedTuple):
+    """How a parameter tree maps to ``[num_packs, pack_size]`` (static)."""
+
+    size: int  # parameters in the tree
+    pack_size: int
+    num_packs: int
+    unravel: Callable[[jax.Array], Any]
+
+    def to_packs(self, tree) -> jax.Array:
+        flat, _ = ravel_pytree(tree)
+        return jnp.pad(flat, (0, self.num_packs * self.pack_size - self.size)).reshape(self.num_packs, self.pack_size)
+
+    def to_tree(self, packs: jax.Array):
+        return self.unravel(packs.reshape(-1)[: self.size])
+
+
+def pack_view(tree, pack_size: int) -> PackView:
+    """The :class:`PackView` of ``tree`` (arrays or shape structs) for packs of ``pack_size``."""
+    if pack_size < 1:
+        raise ConfigError(f"pack_size: must be >= 1, got {pack_size}")
+    example = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+    flat, unravel = ravel_pytree(example)
+    return PackView(flat.size, pack_size, max(1, math.ceil(flat.size / pack_size)), unravel)
+
+
+def num_selected(num_packs: int, share_ratio: float) -> int:
+    """``K = ceil(share_ratio * num_packs)`` (``share_ratio`` in (0, 1])."""
+    if not 0 < share_ratio <= 1:
+        raise ConfigError(f"share_ratio: must be in (0, 1], got {share_ratio}")
+    return max(1, min(num_packs, math.ceil(share_ratio * num_packs - 1e-9)))
+
+
+def cosine(a: jax.Array, b: jax.Array, axis: int = -1) -> jax.Array:
+    """Cosine similarity along ``axis``: ``a.b / (max(|a|, eps) max(|b|, eps))``."""
+    dot = jnp.sum(a * b, axis=axis)
+    norms = jnp.maximum(jnp.linalg.norm(a, axis=axis), EPS) * jnp.maximum(jnp.linalg.norm(b, axis=axis), EPS)
+    return dot / norms
+
+
+def pack_cosine(local_packs: jax.Array, reference_packs: jax.Array) -> jax.Array:
+    """``[num_packs]``: the cosine similarity of each local pack with the reference pack."""
+    return cosine(local_packs, reference_packs, axis=-1)
+
+
+def pack_kl(local_packs: jax.Array, reference_packs: jax.Array) -> jax.Array:
+    """``[num_packs]``: ``KL(softmax(reference_j) || softmax(local_j))`` of each pack."""
+    log_local = jax.nn.log_softmax(local_packs, axis=-1)
+    log_reference = jax.nn.log_softmax(reference_packs, axis=-1)
+    return jnp.sum(jnp.exp(log_reference) * (log_reference - log_local), axis=-1)
+
+
+def select_packs(theta: jax.Array, threshold: jax.Array, k: int):
+    """``(indices [k], valid [k])``: the packs with the ``k`` lowest ``theta`` (ascending), valid
+    where ``theta < threshold``. ``k = num_packs`` selects every pack below the threshold."""
+    neg_top, indices = jax.lax.top_k(-theta, k)
+    return indices.astype(jnp.int32), -neg_top < threshold
+
+
+def pack_weights(theta: jax.Array, beta: jax.Array, weight: str = "cos_kl") -> jax.Array:
+    """The double weight ``|theta + beta|`` (``cos_kl``), or ``|theta|`` (``cos``), ``|beta|`` (``kl``)."""
+    if weight not in WEIGHTS:
+        raise ConfigError(f"weight: unknown '{weight}'; allowed: {', '.join(WEIGHTS)}")
+    return jnp.abs({"cos_kl": theta + beta, "cos": theta, "kl": beta}[weight])
+
+
+def scatter_packs(num_packs: int, indices: jax.Array, rows: jax.Array) -> jax.Array:
+    """``[num_packs, ...]`` zeros with ``rows`` at ``indices`` (indices distinct)."""
+    return jnp.zeros((num_packs,) + rows.shape[1:], rows.dtype).at[indices].set(rows)
+
+
+def aggregate_packs(packs: jax.Array, indices: jax.Array, deltas: jax.Array, weights: jax.Array) -> jax.Array:
+    """The server's double-weight aggregation over the stacked client axis.
+
+    ``packs [P, S]`` the global packs; per client ``indices [n, k]``, ``deltas [n, k, S]`` (sent
+    pack minus global pack) and ``weights [n, k]`` (0 = not sent). Each pack j becomes
+    ``PW_j + sum_k (m_kj / M_j) delta_kj`` with ``M_j = sum_k m_kj``, i.e. the ``m``-weighted
+    mean of the senders' packs; a pack nobody sent is unchanged.
+    """
+    num_packs = packs.shape[0]
+    sent_packs = jax.vmap(lambda i, d: scatter_packs(num_packs, i, packs[i] + d))(indices, deltas)
+    pack_weight = jax.vmap(lambda i, w: scatter_packs(num_packs, i, w))(indices, weights)
+    ones = jnp.ones((indices.shape[0],), jnp.float32)
+    return masked_weighted_mean(packs, sent_packs, pack_weight[:, :, None], ones)

@@ -1,0 +1,186 @@
+"""FedARA: anchors, the local objective, exact full-rank round trip, private heads, tier costs, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_federation
+
+from jaxfed.algorithms.fedara import class_anchors, fedara, lambda_at
+from jaxfed.algorithms.training import masked_cross_entropy, sgd
+from jaxfed.cli import main
+from jaxfed.core import lowrank, tree_bytes
+from jaxfed.data import ClientData
+from jaxfed.errors import ConfigError
+from jaxfed.nn.factorized import factorized_execution
+from jaxfed.simulation import Simulation
+
+
+def _fedara(model, lr=0.05, **options):
+    options = {"local_epochs": 1, "batch_size": 32, **options}
+    return fedara(model, sgd(lr), **options)
+
+
+def _client(fed, client=2):
+    data = fed.train_data(jnp.array([client]))
+    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+
+
+def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federation):
+    alg = _fedara(mlp, tiers=(0.5,))
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    message = alg.broadcast(server, 0)
+    variables = {"params": {**message["fe"], "head": client["head"]}}
+    data = _client(digits_federation)
+    with factorized_execution():
+        anchors, present = jax.jit(lambda v: class_anchors(mlp, v, data, batch_size=16))(variables)
+        x = np.asarray(data.x)[np.asarray(data.indices)[: int(data.count)]]
+        features = np.asarray(mlp.apply(variables, jnp.asarray(x), features=True)[0], np.float64)
+    labels = np.asarray(data.y)[np.asarray(data.indices)[: int(data.count)]]
+    for c in range(10):
+        if (labels == c).any():
+            assert present[c]
+            np.testing.assert_allclose(anchors[c], features[labels == c].mean(0), rtol=1e-4, atol=1e-5)
+        else:
+            assert not present[c] and np.all(np.asarray(anchors[c]) == 0)
+    assert not np.all(np.asarray(present))  # this client lacks some classes
+
+
+def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_anchors=True):
+    """Full-batch gradient descent on FedARA's loss, written out: anchors from the received FE
+    (or, to show the test can fail, recomputed from the current FE every step)."""
+    count = int(data.count)
+    positions = np.asarray(data.indices)[:count]
+    x, y = jnp.asarray(np.asarray(data.x)[positions]), jnp.asarray(np.asarray(data.y)[positions])
+
+    def features(fe, head_):
+        with factorized_execution():
+            return model.apply({"params": {**fe, "head": head_}}, x, features=True)[0]
+
+    def anchors_of(fe, head_):
+        f, onehot = features(fe, head_), jax.nn.one_hot(y, 10)
+        return (onehot.T @ f) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
+
+    def loss(params, anchors):
+        f = features(params["fe"], params["head"])
+        logits = f @ params["head"]["kernel"] + params["head"]["bias"]
+        fro = sum(
+            jnp.sum(lowrank.reconstruct(lowrank.layer_factors(layer)) ** 2)
+            for layer in lowrank.layers_with_factors(params["fe"]).values()
+        )
+        align = jnp.mean((f - anchors[y]) ** 2)  # torch's MSELoss: over examples and dimensions
+        return masked_cross_entropy(logits, y, jnp.ones_like(y, bool)) + lam * align + mu * fro
+
+    params = {"fe": message["fe"], "head": head}
+    received_anchors = anchors_of(message["fe"], head)
+    gradient = jax.jit(jax.grad(loss))
+    for _ in range(steps):
+        anchors = received_anchors if fixed_anchors else anchors_of(params["fe"], params["head"])
+        grads = gradient(params, anchors)
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    return params
+
+
+def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_federation):
+    lam, mu, lr = 5.0, 1e-2, 0.05
+    alg = _fedara(
+        mlp, lr=lr, tiers=(0.5,), lam=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512
+    )  # one full batch per epoch: three plain gradient steps
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server = {**server, "round": jnp.int32(4)}  # past round 1: lambda is on
+    message = alg.broadcast(server, 0)
+    data = _client(digits_federation)
+    new_client, upload, metrics = jax.jit(alg.client_update)(message, client, data, jax.random.key(1))
+    assert float(metrics["lambda"]) == lam and float(metrics["steps"]) == 3
+    expected = _reference_steps(mlp, message, client["head"], data, 3, lam, mu, lr)
+    moving = _reference_steps(mlp, message, client["head"], data, 3, lam, mu, lr, fixed_anchors=False)
+    for got, want, other in zip(
+        jax.tree.leaves(upload), jax.tree.leaves(expected["fe"]), jax.tree.leaves(moving["fe"])
+    ):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(moving))) > 1e-4
+    for got, want in zip(jax.tree.leaves(new_client["head"]), jax.tree.leaves(expected["head"])):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_lambda_ramps_from_zero_in_round_one():
+    values = [float(lambda_at(jnp.int32(t), 2.0, 10)) for t in (1, 2, 6, 11, 50)]
+    np.testing.assert_allclose(values, [0.0, 0.2, 1.0, 2.0, 2.0], rtol=1e-6)
+    assert float(lambda_at(jnp.int32(1), 2.0, 0)) == 0.0 and float(lambda_at(jnp.int32(2), 2.0, 0)) == 2.0
+
+
+def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_cnn, digits_federation):
+    alg = _fedara(small_cnn, lr=0.0, tiers=(1.0,), mu_fro=0.0)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    message = jax.jit(alg.broadcast, static_argnums=1)(server, 0)
+    x = digits_federation.x_test[:16]
+    full = small_cnn.apply({"params": {**server["fe"], "head": client["head"]}}, x, features=True)[0]
+    with factorized_execution():
+        factored = small_cnn.apply({"params": {**message["fe"], "head": client["head"]}}, x, features=True)[0]
+    np.testing.assert_allclose(factored, full, rtol=1e-4, atol=1e-4)
+    # decompose -> train with lr 0 -> reconstruct -> aggregate gives the global FE back
+    _, upload, metrics = jax.jit(alg.client_update)(message, client, _client(digits_federation), jax.random.key(1))
+    assert float(metrics["steps"]) > 0
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), upload)
+    new = alg.server_update(server, (stacked,), (jnp.array([30.0, 50.0]),))
+    for before, after in zip(jax.tree.leaves(server["fe"]), jax.tree.leaves(new["fe"])):
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
+    tiers = (1.0, 0.5, 0.25)
+    alg = _fedara(mlp, tiers=tiers)
+    fed = make_federation(digits, num_clients=6, alpha=0.5)
+    sim = Simulation(alg, mlp, fed, participation=1.0)
+    start = sim.init()
+    for t in range(3):
+        assert "head" not in alg.broadcast(start.server, t)["fe"]
+    state, metrics = sim.run_rounds(start, 3)
+    sent = [float(metrics[f"bytes_up_client_tier{t}"][0]) for t in range(3)]
+    expected = [tree_bytes(alg.broadcast(start.server, t)["fe"]) for t in range(3)]  # the upload has the FE's shapes
+    assert sent == expected and sent[0] > sent[1] > sent[2]
+    assert "head" not in state.server["fe"]
+    heads = np.asarray(state.clients["head"]["kernel"])
+    assert not np.allclose(heads[0], heads[3])  # personal heads
+    result = sim.evaluate(state)
+    assert result["personalized_acc_mean"] > 0.6 and "global_acc" not in result
+
+
+def test_client_flops_fall_with_the_tier_rank(mlp, digits_federation):
+    alg = _fedara(mlp, tiers=(1.0, 0.5, 0.25))
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    data = _client(digits_federation)
+    flops = [
+        jax.jit(alg.client_update)
+        .lower(alg.broadcast(server, t), client, data, jax.random.key(1))
+        .cost_analysis()["flops"]
+        for t in range(3)
+    ]
+    assert flops[0] > flops[1] > flops[2]
+
+
+def test_bad_settings_are_clear_errors(mlp, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="decompose_layers: 'conv9' is not a layer of the feature extractor"):
+        _fedara(mlp, layers=["conv9"])
+    with pytest.raises(ConfigError, match="decompose_layers: 'head' is not a layer of the feature extractor"):
+        _fedara(mlp, layers=["head"])
+    with pytest.raises(ConfigError, match=r"tiers: a rank ratio must be in \(0, 1\], got 1.5"):
+        _fedara(mlp, tiers=(1.0, 1.5))
+    cases = [
+        (["--set", "tiers=1.0,0"], "tiers: every rank ratio must be in (0, 1], got 0.0 in '1.0,0'"),
+        (["--set", "decompose_layers=fc2,fc9"], "decompose_layers: 'fc9' is not a layer of the feature extractor"),
+        (["--set", "num_clients=3", "--set", "tiers=1,0.5,0.25,0.1"], "tiers: 4 tiers for 3 clients"),
+        (["--set", "lambda=-1"], "lambda: must be >= 0, got -1.0"),
+    ]
+    for args, expected in cases:
+        assert main(["run", "fedara", *args, "--out", str(tmp_path / "r"), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_the_lambda_key_maps_to_its_field():
+    from jaxfed.config import Config
+
+    config = Config().with_overrides(["lambda=0.5", "lambda_warmup_rounds=3", "mu_fro=0"]).validate()
+    assert (config.lambda_, config.lambda_warmup_rounds, config.mu_fro) == (0.5, 3, 0.0)
+    assert ("lambda", 2.0) in [(k, d) for k, d, _ in Config.describe()]
