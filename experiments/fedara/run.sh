@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FedARA (lambda > 0), its lambda = 0 ablation and FedHM over the same tiers.
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
-#   SETTING: reduced (default; Fashion-MNIST, about 15 minutes per run on 2 CPU cores, 3 runs),
+#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 3 runs),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedara); summary.json in each.
 set -euo pipefail

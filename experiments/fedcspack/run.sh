@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FedCSPACK against FedAvg, and its weight ablation (|cos + KL|, |cos|, |KL|).
 # Usage: experiments/fedcspack/run.sh DATA_DIR [reduced|fmnist|cifar10] [-- --set key=value ...]
-#   reduced: Fashion-MNIST, 30 rounds of 2 epochs (about 15 minutes per run on 2 CPU cores, 4 runs)
+#   reduced: Fashion-MNIST, 30 rounds of 2 epochs (about 17 minutes per run on 2 CPU cores: 32.5 s per round; 4 runs)
 #   fmnist, cifar10: the paper's settings (100 rounds of 5 epochs: an accelerator's job)
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedcspack); summary.json in each.
 set -euo pipefail
