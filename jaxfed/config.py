@@ -88,6 +88,16 @@ class Config:
     decompose_layers: str = _field(
         "", "fedara: comma-separated feature-extractor layers to decompose; empty = all but the first"
     )
+    num_adaptors: int = _field(4, "floral: adaptors C per adapted layer (mixture components)")
+    rho: float = _field(0.01, "floral: adaptor rank from this relative parameter budget per adaptor, in (0, 1]")
+    adaptor_rank: int = _field(0, "floral: a fixed adaptor rank instead of rho; 0 = from rho")
+    conv_adaptor: str = _field("balanced_2d", "floral: conv adaptor kind: balanced_2d, channel, in_layer or out_layer")
+    adaptor_alpha: float = _field(1.0, "floral: scale alpha of the kernel adaptors")
+    router_lr: float = _field(0.1, "floral: learning rate of the private router logits")
+    router_noise: float = _field(0.0, "floral: router training noise, softmax((w + noise * U[0,1)) / T)")
+    router_temperature: float = _field(1.0, "floral: router softmax temperature T (> 0)")
+    precondition: bool = _field(True, "floral: LoRA gradient preconditioning of the adaptors")
+    stateful: bool = _field(True, "floral: clients keep their router between rounds (false: restart at 0)")
     tiers: str = _field(
         "",
         "tiered algorithms (fedhm, mfedloru, fedara): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
@@ -156,6 +166,7 @@ class Config:
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
         from jaxfed.algorithms.fedcspack import MERGES, SELECTIONS
         from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
+        from jaxfed.core.adaptors import CONV_ADAPTORS
         from jaxfed.core.packs import WEIGHTS
         from jaxfed.data import DATASETS, PARTITIONERS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
@@ -177,6 +188,11 @@ class Config:
         _choice("weight", self.weight, WEIGHTS)
         _choice("merge", self.merge, MERGES)
         _choice("anchor_loss", self.anchor_loss, ANCHOR_LOSSES)
+        _choice("conv_adaptor", self.conv_adaptor, CONV_ADAPTORS)
+        if not 0 < self.rho <= 1:
+            raise ConfigError(f"rho: must be in (0, 1], got {self.rho}")
+        if not self.router_temperature > 0:
+            raise ConfigError(f"router_temperature: must be > 0, got {self.router_temperature}")
         if not 0 < self.share_ratio <= 1:
             raise ConfigError(f"share_ratio: must be in (0, 1], got {self.share_ratio}")
         for name in ("rank_dense", "rank_conv"):
@@ -203,6 +219,7 @@ class Config:
             "accumulate_every",
             "personal_rank",
             "pack_size",
+            "num_adaptors",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -227,6 +244,9 @@ class Config:
             "lambda_",
             "lambda_warmup_rounds",
             "mu_fro",
+            "adaptor_rank",
+            "router_noise",
+            "router_lr",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.rstrip('_')}: must be >= 0, got {getattr(self, name)}")

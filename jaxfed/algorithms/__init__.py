@@ -3,7 +3,7 @@
 ``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
 """
 
-from jaxfed.algorithms import fedara, fedavg, fedcspack, feddecomp, fedhm, fedloru, fedprox, local
+from jaxfed.algorithms import fedara, fedavg, fedcspack, feddecomp, fedhm, fedloru, fedprox, floral, local
 from jaxfed.algorithms.base import FederatedAlgorithm
 
 ALGORITHMS = {
@@ -18,6 +18,7 @@ ALGORITHMS = {
     "feddecomp": feddecomp.from_config,
     "fedcspack": fedcspack.from_config,
     "fedara": fedara.from_config,
+    "floral": floral.from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]

@@ -31,7 +31,7 @@ class Factors(NamedTuple):
 # ----- layout -----------------------------------------------------------------------------------
 
 
-LAYOUTS = ("balanced", "im2col")
+LAYOUTS = ("balanced", "im2col", "outcol")
 
 
 def matrix_shape(kernel_shape: Sequence[int], layout: str = "balanced") -> tuple[int, int]:
@@ -41,18 +41,21 @@ def matrix_shape(kernel_shape: Sequence[int], layout: str = "balanced") -> tuple
     if len(kernel_shape) != 4:
         raise ValueError(f"kernel: expected a Dense [in, out] or Conv [kh, kw, cin, cout] shape, got {kernel_shape}")
     kh, kw, cin, cout = kernel_shape
-    return (kh * cin, kw * cout) if layout == "balanced" else (kh * kw * cin, cout)
+    return {"balanced": (kh * cin, kw * cout), "im2col": (kh * kw * cin, cout), "outcol": (cin, kh * kw * cout)}[layout]
 
 
 def matricize(kernel: jax.Array, layout: str = "balanced") -> jax.Array:
     """Dense kernels unchanged. Conv ``[kh, kw, cin, cout]``: ``balanced`` (the default) gives
     ``[(kh*cin), (kw*cout)]`` (a rank-r product runs as a kh x 1 then a 1 x kw conv); ``im2col``
-    gives ``[(kh*kw*cin), cout]`` (a kh x kw conv to r channels then a 1 x 1 conv: FedLoRU's)."""
+    gives ``[(kh*kw*cin), cout]`` (a kh x kw conv to r channels then a 1 x 1 conv: FedLoRU's);
+    ``outcol`` gives ``[cin, (kh*kw*cout)]`` (a 1 x 1 conv to r channels then a kh x kw conv)."""
     if kernel.ndim == 2:
         return kernel
     kh, kw, cin, cout = kernel.shape
     if layout == "im2col":
         return kernel.reshape(kh * kw * cin, cout)
+    if layout == "outcol":
+        return kernel.transpose(2, 0, 1, 3).reshape(cin, kh * kw * cout)
     return kernel.transpose(0, 2, 1, 3).reshape(kh * cin, kw * cout)
 
 
@@ -61,6 +64,8 @@ def fold(matrix: jax.Array, kernel_shape: Sequence[int], layout: str = "balanced
     if len(kernel_shape) == 2 or layout == "im2col":
         return matrix.reshape(kernel_shape)
     kh, kw, cin, cout = kernel_shape
+    if layout == "outcol":
+        return matrix.reshape(cin, kh, kw, cout).transpose(1, 2, 0, 3)
     return matrix.reshape(kh, cin, kw, cout).transpose(0, 2, 1, 3)
 
 
@@ -205,11 +210,11 @@ def _layers(params, prefix=()):
             yield from _layers(child, path)
 
 
-def _replace_layer(params, key: str, layer: dict):
+def replace_layer(params, key: str, layer: dict):
     head, _, rest = key.partition(".")
     if not rest:
         return {**params, head: layer}
-    return {**params, head: _replace_layer(params[head], rest, layer)}
+    return {**params, head: replace_layer(params[head], rest, layer)}
 
 
 def get_layer(params, key: str) -> dict:
@@ -265,7 +270,7 @@ def factorize_layers(params, ranks: dict[str, int]):
             kh, kw, cin, cout = shape
             factors = Factors(u=factors.u.reshape(kh, cin, rank), v=factors.v.reshape(kw, cout, rank))
         rest = {k: v for k, v in layer.items() if k != "kernel"}
-        params = _replace_layer(params, key, {**rest, "u": factors.u, "v": factors.v})
+        params = replace_layer(params, key, {**rest, "u": factors.u, "v": factors.v})
     return params
 
 
@@ -275,7 +280,7 @@ def reconstruct_layers(params):
         if "u" in layer:
             kernel = reconstruct_kernel(layer_factors(layer), kernel_shape_of(layer))
             rest = {k: v for k, v in layer.items() if k not in ("u", "v")}
-            params = _replace_layer(params, key, {**rest, "kernel": kernel})
+            params = replace_layer(params, key, {**rest, "kernel": kernel})
     return params
 
 
@@ -296,7 +301,7 @@ def add_loras(params, loras: dict[str, LoRA], scale: float | dict[str, float] = 
         layer = get_layer(params, key)
         factor = scale[key] if isinstance(scale, dict) else scale
         delta = lora_delta(lora, layer["kernel"].shape, factor, layout)
-        params = _replace_layer(params, key, {**layer, "kernel": layer["kernel"] + delta})
+        params = replace_layer(params, key, {**layer, "kernel": layer["kernel"] + delta})
     return params
 
 
@@ -306,12 +311,12 @@ def split_kernels(params, keys: Sequence[str]):
     for key in keys:
         layer = get_layer(params, key)
         kernels[key] = layer["kernel"]
-        params = _replace_layer(params, key, {k: v for k, v in layer.items() if k != "kernel"})
+        params = replace_layer(params, key, {k: v for k, v in layer.items() if k != "kernel"})
     return params, kernels
 
 
 def merge_kernels(params, kernels: dict):
     """The inverse of :func:`split_kernels`."""
     for key, kernel in kernels.items():
-        params = _replace_layer(params, key, {**get_layer(params, key), "kernel": kernel})
+        params = replace_layer(params, key, {**get_layer(params, key), "kernel": kernel})
     return params

@@ -1,0 +1,164 @@
+"""FLoRAL (Almansoori et al.): a federated mixture of low-rank adaptors with per-client routers.
+
+Every adapted layer has a shared base weight and ``C`` adaptors (:mod:`jaxfed.core.adaptors`:
+dense LoRA, conv ``balanced_2d`` / ``channel`` / ``in_layer`` / ``out_layer``, bias and norm
+adaptors). Client k holds private router logits ``w_k``; its model is the base mixed with
+``pi_k = softmax(w_k)`` inside one forward pass. Local training is simultaneous SGD on the base,
+the adaptors (LoRA-preconditioned by default) and the router (its own learning rate). The server
+averages the base with the sample weights ``p_k`` and adaptor c's factors with
+``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``. The router logits never leave the client; a client
+sends its mixture weights ``pi_k`` (C numbers) with its update, since the server weighs by them.
+Stateless clients (``stateful=False``) restart their router from zero logits every round.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.training import sgd, split_variables, train_classifier
+from jaxfed.core import adaptors as ad
+from jaxfed.core import tree_select, weighted_mean
+
+
+def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One optax transformation per top-level key of a dict of parameters."""
+
+    def init(params):
+        return {k: t.init(params[k]) for k, t in transforms.items()}
+
+    def update(updates, state, params=None):
+        out, new_state = {}, {}
+        for k, t in transforms.items():
+            out[k], new_state[k] = t.update(updates[k], state[k], None if params is None else params[k])
+        return out, new_state
+
+    return optax.GradientTransformation(init, update)
+
+
+def adaptor_weights(pi: jax.Array, weights: jax.Array) -> jax.Array:
+    """``[clients, C]``: ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c`` (0 for an adaptor nobody used)."""
+    joint = weights[:, None] * pi
+    return joint / jnp.where(jnp.sum(joint, axis=0) > 0, jnp.sum(joint, axis=0), 1.0)
+
+
+def floral(
+    model,
+    *,
+    lr: float,
+    local_epochs: int,
+    batch_size: int,
+    drop_last: bool = False,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    num_adaptors: int = 4,
+    rho: float = 0.01,
+    rank: int = 0,
+    conv_adaptor: str = "balanced_2d",
+    alpha: float = 1.0,
+    router_lr: float = 0.1,
+    router_noise: float = 0.0,
+    router_temperature: float = 1.0,
+    precondition: bool = True,
+    stateful: bool = True,
+    name: str = "floral",
+) -> FederatedAlgorithm:
+    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    plan = ad.adaptor_plan(template, num_adaptors, rho=rho, rank=rank, conv_adaptor=conv_adaptor, alpha=alpha)
+    adaptor_opt = sgd(lr, momentum, weight_decay)
+    optimizer = per_key(
+        {
+            "base": sgd(lr, momentum, weight_decay),
+            "adaptors": optax.chain(ad.lora_preconditioner(plan), adaptor_opt) if precondition else adaptor_opt,
+            "router": sgd(router_lr),
+        }
+    )
+
+    def init(rng):
+        base_rng, adaptor_rng = jax.random.split(rng)
+        params, model_state = split_variables(model.init(base_rng))
+        server = {"base": params, "adaptors": ad.init_adaptors(adaptor_rng, template, plan)}
+        return server, {"router": jnp.zeros((num_adaptors,), jnp.float32), "model_state": model_state}
+
+    def client_update(message, client_state, data, rng):
+        noise_rng, train_rng = jax.random.split(rng)
+        router = client_state["router"] if stateful else jnp.zeros_like(client_state["router"])
+
+        def to_params(t):  # the router's training noise is drawn once per round
+            pi = ad.mixture_weights(t["router"], noise_rng, router_noise, router_temperature)
+            return ad.mix(t["base"], t["adaptors"], pi, plan)
+
+        trainable = {"base": message["base"], "adaptors": message["adaptors"], "router": router}
+        variables, metrics = train_classifier(
+            model,
+            optimizer,
+            {"params": trainable, **client_state["model_state"]},
+            data,
+            train_rng,
+            epochs=local_epochs,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            to_params=to_params,
+        )
+        trained, model_state = split_variables(variables)
+        pi = ad.mixture_weights(trained["router"], temperature=router_temperature)
+        upload = {"base": trained["base"], "adaptors": trained["adaptors"], "mixture_weights": pi}
+        return {"router": trained["router"], "model_state": model_state}, upload, metrics
+
+    def server_update(server_state, messages, weights):
+        base = weighted_mean(messages["base"], weights)
+        per_client = adaptor_weights(messages["mixture_weights"], weights)  # [n, C]
+
+        def by_adaptor(x):  # leaves [n, C, ...]: adaptor c averaged with weights p(k|c)
+            w = per_client.reshape(per_client.shape + (1,) * (x.ndim - 2))
+            return jnp.sum(w * x, axis=0)
+
+        used = jnp.sum(weights[:, None] * messages["mixture_weights"], axis=0) > 0  # [C]
+
+        def keep_unused(new, old):
+            return jnp.where(used.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+
+        adaptors = jax.tree.map(keep_unused, jax.tree.map(by_adaptor, messages["adaptors"]), server_state["adaptors"])
+        new = {"base": base, "adaptors": adaptors}
+        return tree_select(jnp.sum(weights) > 0, new, server_state)
+
+    def eval_params(server_state, client_state):
+        pi = ad.mixture_weights(client_state["router"], temperature=router_temperature)
+        return {
+            "params": ad.mix(server_state["base"], server_state["adaptors"], pi, plan),
+            **client_state["model_state"],
+        }
+
+    return FederatedAlgorithm(
+        name=name,
+        init=init,
+        broadcast=lambda server_state, tier=0: server_state,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=eval_params,
+        global_params=None,  # every client mixes the adaptors with its own router
+    )
+
+
+def from_config(config, model) -> FederatedAlgorithm:
+    return floral(
+        model,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        local_epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        drop_last=config.drop_last,
+        num_adaptors=config.num_adaptors,
+        rho=config.rho,
+        rank=config.adaptor_rank,
+        conv_adaptor=config.conv_adaptor,
+        alpha=config.adaptor_alpha,
+        router_lr=config.router_lr,
+        router_noise=config.router_noise,
+        router_temperature=config.router_temperature,
+        precondition=config.precondition,
+        stateful=config.stateful,
+    )

@@ -1,0 +1,187 @@
+"""Mixtures of low-rank adaptors with a router (FLoRAL's parameterization), for any Flax model.
+
+Every adapted layer keeps its shared base weight and gets ``C`` adaptors; a client's router
+logits ``w`` give mixture weights ``pi = softmax(w)``, and the model runs ONE forward pass with
+the mixed parameters (:func:`mix`):
+
+- kernel: ``W + alpha * fold(sum_c pi_c down_c @ up_c)``, rank ``rank_from_budget(rows, cols,
+  rho)`` (or a fixed rank) of the kernel's matricized form. Dense kernels are matrices; a Conv
+  kernel uses its adaptor kind's layout: ``balanced_2d`` (the default: a ``kh x 1`` conv to r
+  channels then a ``1 x kw`` conv, lowrank's ``balanced``), ``in_layer`` (a ``kh x kw`` conv then
+  a 1 x 1 conv, ``im2col``), ``out_layer`` (1 x 1 then ``kh x kw``, ``outcol``), ``channel``
+  (whichever of in_layer / out_layer has fewer parameters).
+- bias: ``b + sum_c pi_c b_c``; norm: ``scale + sum_c pi_c scale_c``, ``bias + sum_c pi_c bias_c``.
+
+At init ``down`` is uniform in ``+-sqrt(6 / rows)`` and ``up``, the bias and the norm adaptors
+are 0, so the adapted model starts as the base model. :func:`lora_preconditioner` is FLoRAL's
+LoRA gradient preconditioning as an optax transformation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfed.core import lowrank
+from jaxfed.errors import ConfigError
+
+CONV_ADAPTORS = ("balanced_2d", "channel", "in_layer", "out_layer")
+_LAYOUT = {"balanced_2d": "balanced", "in_layer": "im2col", "out_layer": "outcol"}
+
+
+class KernelAdaptor(NamedTuple):
+    kind: str  # "dense" or a conv kind of CONV_ADAPTORS
+    layout: str  # lowrank layout of the matricized kernel
+    rank: int
+    kernel_shape: tuple[int, ...]
+
+
+class AdaptorPlan(NamedTuple):
+    """Which layers get adaptors, of what kind and rank (static)."""
+
+    kernels: dict[str, KernelAdaptor]
+    biases: tuple[str, ...]  # layers whose bias gets adaptors
+    norms: tuple[str, ...]  # norm layers whose scale and bias get adaptors
+    num_adaptors: int
+    alpha: float
+
+
+def conv_layout(kind: str, kernel_shape) -> str:
+    """The lowrank layout of a conv adaptor kind (``channel``: the cheaper of in / out layer)."""
+    if kind not in CONV_ADAPTORS:
+        raise ConfigError(f"conv_adaptor: unknown '{kind}'; allowed: {', '.join(CONV_ADAPTORS)}")
+    if kind == "channel":
+        _, _, cin, cout = kernel_shape
+        return "outcol" if cin > cout else "im2col"
+    return _LAYOUT[kind]
+
+
+def _norm_layers(params, prefix=()):
+    for name, child in params.items():
+        if isinstance(child, dict):
+            path = prefix + (name,)
+            if "scale" in child and "kernel" not in child:
+                yield ".".join(path)
+            else:
+                yield from _norm_layers(child, path)
+
+
+def adaptor_plan(
+    template,
+    num_adaptors: int,
+    *,
+    rho: float = 0.01,
+    rank: int = 0,
+    conv_adaptor: str = "balanced_2d",
+    layers=None,
+    bias: bool = True,
+    norm: bool = True,
+    alpha: float = 1.0,
+) -> AdaptorPlan:
+    """The plan for a parameter tree (arrays or shape structs): every Dense / Conv kernel (or
+    ``layers``) with ``rank`` or, when 0, the rank of the relative budget ``rho``."""
+    if num_adaptors < 1:
+        raise ConfigError(f"num_adaptors: must be >= 1, got {num_adaptors}")
+    if rank < 0:
+        raise ConfigError(f"adaptor_rank: must be >= 0 (0 = from rho), got {rank}")
+    if not rank:
+        lowrank.check_ratio("rho", rho)
+    keys = lowrank.factorizable_layers(template) if layers is None else list(layers)
+    kernels = {}
+    for key in keys:
+        shape = tuple(lowrank.get_layer(template, key)["kernel"].shape)
+        kind = "dense" if len(shape) == 2 else conv_adaptor
+        layout = "balanced" if kind == "dense" else conv_layout(kind, shape)
+        rows, cols = lowrank.matrix_shape(shape, layout)
+        r = min(rank, rows, cols) if rank else lowrank.rank_from_budget(rows, cols, rho)
+        kernels[key] = KernelAdaptor(kind, layout, r, shape)
+    biases = tuple(k for k in keys if bias and "bias" in lowrank.get_layer(template, k))
+    norms = tuple(_norm_layers(template)) if norm else ()
+    return AdaptorPlan(kernels, biases, norms, num_adaptors, alpha)
+
+
+def init_adaptors(rng: jax.Array, template, plan: AdaptorPlan, dtype=jnp.float32) -> dict:
+    """``{"kernels": {key: {"down" [C, rows, r], "up" [C, r, cols]}}, "biases": {key: [C, n]},
+    "norms": {key: {"scale", "bias"}}}`` with zero deltas."""
+    c = plan.num_adaptors
+    keys = jax.random.split(rng, max(len(plan.kernels), 1))
+    kernels = {}
+    for k, (key, spec) in zip(keys, sorted(plan.kernels.items())):
+        rows, cols = lowrank.matrix_shape(spec.kernel_shape, spec.layout)
+        bound = math.sqrt(6.0 / rows)
+        kernels[key] = {
+            "down": jax.random.uniform(k, (c, rows, spec.rank), dtype, -bound, bound),
+            "up": jnp.zeros((c, spec.rank, cols), dtype),
+        }
+
+    def zeros_like_leaf(key, name):
+        return jnp.zeros((c,) + tuple(lowrank.get_layer(template, key)[name].shape), dtype)
+
+    return {
+        "kernels": kernels,
+        "biases": {key: zeros_like_leaf(key, "bias") for key in plan.biases},
+        "norms": {key: {n: zeros_like_leaf(key, n) for n in ("scale", "bias")} for key in plan.norms},
+    }
+
+
+def mixture_weights(logits: jax.Array, rng: jax.Array | None = None, noise_std: float = 0.0, temperature: float = 1.0):
+    """``softmax((logits + noise_std * U[0, 1)) / temperature)``; no noise without ``rng``."""
+    if rng is not None and noise_std:
+        logits = logits + noise_std * jax.random.uniform(rng, logits.shape, logits.dtype)
+    return jax.nn.softmax(logits / temperature)
+
+
+def mix(params, adaptors: dict, weights: jax.Array, plan: AdaptorPlan):
+    """The model parameters of mixture weights ``weights [C]``: base plus the weighted adaptors."""
+    for key, spec in plan.kernels.items():
+        a = adaptors["kernels"][key]
+        product = jnp.einsum("c,cir,crj->ij", weights, a["down"], a["up"])
+        layer = lowrank.get_layer(params, key)
+        delta = lowrank.fold(plan.alpha * product, spec.kernel_shape, spec.layout)
+        params = lowrank.replace_layer(params, key, {**layer, "kernel": layer["kernel"] + delta})
+    for key in plan.biases:
+        layer = lowrank.get_layer(params, key)
+        params = lowrank.replace_layer(
+            params, key, {**layer, "bias": layer["bias"] + weights @ adaptors["biases"][key]}
+        )
+    for key in plan.norms:
+        layer, extra = lowrank.get_layer(params, key), adaptors["norms"][key]
+        mixed = {name: layer[name] + weights @ extra[name] for name in ("scale", "bias") if name in layer}
+        params = lowrank.replace_layer(params, key, {**layer, **mixed})
+    return params
+
+
+def lora_preconditioner(plan: AdaptorPlan, eps: float = 1e-5) -> optax.GradientTransformation:
+    """FLoRAL's LoRA preconditioning of the ``kernels`` gradients of an adaptor tree, per adaptor c.
+
+    Dense (``A = down^T``, ``B = up^T``): ``g_down <- g_down (up up^T + eps I)^-1`` and
+    ``g_up <- (down^T down + eps I)^-1 g_up``. Conv: ``g_down / (||up up^T||_F + eps)`` and
+    ``g_up / (||down^T down||_F + eps)``. Bias and norm gradients pass unchanged.
+    """
+
+    def precondition(kind, g, p):
+        gram_up = jnp.einsum("crj,csj->crs", p["up"], p["up"])  # [C, r, r]
+        gram_down = jnp.einsum("cir,cis->crs", p["down"], p["down"])
+        if kind == "dense":
+            eye = eps * jnp.eye(gram_up.shape[-1], dtype=gram_up.dtype)
+            g_down = jnp.swapaxes(jnp.linalg.solve(gram_up + eye, jnp.swapaxes(g["down"], 1, 2)), 1, 2)
+            g_up = jnp.linalg.solve(gram_down + eye, g["up"])
+        else:
+            g_down = g["down"] / (jnp.linalg.norm(gram_up, axis=(1, 2))[:, None, None] + eps)
+            g_up = g["up"] / (jnp.linalg.norm(gram_down, axis=(1, 2))[:, None, None] + eps)
+        return {"down": g_down, "up": g_up}
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("lora_preconditioner needs the parameters (optax update(..., params))")
+        kernels = {
+            key: precondition(plan.kernels[key].kind, g, params["kernels"][key])
+            for key, g in updates["kernels"].items()
+        }
+        return {**updates, "kernels": kernels}, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

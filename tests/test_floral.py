@@ -1,0 +1,91 @@
+"""FLoRAL: adaptor aggregation weights p(k|c), private routers, stateless clients, learning, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_federation
+
+from jaxfed.algorithms.floral import adaptor_weights, floral
+from jaxfed.cli import main
+from jaxfed.data import ClientData
+from jaxfed.simulation import Simulation
+
+
+def _floral(model, **options):
+    return floral(model, lr=0.05, local_epochs=1, batch_size=32, **options)
+
+
+def test_adaptor_weights_are_p_k_given_c():
+    rng = np.random.default_rng(0)
+    pi = rng.dirichlet(np.ones(3), size=4)
+    p = np.array([10.0, 30.0, 0.0, 60.0])  # the third is padding
+    expected = np.array(
+        [[p[k] * pi[k, c] / sum(p[j] * pi[j, c] for j in range(4)) for c in range(3)] for k in range(4)]
+    )
+    np.testing.assert_allclose(adaptor_weights(jnp.asarray(pi), jnp.asarray(p)), expected, rtol=1e-5)
+
+
+def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
+    alg = _floral(mlp, num_adaptors=2, rank=4)
+    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    rng = np.random.default_rng(1)
+    n = 3
+    stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(n,) + a.shape), jnp.float32), server)
+    pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
+    weights = np.array([20.0, 50.0, 30.0])
+    new = alg.server_update(server, {**stacked, "mixture_weights": pi}, jnp.asarray(weights))
+    p = weights / weights.sum()
+    for got, rows in zip(jax.tree.leaves(new["base"]), jax.tree.leaves(stacked["base"])):
+        np.testing.assert_allclose(got, np.tensordot(p, np.asarray(rows, np.float64), axes=1), rtol=1e-5, atol=1e-6)
+    w = np.asarray(weights)[:, None] * np.asarray(pi, np.float64)
+    w = w / w.sum(0)
+    for got, rows in zip(jax.tree.leaves(new["adaptors"]), jax.tree.leaves(stacked["adaptors"])):
+        rows = np.asarray(rows, np.float64)  # [n, C, ...]
+        expected = np.stack([np.tensordot(w[:, c], rows[:, c], axes=1) for c in range(2)])
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stateful", [True, False])
+def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
+    alg = _floral(mlp, num_adaptors=3, rank=4, stateful=stateful)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    client = {**client, "router": jnp.array([0.5, -0.5, 2.0])}
+    data = digits_federation.train_data(jnp.array([1]))
+    view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    assert set(upload) == {"base", "adaptors", "mixture_weights"}
+    router = np.asarray(new_client["router"])
+    assert not np.array_equal(router, [0.5, -0.5, 2.0])  # the router trained
+    for leaf in jax.tree.leaves(upload):
+        assert not (np.shape(leaf) == router.shape and np.array_equal(leaf, router))
+    np.testing.assert_allclose(upload["mixture_weights"], jax.nn.softmax(new_client["router"]), rtol=1e-6)
+    if not stateful:  # a stateless client started from zero logits
+        alg_from_zero = _floral(mlp, num_adaptors=3, rank=4)
+        zero = {**client, "router": jnp.zeros(3)}
+        again, _, _ = jax.jit(alg_from_zero.client_update)(alg.broadcast(server, 0), zero, view, jax.random.key(2))
+        np.testing.assert_allclose(new_client["router"], again["router"], rtol=1e-6)
+
+
+def test_floral_learns_digits(mlp, digits):
+    fed = make_federation(digits, num_clients=8, name="iid")
+    sim = Simulation(_floral(mlp, num_adaptors=2, rho=0.1), mlp, fed, participation=1.0)
+    state, _ = sim.run_rounds(sim.init(), 5)
+    result = sim.evaluate(state)
+    assert result["personalized_acc_mean"] > 0.85 and "global_acc" not in result
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rho=0", "rho: must be in (0, 1], got 0.0"),
+        ("rho=2", "rho: must be in (0, 1], got 2.0"),
+        ("num_adaptors=0", "num_adaptors: must be >= 1, got 0"),
+        ("conv_adaptor=diagonal", "conv_adaptor: unknown 'diagonal'"),
+        ("router_temperature=0", "router_temperature: must be > 0, got 0.0"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
+    assert main(["run", "floral", "--set", override, "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
