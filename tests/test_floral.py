@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
-from jaxfed.algorithms.floral import adaptor_weights, floral
+from jaxfed.algorithms.floral import adaptor_weights, floral, local_adaptor
 from jaxfed.cli import main
 from jaxfed.data import ClientData
 from jaxfed.simulation import Simulation
@@ -89,3 +89,21 @@ def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
     assert main(["run", "floral", "--set", override, "--out", str(tmp_path / "r"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_federation):
+    alg = local_adaptor(mlp, lr=0.05, local_epochs=1, batch_size=32, rank=4)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    data = digits_federation.train_data(jnp.array([1]))
+    view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    assert jax.tree.structure(upload) == jax.tree.structure(server["base"])
+    ups = [np.asarray(a["up"]) for a in new_client["adaptors"]["kernels"].values()]
+    assert all(float(np.abs(u).max()) > 0 for u in ups)  # trained (they start at zero)
+    for leaf in jax.tree.leaves(upload):
+        assert not any(u.shape == np.shape(leaf) and np.array_equal(u, leaf) for u in ups)
+    sim = Simulation(alg, mlp, digits_federation, participation=0.5)
+    start = sim.init()
+    state, _ = sim.run_rounds(start, 3)
+    before, after = (sim.evaluate(s)["personalized_acc_mean"] for s in (start, state))
+    assert after > 0.5 and after > before + 0.3

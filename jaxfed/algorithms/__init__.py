@@ -19,6 +19,7 @@ ALGORITHMS = {
     "fedcspack": fedcspack.from_config,
     "fedara": fedara.from_config,
     "floral": floral.from_config,
+    "local_adaptor": floral.local_adaptor_from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]

@@ -9,6 +9,9 @@ averages the base with the sample weights ``p_k`` and adaptor c's factors with
 ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``. The router logits never leave the client; a client
 sends its mixture weights ``pi_k`` (C numbers) with its update, since the server weighs by them.
 Stateless clients (``stateful=False``) restart their router from zero logits every round.
+
+Baseline ``local_adaptor``: one private adaptor per client (C = 1, never uploaded), the base
+federated with sample weights.
 """
 
 from __future__ import annotations
@@ -44,6 +47,18 @@ def adaptor_weights(pi: jax.Array, weights: jax.Array) -> jax.Array:
     return joint / jnp.where(jnp.sum(joint, axis=0) > 0, jnp.sum(joint, axis=0), 1.0)
 
 
+def _local_optimizer(plan, lr, momentum, weight_decay, precondition, router_lr=None):
+    """SGD on the base and the adaptors (LoRA-preconditioned), and on the router at its own rate."""
+    adaptor_opt = sgd(lr, momentum, weight_decay)
+    transforms = {
+        "base": sgd(lr, momentum, weight_decay),
+        "adaptors": optax.chain(ad.lora_preconditioner(plan), adaptor_opt) if precondition else adaptor_opt,
+    }
+    if router_lr is not None:
+        transforms["router"] = sgd(router_lr)
+    return per_key(transforms)
+
+
 def floral(
     model,
     *,
@@ -67,14 +82,7 @@ def floral(
 ) -> FederatedAlgorithm:
     template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     plan = ad.adaptor_plan(template, num_adaptors, rho=rho, rank=rank, conv_adaptor=conv_adaptor, alpha=alpha)
-    adaptor_opt = sgd(lr, momentum, weight_decay)
-    optimizer = per_key(
-        {
-            "base": sgd(lr, momentum, weight_decay),
-            "adaptors": optax.chain(ad.lora_preconditioner(plan), adaptor_opt) if precondition else adaptor_opt,
-            "router": sgd(router_lr),
-        }
-    )
+    optimizer = _local_optimizer(plan, lr, momentum, weight_decay, precondition, router_lr)
 
     def init(rng):
         base_rng, adaptor_rng = jax.random.split(rng)
@@ -142,23 +150,96 @@ def floral(
     )
 
 
+def local_adaptor(
+    model,
+    *,
+    lr: float,
+    local_epochs: int,
+    batch_size: int,
+    drop_last: bool = False,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    rho: float = 0.01,
+    rank: int = 0,
+    conv_adaptor: str = "balanced_2d",
+    alpha: float = 1.0,
+    precondition: bool = True,
+    name: str = "local_adaptor",
+) -> FederatedAlgorithm:
+    """FLoRAL's Local Adaptor baseline: the base is FedAvg's, each client's adaptor is its own."""
+    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    plan = ad.adaptor_plan(template, 1, rho=rho, rank=rank, conv_adaptor=conv_adaptor, alpha=alpha)
+    optimizer = _local_optimizer(plan, lr, momentum, weight_decay, precondition)
+    only = jnp.ones((1,), jnp.float32)
+
+    def init(rng):
+        base_rng, adaptor_rng = jax.random.split(rng)
+        params, model_state = split_variables(model.init(base_rng))
+        return {"base": params}, {"adaptors": ad.init_adaptors(adaptor_rng, template, plan), "model_state": model_state}
+
+    def client_update(message, client_state, data, rng):
+        trainable = {"base": message["base"], "adaptors": client_state["adaptors"]}
+        variables, metrics = train_classifier(
+            model,
+            optimizer,
+            {"params": trainable, **client_state["model_state"]},
+            data,
+            rng,
+            epochs=local_epochs,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            to_params=lambda t: ad.mix(t["base"], t["adaptors"], only, plan),
+        )
+        trained, model_state = split_variables(variables)
+        return {"adaptors": trained["adaptors"], "model_state": model_state}, trained["base"], metrics
+
+    def server_update(server_state, messages, weights):
+        return {"base": tree_select(jnp.sum(weights) > 0, weighted_mean(messages, weights), server_state["base"])}
+
+    def eval_params(server_state, client_state):
+        return {
+            "params": ad.mix(server_state["base"], client_state["adaptors"], only, plan),
+            **client_state["model_state"],
+        }
+
+    return FederatedAlgorithm(
+        name=name,
+        init=init,
+        broadcast=lambda server_state, tier=0: {"base": server_state["base"]},
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=eval_params,
+        global_params=None,
+    )
+
+
+def _adaptor_options(config) -> dict:
+    return {
+        "lr": config.lr,
+        "momentum": config.momentum,
+        "weight_decay": config.weight_decay,
+        "local_epochs": config.local_epochs,
+        "batch_size": config.batch_size,
+        "drop_last": config.drop_last,
+        "rho": config.rho,
+        "rank": config.adaptor_rank,
+        "conv_adaptor": config.conv_adaptor,
+        "alpha": config.adaptor_alpha,
+        "precondition": config.precondition,
+    }
+
+
+def local_adaptor_from_config(config, model) -> FederatedAlgorithm:
+    return local_adaptor(model, **_adaptor_options(config))
+
+
 def from_config(config, model) -> FederatedAlgorithm:
     return floral(
         model,
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
+        **_adaptor_options(config),
         num_adaptors=config.num_adaptors,
-        rho=config.rho,
-        rank=config.adaptor_rank,
-        conv_adaptor=config.conv_adaptor,
-        alpha=config.adaptor_alpha,
         router_lr=config.router_lr,
         router_noise=config.router_noise,
         router_temperature=config.router_temperature,
-        precondition=config.precondition,
         stateful=config.stateful,
     )
