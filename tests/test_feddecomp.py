@@ -75,34 +75,32 @@ def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_
 
 
 @pytest.mark.parametrize("phase", ["tau", "sigma"])
-def test_each_phase_trains_only_its_part(small_cnn, digits_federation, phase):
+def test_each_phase_trains_only_its_part(mlp, digits_federation, phase):
     epochs = {"local_epochs": 1, "lora_epochs": 1 if phase == "tau" else 0}
-    message, before, after, upload, metrics = _one_client_update(_feddecomp(small_cnn, **epochs), digits_federation)
+    message, before, after, upload, metrics = _one_client_update(_feddecomp(mlp, **epochs), digits_federation)
     assert (_changed(before["tau"], after["tau"]), _changed(message, upload)) == (
         (True, False) if phase == "tau" else (False, True)
     )
     assert float(metrics["steps"]) > 0
 
 
-def test_alternating_is_the_tau_phase_then_the_sigma_phase_with_tau_fixed(small_cnn, digits_federation):
-    both = _one_client_update(_feddecomp(small_cnn, local_epochs=2, lora_epochs=1), digits_federation)
-    tau_only = _one_client_update(_feddecomp(small_cnn, local_epochs=1, lora_epochs=1), digits_federation)
+def test_alternating_is_the_tau_phase_then_the_sigma_phase_with_tau_fixed(mlp, digits_federation):
+    both = _one_client_update(_feddecomp(mlp, local_epochs=2, lora_epochs=1), digits_federation)
+    tau_only = _one_client_update(_feddecomp(mlp, local_epochs=1, lora_epochs=1), digits_federation)
     # The sigma phase does not touch tau: tau is what the tau phase alone gives.
     for a, b in zip(jax.tree.leaves(both[2]["tau"]), jax.tree.leaves(tau_only[2]["tau"])):
         np.testing.assert_array_equal(a, b)
     assert _changed(both[0], both[3])  # and sigma trained afterwards
 
 
-def test_simultaneous_trains_both_parts(small_cnn, digits_federation):
-    alg = _feddecomp(small_cnn, local_epochs=1, lora_epochs=1, schedule="simultaneous")
+def test_simultaneous_trains_both_parts(mlp, digits_federation):
+    alg = _feddecomp(mlp, local_epochs=1, lora_epochs=1, schedule="simultaneous")
     message, before, after, upload, _ = _one_client_update(alg, digits_federation)
     assert _changed(before["tau"], after["tau"]) and _changed(message, upload)
 
 
-def test_the_low_rank_part_never_leaves_the_client(small_cnn, digits_federation):
-    message, _, after, upload, _ = _one_client_update(
-        _feddecomp(small_cnn, local_epochs=2, lora_epochs=1), digits_federation
-    )
+def test_the_low_rank_part_never_leaves_the_client(mlp, digits_federation):
+    message, _, after, upload, _ = _one_client_update(_feddecomp(mlp, local_epochs=2, lora_epochs=1), digits_federation)
     assert jax.tree.structure(upload) == jax.tree.structure(message)  # sigma's tree: the model's params
     assert tree_bytes(upload) == tree_bytes(message)
     tau_leaves = [np.asarray(x) for x in jax.tree.leaves(after["tau"])]

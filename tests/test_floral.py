@@ -70,9 +70,13 @@ def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
 def test_floral_learns_digits(mlp, digits):
     fed = make_federation(digits, num_clients=8, name="iid")
     sim = Simulation(_floral(mlp, num_adaptors=2, rho=0.1), mlp, fed, participation=1.0)
-    state, _ = sim.run_rounds(sim.init(), 5)
-    result = sim.evaluate(state)
-    assert result["personalized_acc_mean"] > 0.85 and "global_acc" not in result
+    start = sim.init()
+    state, _ = sim.run_rounds(start, 3)
+    before, after = (sim.evaluate(s) for s in (start, state))
+    assert (
+        after["personalized_acc_mean"] > 0.7 and after["personalized_acc_mean"] > before["personalized_acc_mean"] + 0.4
+    )
+    assert "global_acc" not in after
 
 
 @pytest.mark.parametrize(
@@ -102,8 +106,4 @@ def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_f
     assert all(float(np.abs(u).max()) > 0 for u in ups)  # trained (they start at zero)
     for leaf in jax.tree.leaves(upload):
         assert not any(u.shape == np.shape(leaf) and np.array_equal(u, leaf) for u in ups)
-    sim = Simulation(alg, mlp, digits_federation, participation=0.5)
-    start = sim.init()
-    state, _ = sim.run_rounds(start, 3)
-    before, after = (sim.evaluate(s)["personalized_acc_mean"] for s in (start, state))
-    assert after > 0.5 and after > before + 0.3
+    assert jax.tree.structure(new_client["adaptors"]) == jax.tree.structure(client["adaptors"])
