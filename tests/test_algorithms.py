@@ -88,7 +88,8 @@ def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+# fedprox and fedlora run fedavg's and fedloru's code paths with other settings.
+@pytest.mark.parametrize("name", sorted(set(ALGORITHMS) - {"fedprox", "fedlora"}))
 def test_private_client_state_never_reaches_the_server(name, digits):
     """No leaf of the client state (here BatchNorm statistics) travels in a message, and the
     server state after an engine round is exactly server_update applied to the messages."""
