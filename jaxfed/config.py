@@ -43,6 +43,10 @@ class Config:
     classes_per_client: int = _field(2, "pathological: classes each client holds")
     client_train_size: int = _field(500, "client_dirichlet: training examples per client")
     client_test_size: int = _field(100, "client_dirichlet: test examples per client")
+    cluster_task: str = _field(
+        "none", "clustered task: none, rotation (cluster c rotates images by c*90 degrees) or label_shift"
+    )
+    num_clusters: int = _field(4, "clustered task: ground-truth clusters C; client k is in cluster k mod C")
     # local training
     local_epochs: int = _field(2, "local epochs per round")
     batch_size: int = _field(32, "local batch size")
@@ -168,7 +172,7 @@ class Config:
         from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
         from jaxfed.core.adaptors import CONV_ADAPTORS
         from jaxfed.core.packs import WEIGHTS
-        from jaxfed.data import DATASETS, PARTITIONERS
+        from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
 
@@ -189,6 +193,9 @@ class Config:
         _choice("merge", self.merge, MERGES)
         _choice("anchor_loss", self.anchor_loss, ANCHOR_LOSSES)
         _choice("conv_adaptor", self.conv_adaptor, CONV_ADAPTORS)
+        _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
+        if self.cluster_task != "none" and not 1 <= self.num_clusters <= self.num_clients:
+            raise ConfigError(f"num_clusters: must be in 1..num_clients ({self.num_clients}), got {self.num_clusters}")
         if not 0 < self.rho <= 1:
             raise ConfigError(f"rho: must be in (0, 1], got {self.rho}")
         if not self.router_temperature > 0:

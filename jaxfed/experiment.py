@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxfed.algorithms import ALGORITHMS
 from jaxfed.config import Config
-from jaxfed.data import default_model, describe, federate, load_dataset, partition, summarize
+from jaxfed.data import apply_cluster_task, default_model, describe, federate, load_dataset, partition, summarize
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.nn import get_model
 from jaxfed.simulation import Simulation
@@ -74,6 +74,7 @@ def build(config: Config) -> Built:
         client_train_size=config.client_train_size,
         client_test_size=config.client_test_size,
     )
+    dataset = apply_cluster_task(dataset, train_parts, test_parts, config.cluster_task, config.num_clusters)
     algorithm = ALGORITHMS[config.algorithm](config, model)
     available = jax.devices()
     if config.devices > len(available):

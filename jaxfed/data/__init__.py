@@ -1,16 +1,20 @@
 """Datasets, partitioners and the on-device federated dataset."""
 
+from jaxfed.data.clustered import CLUSTER_TASKS, apply_cluster_task, client_clusters
 from jaxfed.data.datasets import DATASETS, Dataset, default_model, load_dataset
 from jaxfed.data.federated import Batch, ClientData, FederatedData, federate, index_table
 from jaxfed.data.partition import PARTITIONERS, describe, partition, summarize
 
 __all__ = [
+    "CLUSTER_TASKS",
     "DATASETS",
     "PARTITIONERS",
     "Batch",
     "ClientData",
     "Dataset",
     "FederatedData",
+    "apply_cluster_task",
+    "client_clusters",
     "default_model",
     "describe",
     "federate",
