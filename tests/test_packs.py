@@ -102,7 +102,7 @@ def test_aggregation_is_the_weighted_mean_of_the_senders_and_keeps_unsent_packs(
     indices = np.array([[0, 3, 5], [3, 1, 2], [4, 0, 1]])
     deltas = rng.normal(size=(3, 3, PACK))
     weights = np.array([[0.5, 1.2, 0.0], [0.3, 0.7, 0.9], [0.0, 0.0, 0.0]])  # zeros: not sent
-    new = pk.aggregate_packs(
+    new, mask = pk.aggregate_packs(
         jnp.asarray(packs, jnp.float32), jnp.asarray(indices), jnp.asarray(deltas, jnp.float32), jnp.asarray(weights)
     )
     expected = packs.copy()
@@ -112,5 +112,7 @@ def test_aggregation_is_the_weighted_mean_of_the_senders_and_keeps_unsent_packs(
         if total > 0:
             expected[j] += sum(weights[k, s] / total * deltas[k, s] for k, s in sent)
     np.testing.assert_allclose(new, expected, rtol=1e-5, atol=1e-5)
+    totals = [sum(weights[k, s] for k in range(3) for s in range(3) if indices[k, s] == j) for j in range(6)]
+    np.testing.assert_allclose(mask, totals, rtol=1e-6)  # M_j, the next global mask
     for unsent in (4, 5):  # picked only with weight 0
         np.testing.assert_array_equal(np.asarray(new)[unsent], packs[unsent].astype(np.float32))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, split_variables, train_classifier
+from jaxfed.algorithms.training import client_optimizer, split_variables, train_parameters
 from jaxfed.core import packs as pk
 from jaxfed.errors import ConfigError
 
@@ -90,17 +90,17 @@ def fedcspack(
 
     def client_update(message, client_state, data, rng):
         start = personalized_params(message, client_state)
-        variables, metrics = train_classifier(
+        params, model_state, metrics = train_parameters(
             model,
             optimizer,
-            {"params": start, **client_state["model_state"]},
+            start,
+            client_state["model_state"],
             data,
             rng,
             epochs=local_epochs,
             batch_size=batch_size,
             drop_last=drop_last,
         )
-        params, model_state = split_variables(variables)
         local_packs, global_packs = view.to_packs(params), view.to_packs(message["params"])
         indices, sent, weights = score_and_select(local_packs, global_packs, slots, weight)
         deltas = jnp.where(sent[:, None], local_packs[indices] - global_packs[indices], 0.0)
@@ -112,9 +112,8 @@ def fedcspack(
         participating = (weights > 0)[:, None]  # padding and skipped clients send nothing
         pack_weights = jnp.where(participating & messages["sent"], messages["weights"], 0.0)
         global_packs = view.to_packs(server_state["params"])
-        new_packs = pk.aggregate_packs(global_packs, messages["indices"], messages["deltas"], pack_weights)
-        mask = jax.vmap(lambda i, w: pk.scatter_packs(view.num_packs, i, w))(messages["indices"], pack_weights)
-        return {"params": view.to_tree(new_packs), "mask": jnp.sum(mask, axis=0)}
+        new_packs, mask = pk.aggregate_packs(global_packs, messages["indices"], messages["deltas"], pack_weights)
+        return {"params": view.to_tree(new_packs), "mask": mask}
 
     def eval_params(server_state, client_state):
         return {"params": personalized_params(server_state, client_state), **client_state["model_state"]}

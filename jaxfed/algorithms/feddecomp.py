@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, split_variables, train_classifier
+from jaxfed.algorithms.training import client_optimizer, split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
 
@@ -98,17 +98,9 @@ def feddecomp(
         return lowrank.add_loras(sigma, tau, scales, LAYOUT)
 
     def train(trainable, model_state, to_params, data, rng, epochs):
-        variables, metrics = train_classifier(
-            model,
-            optimizer,
-            {"params": trainable, **model_state},
-            data,
-            rng,
-            epochs=epochs,
-            to_params=to_params,
-            **options,
+        return train_parameters(
+            model, optimizer, trainable, model_state, data, rng, epochs=epochs, to_params=to_params, **options
         )
-        return split_variables(variables) + (metrics,)
 
     def client_update(sigma, client_state, data, rng):
         tau, model_state = client_state["tau"], client_state["model_state"]

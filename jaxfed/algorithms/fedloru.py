@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_classifier
+from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import interior_layers
@@ -127,13 +127,6 @@ def _global_model(adapted: _Adapted):
     return global_params
 
 
-def _train(model, optimizer, trainable, model_state, to_params, data, rng, epochs, options):
-    variables, metrics = train_classifier(
-        model, optimizer, {"params": trainable, **model_state}, data, rng, epochs=epochs, to_params=to_params, **options
-    )
-    return split_variables(variables) + (metrics,)
-
-
 def fedloru(
     model,
     optimizer: optax.GradientTransformation,
@@ -161,8 +154,16 @@ def fedloru(
             return adapted.effective(lowrank.merge_kernels(t["free"], frozen), t["loras"], message["merged"])
 
         trainable = {"free": free, "loras": message["loras"]}
-        trained, model_state, metrics = _train(
-            model, optimizer, trainable, client_state["model_state"], to_params, data, rng, local_epochs, options
+        trained, model_state, metrics = train_parameters(
+            model,
+            optimizer,
+            trainable,
+            client_state["model_state"],
+            data,
+            rng,
+            epochs=local_epochs,
+            to_params=to_params,
+            **options,
         )
         return {"model_state": model_state}, trained, metrics
 
@@ -217,27 +218,27 @@ def pfedloru(
             shared = adapted.effective(lowrank.merge_kernels(free, frozen), global_pair, message["merged"])
             return lowrank.add_loras(shared, personal_pair, personal.scale, LAYOUT)
 
-        personal_pair, model_state, personal_metrics = _train(
+        personal_pair, model_state, personal_metrics = train_parameters(
             model,
             optimizer,
             client_state["personal"],
             client_state["model_state"],
-            lambda p: model_params(free, message["loras"], p),
             data,
             personal_rng,
-            personal_epochs,
-            options,
+            epochs=personal_epochs,
+            to_params=lambda p: model_params(free, message["loras"], p),
+            **options,
         )
-        trained, model_state, metrics = _train(
+        trained, model_state, metrics = train_parameters(
             model,
             optimizer,
             {"free": free, "loras": message["loras"]},
             model_state,
-            lambda t: model_params(t["free"], t["loras"], personal_pair),
             data,
             global_rng,
-            global_epochs,
-            options,
+            epochs=global_epochs,
+            to_params=lambda t: model_params(t["free"], t["loras"], personal_pair),
+            **options,
         )
         metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
         return {"model_state": model_state, "personal": personal_pair}, trained, metrics
@@ -329,16 +330,16 @@ def mfedloru(
             loras = with_nested(message["loras"], t["nested"]) if nested else t["loras"]
             return adapted.effective(lowrank.merge_kernels(t["free"], frozen), loras, message["merged"])
 
-        trained, model_state, metrics = _train(
+        trained, model_state, metrics = train_parameters(
             model,
             optimizer,
             {"free": free, key: message[key]},
             client_state["model_state"],
-            to_params,
             data,
             rng,
-            local_epochs,
-            options,
+            epochs=local_epochs,
+            to_params=to_params,
+            **options,
         )
         return {"model_state": model_state}, trained, metrics
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import sgd, split_variables, train_classifier
+from jaxfed.algorithms.training import sgd, split_variables, train_parameters
 from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
 
@@ -99,10 +99,11 @@ def floral(
             return ad.mix(t["base"], t["adaptors"], pi, plan)
 
         trainable = {"base": message["base"], "adaptors": message["adaptors"], "router": router}
-        variables, metrics = train_classifier(
+        trained, model_state, metrics = train_parameters(
             model,
             optimizer,
-            {"params": trainable, **client_state["model_state"]},
+            trainable,
+            client_state["model_state"],
             data,
             train_rng,
             epochs=local_epochs,
@@ -110,7 +111,6 @@ def floral(
             drop_last=drop_last,
             to_params=to_params,
         )
-        trained, model_state = split_variables(variables)
         pi = ad.mixture_weights(trained["router"], temperature=router_temperature)
         upload = {"base": trained["base"], "adaptors": trained["adaptors"], "mixture_weights": pi}
         return {"router": trained["router"], "model_state": model_state}, upload, metrics
@@ -179,10 +179,11 @@ def local_adaptor(
 
     def client_update(message, client_state, data, rng):
         trainable = {"base": message["base"], "adaptors": client_state["adaptors"]}
-        variables, metrics = train_classifier(
+        trained, model_state, metrics = train_parameters(
             model,
             optimizer,
-            {"params": trainable, **client_state["model_state"]},
+            trainable,
+            client_state["model_state"],
             data,
             rng,
             epochs=local_epochs,
@@ -190,7 +191,6 @@ def local_adaptor(
             drop_last=drop_last,
             to_params=lambda t: ad.mix(t["base"], t["adaptors"], only, plan),
         )
-        trained, model_state = split_variables(variables)
         return {"adaptors": trained["adaptors"], "model_state": model_state}, trained["base"], metrics
 
     def server_update(server_state, messages, weights):

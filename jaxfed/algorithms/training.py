@@ -136,6 +136,15 @@ def train_classifier(
     return {"params": state.params, **state.model_state}, metrics
 
 
+def train_parameters(model, optimizer, trainable, model_state: dict, data: ClientData, rng, **options):
+    """:func:`train_classifier` on a trainable tree kept apart from the model's non-trainable state:
+    returns ``(trained, model_state, metrics)``. ``options``: ``epochs, batch_size, drop_last,
+    regularizer, to_params``."""
+    variables, metrics = train_classifier(model, optimizer, {"params": trainable, **model_state}, data, rng, **options)
+    trained, model_state = split_variables(variables)
+    return trained, model_state, metrics
+
+
 def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
     """Client SGD as optax: optional decoupled-into-gradient weight decay, optional momentum."""
     opt = optax.sgd(lr, momentum=momentum or None)

@@ -102,16 +102,16 @@ def scatter_packs(num_packs: int, indices: jax.Array, rows: jax.Array) -> jax.Ar
     return jnp.zeros((num_packs,) + rows.shape[1:], rows.dtype).at[indices].set(rows)
 
 
-def aggregate_packs(packs: jax.Array, indices: jax.Array, deltas: jax.Array, weights: jax.Array) -> jax.Array:
-    """The server's double-weight aggregation over the stacked client axis.
+def aggregate_packs(packs: jax.Array, indices: jax.Array, deltas: jax.Array, weights: jax.Array):
+    """The server's double-weight aggregation over the stacked client axis: ``(new packs, M)``.
 
     ``packs [P, S]`` the global packs; per client ``indices [n, k]``, ``deltas [n, k, S]`` (sent
     pack minus global pack) and ``weights [n, k]`` (0 = not sent). Each pack j becomes
-    ``PW_j + sum_k (m_kj / M_j) delta_kj`` with ``M_j = sum_k m_kj``, i.e. the ``m``-weighted
-    mean of the senders' packs; a pack nobody sent is unchanged.
+    ``PW_j + sum_k (m_kj / M_j) delta_kj`` with ``M_j = sum_k m_kj`` (returned: FedCSPACK's next
+    global mask), i.e. the ``m``-weighted mean of the senders' packs; a pack nobody sent is unchanged.
     """
     num_packs = packs.shape[0]
     sent_packs = jax.vmap(lambda i, d: scatter_packs(num_packs, i, packs[i] + d))(indices, deltas)
     pack_weight = jax.vmap(lambda i, w: scatter_packs(num_packs, i, w))(indices, weights)
     ones = jnp.ones((indices.shape[0],), jnp.float32)
-    return masked_weighted_mean(packs, sent_packs, pack_weight[:, :, None], ones)
+    return masked_weighted_mean(packs, sent_packs, pack_weight[:, :, None], ones), jnp.sum(pack_weight, axis=0)
