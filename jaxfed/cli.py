@@ -86,10 +86,11 @@ def _run(args) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    global_part = f", global acc {s['global_acc']:.4f}" if s["global_acc"] is not None else ""
+    kind = "mse" if s["task"] == "regression" else "acc"
+    global_part = f", global {kind} {s[f'global_{kind}']:.4f}" if s[f"global_{kind}"] is not None else ""
     print(
         f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, {s['rounds']} rounds): "
-        f"personalized acc {s['personalized_acc_mean']:.4f} (weighted {s['personalized_acc_weighted']:.4f})"
+        f"personalized {kind} {s[f'personalized_{kind}_mean']:.4f} (weighted {s[f'personalized_{kind}_weighted']:.4f})"
         f"{global_part}; uploaded {human_bytes(s['bytes_up_total'])}; {s['wall_seconds']:.1f} s -> {out}"
     )
     return 0

@@ -23,10 +23,17 @@ def _field(default, help: str):
 class Config:
     # what runs
     algorithm: str = _field("fedavg", "algorithm name (jaxfed list)")
-    dataset: str = _field("digits", "digits (embedded), mnist, fashion_mnist, cifar10, cifar100")
+    dataset: str = _field(
+        "digits",
+        "digits (embedded), mnist, fashion_mnist, cifar10, cifar100, or the generated regression tasks "
+        "synthetic_linear, synthetic_mlp",
+    )
     data_dir: str = _field("", "directory with <dataset>.npz files or TFDS data ($JAXFED_DATA_DIR if empty)")
     download: bool = _field(False, "let TFDS download a missing dataset (needs internet)")
     model: str = _field("", "model name; empty = the dataset's default (digits: mlp, mnist: cnn, ...)")
+    mlp_hidden: str = _field(
+        "", "model mlp: comma-separated hidden widths; empty = 200,200 (synthetic_mlp: 2 * synthetic_dim)"
+    )
     norm: str = _field("group", "normalization of resnet/vgg models: group or batch (batch stats stay on clients)")
     conv: str = _field(
         "patches", "convolution implementation: patches (slices + einsum, fast in loops and vmaps) or xla"
@@ -37,16 +44,32 @@ class Config:
     sampling: str = _field("uniform", "uniform (new clients each round, without replacement) or fixed (one cohort)")
     rounds: int = _field(30, "communication rounds")
     # partition
-    partition: str = _field("dirichlet", "iid, dirichlet, client_dirichlet or pathological")
+    partition: str = _field(
+        "dirichlet",
+        "iid, dirichlet, client_dirichlet, pathological or label_groups (num_clusters disjoint label groups, "
+        "client k in group k mod C); synthetic datasets come partitioned",
+    )
     alpha: float = _field(0.5, "Dirichlet concentration (> 0); smaller = more heterogeneous")
     min_examples: int = _field(10, "dirichlet: minimum training examples per client")
     classes_per_client: int = _field(2, "pathological: classes each client holds")
     client_train_size: int = _field(500, "client_dirichlet: training examples per client")
     client_test_size: int = _field(100, "client_dirichlet: test examples per client")
+    train_reduction: float = _field(
+        0.0, "drop this fraction of each client's training examples (keeping min_examples), in [0, 1)"
+    )
     cluster_task: str = _field(
         "none", "clustered task: none, rotation (cluster c rotates images by c*90 degrees) or label_shift"
     )
-    num_clusters: int = _field(4, "clustered task: ground-truth clusters C; client k is in cluster k mod C")
+    num_clusters: int = _field(
+        4, "ground-truth clusters C of a clustered task, label_groups or a synthetic dataset; client k is in k mod C"
+    )
+    samples_per_client: int = _field(
+        0, "synthetic datasets: examples per client (80% train); 0 = the authors' ratio to the model's parameters"
+    )
+    synthetic_dim: int = _field(10, "synthetic datasets: input dimension d")
+    synthetic_outputs: int = _field(0, "synthetic datasets: outputs; 0 = 3 (synthetic_linear) or 1 (synthetic_mlp)")
+    synthetic_rank: int = _field(1, "synthetic datasets: rank of each cluster's difference U_c V_c")
+    synthetic_scale: float = _field(2.0, "synthetic datasets: scale of the cluster differences")
     # local training
     local_epochs: int = _field(2, "local epochs per round")
     batch_size: int = _field(32, "local batch size")
@@ -92,16 +115,21 @@ class Config:
     decompose_layers: str = _field(
         "", "fedara: comma-separated feature-extractor layers to decompose; empty = all but the first"
     )
-    num_adaptors: int = _field(4, "floral: adaptors C per adapted layer (mixture components)")
+    num_adaptors: int = _field(4, "floral: adaptors C per adapted layer (mixture components); ensemble: models C")
     rho: float = _field(0.01, "floral: adaptor rank from this relative parameter budget per adaptor, in (0, 1]")
     adaptor_rank: int = _field(0, "floral: a fixed adaptor rank instead of rho; 0 = from rho")
     conv_adaptor: str = _field("balanced_2d", "floral: conv adaptor kind: balanced_2d, channel, in_layer or out_layer")
     adaptor_alpha: float = _field(1.0, "floral: scale alpha of the kernel adaptors")
-    router_lr: float = _field(0.1, "floral: learning rate of the private router logits")
-    router_noise: float = _field(0.0, "floral: router training noise, softmax((w + noise * U[0,1)) / T)")
-    router_temperature: float = _field(1.0, "floral: router softmax temperature T (> 0)")
+    router_lr: float = _field(0.1, "floral, ensemble: learning rate of the private router logits")
+    router_noise: float = _field(
+        0.0, "floral, ensemble: router training noise, softmax((w + noise * U[0,1)) / T), fresh every step"
+    )
+    router_temperature: float = _field(1.0, "floral, ensemble: router softmax temperature T (> 0)")
     precondition: bool = _field(True, "floral: LoRA gradient preconditioning of the adaptors")
-    stateful: bool = _field(True, "floral: clients keep their router between rounds (false: restart at 0)")
+    stateful: bool = _field(True, "floral, ensemble: clients keep their router between rounds (false: restart at 0)")
+    router: str = _field(
+        "learned", "floral, ensemble: learned (private trained logits) or oracle (one-hot on the client's cluster)"
+    )
     tiers: str = _field(
         "",
         "tiered algorithms (fedhm, mfedloru, fedara): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
@@ -158,6 +186,26 @@ class Config:
         """The ``tiers`` list as floats, or ``default`` when it is empty."""
         return parse_tiers(self.tiers) if self.tiers.strip() else tuple(default)
 
+    def clustered(self) -> bool:
+        """Whether clients have ground-truth clusters (client k in cluster ``k mod num_clusters``)."""
+        from jaxfed.data import SYNTHETIC_TASKS
+
+        return self.cluster_task != "none" or self.partition == "label_groups" or self.dataset in SYNTHETIC_TASKS
+
+    def hidden_widths(self) -> tuple[int, ...] | None:
+        """``mlp_hidden`` as widths (None when empty)."""
+        if not self.mlp_hidden.strip():
+            return None
+        try:
+            widths = tuple(int(w) for w in self.mlp_hidden.split(","))
+        except ValueError:
+            widths = ()
+        if not widths or min(widths) < 1:
+            raise ConfigError(
+                f"mlp_hidden: expected comma-separated widths >= 1 such as 200,200, got '{self.mlp_hidden}'"
+            )
+        return widths
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -170,14 +218,15 @@ class Config:
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
         from jaxfed.algorithms.fedcspack import MERGES, SELECTIONS
         from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
+        from jaxfed.algorithms.floral import ROUTERS
         from jaxfed.core.adaptors import CONV_ADAPTORS
         from jaxfed.core.packs import WEIGHTS
-        from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS
+        from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS, SYNTHETIC_TASKS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
 
         _choice("algorithm", self.algorithm, ALGORITHMS)
-        _choice("dataset", self.dataset, DATASETS)
+        _choice("dataset", self.dataset, [*DATASETS, *SYNTHETIC_TASKS])
         if self.model:
             _choice("model", self.model, MODELS)
         _choice("norm", self.norm, NORMS)
@@ -194,8 +243,16 @@ class Config:
         _choice("anchor_loss", self.anchor_loss, ANCHOR_LOSSES)
         _choice("conv_adaptor", self.conv_adaptor, CONV_ADAPTORS)
         _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
-        if self.cluster_task != "none" and not 1 <= self.num_clusters <= self.num_clients:
+        _choice("router", self.router, ROUTERS)
+        if self.dataset in SYNTHETIC_TASKS and self.cluster_task != "none":
+            raise ConfigError(f"cluster_task: {self.dataset} is clustered already; use cluster_task=none")
+        if self.clustered() and not 1 <= self.num_clusters <= self.num_clients:
             raise ConfigError(f"num_clusters: must be in 1..num_clients ({self.num_clients}), got {self.num_clusters}")
+        if self.router == "oracle" and not self.clustered():
+            raise ConfigError(
+                "router: oracle needs ground-truth clusters "
+                "(a cluster_task, partition=label_groups or a synthetic dataset)"
+            )
         if not 0 < self.rho <= 1:
             raise ConfigError(f"rho: must be in (0, 1], got {self.rho}")
         if not self.router_temperature > 0:
@@ -211,6 +268,8 @@ class Config:
             )
         if not 0 < self.participation <= 1:
             raise ConfigError(f"participation: must be in (0, 1], got {self.participation}")
+        if not 0 <= self.train_reduction < 1:
+            raise ConfigError(f"train_reduction: must be in [0, 1), got {self.train_reduction}")
         if not self.alpha > 0:
             raise ConfigError(f"alpha: must be > 0, got {self.alpha}")
         for name in (
@@ -227,6 +286,8 @@ class Config:
             "personal_rank",
             "pack_size",
             "num_adaptors",
+            "synthetic_dim",
+            "synthetic_rank",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -254,9 +315,12 @@ class Config:
             "adaptor_rank",
             "router_noise",
             "router_lr",
+            "samples_per_client",
+            "synthetic_outputs",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.rstrip('_')}: must be >= 0, got {getattr(self, name)}")
+        self.hidden_widths()
         if self.tiers.strip() and len(parse_tiers(self.tiers)) > self.num_clients:
             raise ConfigError(
                 f"tiers: {len(parse_tiers(self.tiers))} tiers for {self.num_clients} clients; "

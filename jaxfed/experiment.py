@@ -21,7 +21,20 @@ import numpy as np
 
 from jaxfed.algorithms import ALGORITHMS
 from jaxfed.config import Config
-from jaxfed.data import apply_cluster_task, default_model, describe, federate, load_dataset, partition, summarize
+from jaxfed.data import (
+    SYNTHETIC_TASKS,
+    apply_cluster_task,
+    auto_samples_per_client,
+    default_model,
+    describe,
+    federate,
+    load_dataset,
+    partition,
+    reduce_parts,
+    summarize,
+    synthetic_task,
+)
+from jaxfed.data.synthetic import DEFAULT_OUTPUTS
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.nn import get_model
 from jaxfed.simulation import Simulation
@@ -54,27 +67,10 @@ class Built(NamedTuple):
 def build(config: Config) -> Built:
     """Dataset, partition, model, algorithm and engine for ``config`` (validated)."""
     config.validate()
-    dataset = load_dataset(config.dataset, config.data_dir or None, config.download)
-    model = get_model(
-        config.model or default_model(config.dataset),
-        dataset.input_shape,
-        dataset.num_classes,
-        config.norm,
-        config.conv,
-    )
-    train_parts, test_parts = partition(
-        config.partition,
-        dataset.y_train,
-        dataset.y_test,
-        config.num_clients,
-        np.random.default_rng(config.seed),
-        alpha=config.alpha,
-        min_examples=config.min_examples,
-        classes_per_client=config.classes_per_client,
-        client_train_size=config.client_train_size,
-        client_test_size=config.client_test_size,
-    )
-    dataset = apply_cluster_task(dataset, train_parts, test_parts, config.cluster_task, config.num_clusters)
+    if config.dataset in SYNTHETIC_TASKS:
+        dataset, model, train_parts, test_parts = _synthetic_task(config)
+    else:
+        dataset, model, train_parts, test_parts = _image_task(config)
     algorithm = ALGORITHMS[config.algorithm](config, model)
     available = jax.devices()
     if config.devices > len(available):
@@ -93,6 +89,61 @@ def build(config: Config) -> Built:
         nonfinite=config.nonfinite,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
+
+
+def _model(config: Config, input_shape, outputs: int, default_hidden=None):
+    name = config.model or default_model(config.dataset)
+    hidden = config.hidden_widths() or (default_hidden if name == "mlp" else None)
+    return get_model(name, input_shape, outputs, config.norm, config.conv, hidden)
+
+
+def _image_task(config: Config):
+    """A dataset of images, partitioned, with its clustered-task transform applied."""
+    dataset = load_dataset(config.dataset, config.data_dir or None, config.download)
+    model = _model(config, dataset.input_shape, dataset.num_classes)
+    train_parts, test_parts = partition(
+        config.partition,
+        dataset.y_train,
+        dataset.y_test,
+        config.num_clients,
+        np.random.default_rng(config.seed),
+        alpha=config.alpha,
+        min_examples=config.min_examples,
+        classes_per_client=config.classes_per_client,
+        client_train_size=config.client_train_size,
+        client_test_size=config.client_test_size,
+        num_groups=config.num_clusters,
+    )
+    train_parts = reduce_parts(
+        train_parts, config.train_reduction, config.min_examples, np.random.default_rng([config.seed, 1])
+    )
+    dataset = apply_cluster_task(dataset, train_parts, test_parts, config.cluster_task, config.num_clusters)
+    return dataset, model, train_parts, test_parts
+
+
+def _synthetic_task(config: Config):
+    """FLoRAL's generated regression task; its client size defaults to the authors' ratio to the
+    model's parameter count."""
+    outputs = config.synthetic_outputs or DEFAULT_OUTPUTS[config.dataset]
+    model = _model(config, (config.synthetic_dim,), outputs, default_hidden=(2 * config.synthetic_dim,))
+    samples = config.samples_per_client or auto_samples_per_client(config.dataset, count_parameters(model))
+    dataset, train_parts, test_parts = synthetic_task(
+        config.dataset,
+        config.num_clients,
+        config.num_clusters,
+        samples,
+        np.random.default_rng(config.seed),
+        dim=config.synthetic_dim,
+        outputs=outputs,
+        rank=config.synthetic_rank,
+        scale=config.synthetic_scale,
+    )
+    return dataset, model, train_parts, test_parts
+
+
+def count_parameters(model) -> int:
+    shapes = jax.eval_shape(model.init, jax.random.key(0))["params"]
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
 
 
 def next_multiple(done: int, every: int) -> int:
@@ -157,7 +208,8 @@ class RunRecord:
 
     def add_row(self, round_: int, evaluation: dict, wall: float) -> dict:
         window = len(self.pending.get("train_loss", []))
-        row = {"round": round_, **evaluation, "global_acc": evaluation.get("global_acc")}
+        global_key = "global_mse" if is_regression_row(evaluation) else "global_acc"
+        row = {"round": round_, **evaluation, global_key: evaluation.get(global_key)}
         for key, values in self.pending.items():
             if key not in ("bytes_up", "bytes_down", "nonfinite_clients"):
                 row[key] = float(np.mean(values)) if values else None
@@ -317,7 +369,8 @@ def _run_rounds(config, sim, state, record: RunRecord, checkpoints: RunCheckpoin
                     row = record.add_row(int(state.round), sim.evaluate(state), time.perf_counter() - start)
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
-                    bar.set_postfix(acc=f"{row['personalized_acc_mean']:.3f}", up=human_bytes(row["bytes_up_total"]))
+                    name, value = headline(row)
+                    bar.set_postfix({name: f"{value:.3f}", "up": human_bytes(row["bytes_up_total"])})
                 if checkpoint:
                     save(state)
         checkpoints.wait()
@@ -336,9 +389,10 @@ def _write_plots(out: Path, rows: list[dict], log) -> None:
     """``accuracy.png`` (personalized) and, where there is a global model, ``global_accuracy.png``."""
     from jaxfed.plots import plot_runs
 
-    plots = {"accuracy.png": "personalized_acc_mean"}
-    if any(r.get("global_acc") is not None for r in rows):
-        plots["global_accuracy.png"] = "global_acc"
+    kind = "mse" if rows and is_regression_row(rows[0]) else "acc"
+    plots = {"accuracy.png": f"personalized_{kind}_mean"}
+    if any(r.get(f"global_{kind}") is not None for r in rows):
+        plots["global_accuracy.png"] = f"global_{kind}"
     for name, metric in plots.items():
         try:
             plot_runs([out], out / name, metric)
@@ -346,10 +400,33 @@ def _write_plots(out: Path, rows: list[dict], log) -> None:
             log(f"warning: could not write {out / name}: {err}")
 
 
+def is_regression_row(row: dict) -> bool:
+    """Whether an evaluation row is a regression task's (MSE metrics instead of accuracies)."""
+    return "personalized_mse_mean" in row
+
+
+def headline(row: dict) -> tuple[str, float]:
+    """The metric a run is judged by: personalized accuracy, or MSE for a regression task."""
+    return ("mse", row["personalized_mse_mean"]) if is_regression_row(row) else ("acc", row["personalized_acc_mean"])
+
+
+def _task_summary(rows: list[dict]) -> dict:
+    """Last and best personalized / global metrics: accuracy (best = max), or MSE (best = min)."""
+    final = rows[-1]
+    kind, best = ("mse", min) if is_regression_row(final) else ("acc", max)
+    global_values = [r[f"global_{kind}"] for r in rows if r.get(f"global_{kind}") is not None]
+    return {
+        "task": "regression" if kind == "mse" else "classification",
+        **{f"personalized_{kind}_{s}": final[f"personalized_{kind}_{s}"] for s in ("mean", "weighted", "std")},
+        f"global_{kind}": final.get(f"global_{kind}"),
+        f"best_personalized_{kind}": best(r[f"personalized_{kind}_mean"] for r in rows),
+        f"best_global_{kind}": best(global_values) if global_values else None,
+    }
+
+
 def _summary(config, built, record: RunRecord, sim, wall) -> dict:
     rows = record.rows
     final = rows[-1]
-    global_accs = [r["global_acc"] for r in rows if r["global_acc"] is not None]
     return {
         "algorithm": config.algorithm,
         "dataset": config.dataset,
@@ -357,12 +434,7 @@ def _summary(config, built, record: RunRecord, sim, wall) -> dict:
         "num_clients": config.num_clients,
         "clients_per_round": sim.num_sampled,
         "rounds": int(final["round"]),
-        "personalized_acc_mean": final["personalized_acc_mean"],
-        "personalized_acc_weighted": final["personalized_acc_weighted"],
-        "personalized_acc_std": final["personalized_acc_std"],
-        "global_acc": final["global_acc"],
-        "best_personalized_acc": max(r["personalized_acc_mean"] for r in rows),
-        "best_global_acc": max(global_accs) if global_accs else None,
+        **_task_summary(rows),
         "bytes_up_total": final["bytes_up_total"],
         "bytes_down_total": final["bytes_down_total"],
         "nonfinite_skipped_total": record.totals["nonfinite"],

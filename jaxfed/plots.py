@@ -1,4 +1,4 @@
-"""Accuracy curves of run directories: against the round and against cumulative bytes uploaded.
+"""Accuracy (or MSE) curves of run directories: against the round and against cumulative bytes uploaded.
 
 ``plot_runs(dirs, out_file)`` draws one line per run, labelled by its algorithm and the config
 keys in which the runs differ. ``jaxfed plot`` and the end of ``jaxfed run`` call it.
@@ -11,7 +11,14 @@ from pathlib import Path
 
 from jaxfed.errors import ConfigError
 
-METRICS = ("personalized_acc_mean", "personalized_acc_weighted", "global_acc")
+METRICS = (
+    "personalized_acc_mean",
+    "personalized_acc_weighted",
+    "global_acc",
+    "personalized_mse_mean",
+    "personalized_mse_weighted",
+    "global_mse",
+)
 # Keys that never change what a run computes: not worth a label.
 UNLABELLED_KEYS = frozenset(
     {

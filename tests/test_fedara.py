@@ -7,7 +7,7 @@ import pytest
 from conftest import make_federation
 
 from jaxfed.algorithms.fedara import class_anchors, fedara, lambda_at
-from jaxfed.algorithms.training import masked_cross_entropy, sgd
+from jaxfed.algorithms.training import masked_loss, sgd
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
@@ -69,7 +69,7 @@ def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_ancho
             for layer in lowrank.layers_with_factors(params["fe"]).values()
         )
         align = jnp.mean((f - anchors[y]) ** 2)  # torch's MSELoss: over examples and dimensions
-        return masked_cross_entropy(logits, y, jnp.ones_like(y, bool)) + lam * align + mu * fro
+        return masked_loss(logits, y, jnp.ones_like(y, bool)) + lam * align + mu * fro
 
     params = {"fe": message["fe"], "head": head}
     received_anchors = anchors_of(message["fe"], head)

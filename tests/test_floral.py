@@ -107,3 +107,41 @@ def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_f
     for leaf in jax.tree.leaves(upload):
         assert not any(u.shape == np.shape(leaf) and np.array_equal(u, leaf) for u in ups)
     assert jax.tree.structure(new_client["adaptors"]) == jax.tree.structure(client["adaptors"])
+
+
+def test_oracle_router_is_one_hot_on_the_cluster_and_never_trains(mlp, digits):
+    fed = make_federation(digits, num_clients=4, name="iid")
+    alg = _floral(mlp, num_adaptors=3, rank=4, router="oracle", num_clusters=2)
+    sim = Simulation(alg, mlp, fed, participation=1.0)
+    start = sim.init()
+    pi = np.asarray(jax.nn.softmax(start.clients["router"]))
+    np.testing.assert_allclose(pi, np.eye(3)[[0, 1, 0, 1]], atol=1e-30)
+    state, _ = sim.run_rounds(start, 1)
+    np.testing.assert_array_equal(state.clients["router"], start.clients["router"])
+    assert not np.allclose(state.server["adaptors"]["kernels"]["head"]["up"][0], 0)  # cluster 0's adaptor trained
+    np.testing.assert_array_equal(state.server["adaptors"]["kernels"]["head"]["up"][2], 0)  # nobody's: unchanged
+
+
+def test_router_noise_is_drawn_afresh_at_every_step():
+    """run_epochs hands step t the key fold_in(fold_in(rng, STEP_KEY_STREAM), t)."""
+    from jaxfed.algorithms.training import STEP_KEY_STREAM, run_epochs
+
+    data = ClientData(x=jnp.zeros((10, 1)), y=jnp.zeros(10, jnp.int32), indices=jnp.arange(10), count=jnp.int32(10))
+
+    def step(total, batch):  # total = [sum_t (t + 1) * U(key_t), steps so far]
+        weighted, steps = total
+        return jnp.stack([weighted + (steps + 1) * jax.random.uniform(batch.key), steps + 1]), 0.0
+
+    rng = jax.random.key(3)
+    got, _ = run_epochs(step, jnp.zeros(2), data, rng, epochs=2, batch_size=4)
+    root = jax.random.fold_in(rng, STEP_KEY_STREAM)
+    expected = sum((t + 1) * float(jax.random.uniform(jax.random.fold_in(root, t))) for t in range(6))
+    np.testing.assert_allclose(got, [expected, 6.0], rtol=1e-6)
+
+
+def test_oracle_needs_clusters_and_enough_adaptors(mlp, tmp_path, capsys):
+    with pytest.raises(Exception, match="needs num_adaptors >= 4, got 2"):
+        _floral(mlp, num_adaptors=2, router="oracle", num_clusters=4)
+    assert main(["run", "floral", "--set", "router=oracle", "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "router: oracle needs ground-truth clusters" in err

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from jaxfed.data import partition
-from jaxfed.data.partition import PARTITIONERS
+from jaxfed.data.partition import PARTITIONERS, reduce_parts
 from jaxfed.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def test_every_client_non_empty_and_no_example_twice(name):
         assert len(flat) == len(np.unique(flat)), "an example was given to two clients"
         assert flat.min() >= 0 and flat.max() < len(pool)
     assert all(len(p) > 0 for p in train)
-    if name in ("iid", "dirichlet", "pathological"):
+    if name in ("iid", "dirichlet", "pathological", "label_groups"):
         assert sum(len(p) for p in train) == len(y_train)  # every training example used
 
 
@@ -83,8 +83,32 @@ def test_test_split_follows_training_distribution():
         ("pathological", 10, {"classes_per_client": 11}, "classes_per_client"),
         ("client_dirichlet", 10, {"client_train_size": 1000}, "client_train_size"),
         ("shards", 10, {}, "partition"),
+        ("label_groups", 10, {"num_groups": 11}, "num_clusters"),
     ],
 )
 def test_bad_input_is_a_clear_error(name, clients, options, field):
     with pytest.raises(ConfigError, match=field):
         partition(name, _labels(2000), _labels(400), clients, np.random.default_rng(0), **options)
+
+
+def test_label_groups_give_each_cluster_disjoint_labels_shared_by_its_clients():
+    y_train, y_test = _labels(3000, classes=12), _labels(600, classes=12, seed=1)
+    train, test = partition("label_groups", y_train, y_test, 8, np.random.default_rng(0), num_groups=3)
+    for parts, labels in ((train, y_train), (test, y_test)):
+        groups = [set(np.unique(labels[np.concatenate(parts[c::3])]).tolist()) for c in range(3)]
+        assert [len(g) for g in groups] == [4, 4, 4] and set.union(*groups) == set(range(12))
+        for k, part in enumerate(parts):  # client k holds only its group's labels, an equal share of them
+            assert set(np.unique(labels[part]).tolist()) <= groups[k % 3]
+            members = np.flatnonzero(np.isin(labels, list(groups[k % 3])))
+            assert abs(len(part) - len(members) / len(parts[k % 3 :: 3])) <= 1
+    assert groups == [set(np.unique(y_train[np.concatenate(train[c::3])]).tolist()) for c in range(3)]
+
+
+def test_reduce_parts_keeps_a_fraction_but_at_least_min_examples():
+    parts = [np.arange(0, 200), np.arange(200, 230), np.arange(230, 235)]
+    kept = reduce_parts(parts, 0.9, 10, np.random.default_rng(0))
+    assert [len(p) for p in kept] == [20, 10, 5]
+    assert all(set(k) <= set(p) for k, p in zip(kept, parts))
+    assert reduce_parts(parts, 0.0, 10, np.random.default_rng(0)) is parts
+    with pytest.raises(ConfigError, match="train_reduction"):
+        reduce_parts(parts, 1.0, 10, np.random.default_rng(0))

@@ -3,7 +3,7 @@
 ``ALGORITHMS`` maps a config name to ``from_config(config, model) -> FederatedAlgorithm``.
 """
 
-from jaxfed.algorithms import fedara, fedavg, fedcspack, feddecomp, fedhm, fedloru, fedprox, floral, local
+from jaxfed.algorithms import ensemble, fedara, fedavg, fedcspack, feddecomp, fedhm, fedloru, fedprox, floral, local
 from jaxfed.algorithms.base import FederatedAlgorithm
 
 ALGORITHMS = {
@@ -20,6 +20,7 @@ ALGORITHMS = {
     "fedara": fedara.from_config,
     "floral": floral.from_config,
     "local_adaptor": floral.local_adaptor_from_config,
+    "ensemble": ensemble.from_config,
 }
 
 __all__ = ["ALGORITHMS", "FederatedAlgorithm"]

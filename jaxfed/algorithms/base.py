@@ -12,6 +12,16 @@ In the spirit of optax's ``GradientTransformation`` and fedjax's ``FederatedAlgo
 - ``eval_params(server_state, client_state) -> variables``: a client's personalized model as
   Flax variables; ``global_params(server_state) -> variables`` where there is a global model.
 
+Optional hooks:
+
+- ``init_client(client_state, client_id) -> client_state``: a client's own starting state (e.g.
+  FLoRAL's ground-truth router, ``router=oracle``), applied once per client at init.
+- ``eval_model``: the model ``eval_params``' variables belong to when it is not the run's model
+  (the ensemble baseline evaluates a mixture of C copies of it).
+- ``message_bytes(message_up)``: the bytes one client's message really takes (default: its arrays' size).
+- ``eval_server(server_state, tier)``: what ``eval_params`` receives for the clients of ``tier``,
+  computed once per tier at evaluation (default: the server state itself).
+
 A *tiered* algorithm (``num_tiers`` set; FedHM, mFedLoRU, FedARA) has clients in static tiers
 of equal contiguous id blocks (client k of N is in tier ``k * num_tiers // N``). The engine runs
 each tier's sampled clients as their own group with their own shapes: ``broadcast(server, t)``
@@ -36,3 +46,5 @@ class FederatedAlgorithm(NamedTuple):
     num_tiers: int | None = None
     message_bytes: Callable[[Any], Any] | None = None
     eval_server: Callable[[Any, int], Any] | None = None
+    init_client: Callable[[Any, Any], Any] | None = None
+    eval_model: Any = None

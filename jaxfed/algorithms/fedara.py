@@ -31,7 +31,7 @@ from jaxfed.algorithms.training import (
     TrainState,
     client_optimizer,
     gradient_step,
-    masked_cross_entropy,
+    masked_loss,
     run_epochs,
     split_variables,
 )
@@ -108,7 +108,7 @@ def anchored_loss(model, anchors, lam_t, mu_fro, anchor_loss: str = "mean"):
         weight = batch.mask.astype(jnp.float32)
         drift = jnp.sum((features - anchors[batch.y]) ** 2, axis=-1) * per_dimension
         alignment = jnp.sum(drift * weight) / jnp.maximum(jnp.sum(weight), 1.0)
-        value = masked_cross_entropy(logits, batch.y, batch.mask) + lam_t * alignment
+        value = masked_loss(logits, batch.y, batch.mask) + lam_t * alignment
         return value + mu_fro * frobenius_penalty(params["fe"]), new_state
 
     return loss

@@ -16,6 +16,8 @@ import optax
 
 from jaxfed.data import Batch, ClientData
 
+STEP_KEY_STREAM = 0x5EED  # the per-step keys are fold_in(rng, this), apart from the shuffling keys
+
 
 class TrainState(NamedTuple):
     params: Any
@@ -23,25 +25,46 @@ class TrainState(NamedTuple):
     model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
 
 
-def masked_cross_entropy(logits, labels, mask):
-    """Mean cross-entropy over the examples where ``mask`` is True (0 when there are none)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+def is_regression(targets) -> bool:
+    """Float targets are a regression task (mean squared error); integer labels a classification."""
+    return jnp.issubdtype(targets.dtype, jnp.floating)
+
+
+def example_losses(outputs, targets):
+    """Per-example loss: cross-entropy for integer labels, squared error averaged over the outputs
+    (torch's ``MSELoss``) for float targets."""
+    if is_regression(targets):
+        return jnp.mean(jnp.square(outputs - targets.reshape(outputs.shape)), axis=-1)
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
+
+
+def masked_loss(outputs, targets, mask):
+    """Mean :func:`example_losses` over the examples where ``mask`` is True (0 when there are none)."""
+    losses = example_losses(outputs, targets)
     weight = mask.astype(losses.dtype)
     return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
 def classification_loss(
-    model, regularizer: Callable[[Any], jax.Array] | None = None, to_params: Callable[[Any], Any] | None = None
+    model,
+    regularizer: Callable[[Any], jax.Array] | None = None,
+    to_params: Callable[..., Any] | None = None,
+    stochastic: bool = False,
 ):
-    """``loss(params, model_state, batch) -> (loss, new_model_state)``: masked CE plus ``regularizer(params)``.
+    """``loss(params, model_state, batch) -> (loss, new_model_state)``: masked CE (MSE for float
+    targets) plus ``regularizer(params)``.
 
     ``to_params`` maps the trained tree to the model's parameters (e.g. frozen kernels plus LoRA
-    deltas); by default the trained tree is the model's parameters."""
+    deltas); by default the trained tree is the model's parameters. With ``stochastic`` it is
+    called as ``to_params(params, batch.key)``, a fresh key every step (e.g. router noise)."""
 
     def loss(params, model_state, batch: Batch):
-        model_params = params if to_params is None else to_params(params)
+        if to_params is None:
+            model_params = params
+        else:
+            model_params = to_params(params, batch.key) if stochastic else to_params(params)
         logits, new_state = model.apply({"params": model_params, **model_state}, batch.x, train=True, mask=batch.mask)
-        value = masked_cross_entropy(logits, batch.y, batch.mask)
+        value = masked_loss(logits, batch.y, batch.mask)
         if regularizer is not None:
             value = value + regularizer(params)
         return value, new_state
@@ -92,12 +115,14 @@ def run_epochs(step, state, data: ClientData, rng, *, epochs: int, batch_size: i
     orders = jax.vmap(lambda key: shuffled_positions(key, data.count, max_examples, padded_length))(
         jax.random.split(rng, epochs)
     )
+    step_keys = jax.random.fold_in(rng, STEP_KEY_STREAM)
 
     def body(carry):
         t, state, loss_sum = carry
         epoch, s = jnp.divmod(t, jnp.maximum(steps_per_epoch, 1))
         positions = jax.lax.dynamic_slice(orders[epoch], (s * batch_size,), (batch_size,))
-        state, loss = step(state, data.batch(positions))
+        batch = data.batch(positions)._replace(key=jax.random.fold_in(step_keys, t))
+        state, loss = step(state, batch)
         return t + 1, state, loss_sum + loss
 
     _, state, loss_sum = jax.lax.while_loop(
@@ -121,16 +146,19 @@ def train_classifier(
     drop_last: bool = False,
     regularizer=None,
     to_params=None,
+    stochastic: bool = False,
 ):
-    """Train all ``params`` of ``variables`` on one client's data with masked cross-entropy.
+    """Train all ``params`` of ``variables`` on one client's data with masked cross-entropy
+    (mean squared error for float targets).
 
-    ``to_params`` maps ``variables["params"]`` (what is trained) to the model's parameters.
+    ``to_params`` maps ``variables["params"]`` (what is trained) to the model's parameters
+    (``to_params(params, key)`` with a fresh key every step when ``stochastic``).
     Returns ``(variables, metrics)``; the optimizer state starts fresh (local optimizers are
     re-created every round).
     """
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    step = gradient_step(classification_loss(model, regularizer, to_params), optimizer)
+    step = gradient_step(classification_loss(model, regularizer, to_params, stochastic), optimizer)
     state = TrainState(params, optimizer.init(params), model_state)
     state, metrics = run_epochs(step, state, data, rng, epochs=epochs, batch_size=batch_size, drop_last=drop_last)
     return {"params": state.params, **state.model_state}, metrics
@@ -139,7 +167,7 @@ def train_classifier(
 def train_parameters(model, optimizer, trainable, model_state: dict, data: ClientData, rng, **options):
     """:func:`train_classifier` on a trainable tree kept apart from the model's non-trainable state:
     returns ``(trained, model_state, metrics)``. ``options``: ``epochs, batch_size, drop_last,
-    regularizer, to_params``."""
+    regularizer, to_params, stochastic``."""
     variables, metrics = train_classifier(model, optimizer, {"params": trainable, **model_state}, data, rng, **options)
     trained, model_state = split_variables(variables)
     return trained, model_state, metrics

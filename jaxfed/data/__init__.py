@@ -3,17 +3,20 @@
 from jaxfed.data.clustered import CLUSTER_TASKS, apply_cluster_task, client_clusters
 from jaxfed.data.datasets import DATASETS, Dataset, default_model, load_dataset
 from jaxfed.data.federated import Batch, ClientData, FederatedData, federate, index_table
-from jaxfed.data.partition import PARTITIONERS, describe, partition, summarize
+from jaxfed.data.partition import PARTITIONERS, describe, partition, reduce_parts, summarize
+from jaxfed.data.synthetic import SYNTHETIC_TASKS, auto_samples_per_client, synthetic_task
 
 __all__ = [
     "CLUSTER_TASKS",
     "DATASETS",
     "PARTITIONERS",
+    "SYNTHETIC_TASKS",
     "Batch",
     "ClientData",
     "Dataset",
     "FederatedData",
     "apply_cluster_task",
+    "auto_samples_per_client",
     "client_clusters",
     "default_model",
     "describe",
@@ -21,5 +24,7 @@ __all__ = [
     "index_table",
     "load_dataset",
     "partition",
+    "reduce_parts",
     "summarize",
+    "synthetic_task",
 ]

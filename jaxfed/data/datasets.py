@@ -43,7 +43,8 @@ DATASETS = {
 
 
 def default_model(dataset: str) -> str:
-    return DATASETS[dataset][1]
+    """The dataset's default model (the generated regression tasks: linear and mlp)."""
+    return {"synthetic_linear": "linear", "synthetic_mlp": "mlp"}.get(dataset) or DATASETS[dataset][1]
 
 
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:

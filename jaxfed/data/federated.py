@@ -19,6 +19,7 @@ class Batch(NamedTuple):
     x: jax.Array
     y: jax.Array
     mask: jax.Array  # bool [batch]: False for padding
+    key: jax.Array | None = None  # a fresh PRNG key per training step (see training.run_epochs)
 
 
 @struct.dataclass

@@ -25,6 +25,7 @@ def partition(
     classes_per_client: int = 2,
     client_train_size: int = 500,
     client_test_size: int = 100,
+    num_groups: int = 10,
 ):
     """Split train and test examples over ``num_clients`` clients with partitioner ``name``."""
     num_classes = int(max(y_train.max(), y_test.max())) + 1
@@ -44,6 +45,8 @@ def partition(
         return client_dirichlet(
             y_train, y_test, num_clients, rng, alpha=alpha, train_size=client_train_size, test_size=client_test_size
         )
+    elif name == "label_groups":
+        return label_groups(y_train, y_test, num_clients, rng, num_groups=num_groups, num_classes=num_classes)
     else:
         raise ConfigError(f"partition: unknown '{name}'; allowed: {', '.join(PARTITIONERS)}")
     _check_non_empty(train)
@@ -117,6 +120,29 @@ def client_dirichlet(y_train, y_test, num_clients, rng, *, alpha, train_size, te
     return train, test
 
 
+def label_groups(y_train, y_test, num_clients, rng, *, num_groups, num_classes):
+    """FLoRAL's CIFAR-100 task: the labels in ``num_groups`` disjoint random groups (group c is a
+    ground-truth cluster); client k is in group ``k mod num_groups`` and gets an equal random share
+    of its group's training and test examples."""
+    if not 1 <= num_groups <= min(num_clients, num_classes):
+        raise ConfigError(
+            f"num_clusters: label_groups needs 1..min(num_clients, classes) = {min(num_clients, num_classes)}, "
+            f"got {num_groups}"
+        )
+    groups = np.array_split(rng.permutation(num_classes), num_groups)
+    members = [np.flatnonzero(np.arange(num_clients) % num_groups == g) for g in range(num_groups)]
+    split = []
+    for labels in (y_train, y_test):
+        parts = [np.zeros(0, np.int64)] * num_clients
+        for group, clients in zip(groups, members):
+            examples = rng.permutation(np.flatnonzero(np.isin(labels, group)))
+            for k, chunk in zip(clients, np.array_split(examples, len(clients))):
+                parts[k] = np.sort(chunk)
+        split.append(parts)
+    _check_non_empty(split[0])
+    return split[0], split[1]
+
+
 def _draw_by_proportions(labels, q, size, rng):
     num_classes = q.shape[1]
     pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)]
@@ -134,6 +160,20 @@ def _draw_by_proportions(labels, q, size, rng):
                 del pools[c][:take]
         parts.append(np.sort(np.array(taken, np.int64)))
     return parts
+
+
+def reduce_parts(parts, reduction: float, min_examples: int, rng):
+    """Drop the fraction ``reduction`` of each client's examples at random, keeping at least
+    ``min_examples`` (or all it has): FLoRAL's low-data "reduced" tasks."""
+    if not 0 <= reduction < 1:
+        raise ConfigError(f"train_reduction: must be in [0, 1), got {reduction}")
+    if reduction == 0:
+        return parts
+    kept = []
+    for part in parts:
+        keep = min(len(part), max(round((1 - reduction) * len(part)), min_examples))
+        kept.append(np.sort(rng.choice(part, size=keep, replace=False)))
+    return kept
 
 
 def test_like_train(train_parts, y_train, y_test, rng, num_classes):
@@ -168,20 +208,20 @@ def _check_non_empty(parts):
 def summarize(train_parts, labels) -> dict:
     """Clients, examples per client (min/median/max) and classes per client (min/median/max)."""
     sizes = np.array([len(p) for p in train_parts])
-    classes = np.array([len(np.unique(labels[p])) for p in train_parts])
-    return {
-        "clients": len(train_parts),
-        "examples": (int(sizes.min()), float(np.median(sizes)), int(sizes.max())),
-        "classes": (int(classes.min()), float(np.median(classes)), int(classes.max())),
-    }
+    summary = {"clients": len(train_parts), "examples": (int(sizes.min()), float(np.median(sizes)), int(sizes.max()))}
+    if not np.issubdtype(labels.dtype, np.floating):  # regression targets have no classes
+        classes = np.array([len(np.unique(labels[p])) for p in train_parts])
+        summary["classes"] = (int(classes.min()), float(np.median(classes)), int(classes.max()))
+    return summary
 
 
 def describe(summary: dict) -> str:
-    e, c = summary["examples"], summary["classes"]
-    return (
-        f"{summary['clients']} clients; examples per client min/median/max {e[0]}/{e[1]:g}/{e[2]}; "
-        f"classes per client {c[0]}/{c[1]:g}/{c[2]}"
-    )
+    e = summary["examples"]
+    text = f"{summary['clients']} clients; examples per client min/median/max {e[0]}/{e[1]:g}/{e[2]}"
+    if "classes" in summary:
+        c = summary["classes"]
+        text += f"; classes per client {c[0]}/{c[1]:g}/{c[2]}"
+    return text
 
 
-PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological")
+PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological", "label_groups")

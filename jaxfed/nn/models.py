@@ -35,7 +35,7 @@ class Norm(nn.Module):
 
 
 class MLP(nn.Module):
-    """McMahan et al.'s 2NN: two hidden ReLU layers."""
+    """ReLU layers of widths ``hidden`` then the head; the default is McMahan et al.'s 2NN."""
 
     num_classes: int
     hidden: Sequence[int] = (200, 200)
@@ -45,6 +45,17 @@ class MLP(nn.Module):
         h = x.reshape(x.shape[0], -1)
         for i, width in enumerate(self.hidden):
             h = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(h))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class Linear(nn.Module):
+    """One Dense layer (``head``): linear regression / multinomial logistic regression."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h = x.reshape(x.shape[0], -1)
         return h if features else nn.Dense(self.num_classes, name="head")(h)
 
 
@@ -151,6 +162,7 @@ def _resnet(blocks, widths):
 
 # name -> constructor(num_classes, norm, conv implementation)
 MODELS: dict[str, Callable[[int, str, str], nn.Module]] = {
+    "linear": lambda num_classes, norm, conv: Linear(num_classes),
     "mlp": lambda num_classes, norm, conv: MLP(num_classes),
     "cnn": lambda num_classes, norm, conv: CNN(num_classes, conv=conv),
     "cnn4": lambda num_classes, norm, conv: CNN4(num_classes, conv=conv),
@@ -183,17 +195,24 @@ class Model(NamedTuple):
         return self.module.apply(variables, x, train=train, mask=mask, features=features), state
 
 
-def get_model(name: str, input_shape, num_classes: int, norm: str = "group", conv: str = "patches") -> Model:
+def get_model(
+    name: str, input_shape, num_classes: int, norm: str = "group", conv: str = "patches", hidden=None
+) -> Model:
     """The model ``name`` for inputs of ``input_shape`` (HWC); a clear error if it cannot fit them.
 
-    ``conv`` picks the convolution implementation (see :mod:`jaxfed.nn.conv`)."""
+    ``num_classes`` is the output size (the number of targets for a regression task). ``conv``
+    picks the convolution implementation (see :mod:`jaxfed.nn.conv`); ``hidden`` the hidden
+    widths of ``mlp`` (default 200, 200)."""
     if name not in MODELS:
         raise ConfigError(f"model: unknown '{name}'; allowed: {', '.join(MODELS)}")
     if norm not in NORMS:
         raise ConfigError(f"norm: unknown '{norm}'; allowed: {', '.join(NORMS)}")
     if conv not in CONV_IMPLS:
         raise ConfigError(f"conv: unknown '{conv}'; allowed: {', '.join(CONV_IMPLS)}")
-    model = Model(name, MODELS[name](num_classes, norm, conv), tuple(input_shape))
+    if hidden is not None and name != "mlp":
+        raise ConfigError(f"mlp_hidden: applies to model mlp only, not '{name}'")
+    module = MLP(num_classes, tuple(hidden)) if hidden is not None else MODELS[name](num_classes, norm, conv)
+    model = Model(name, module, tuple(input_shape))
     try:
         jax.eval_shape(model.init, jax.random.key(0))
     except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
@@ -202,3 +221,29 @@ def get_model(name: str, input_shape, num_classes: int, norm: str = "group", con
             f"({type(err).__name__}); pick another model"
         ) from None
     return model
+
+
+class Mixture(NamedTuple):
+    """``C`` copies of ``member`` whose outputs are mixed: ``sum_c w_c f_c(x)`` (FLoRAL's ensemble).
+
+    Variables: ``{"params": {"members": member params stacked [C, ...], "weights": [C]}}`` plus
+    the member's non-param collections stacked along the same leading axis."""
+
+    member: Model
+
+    @property
+    def name(self) -> str:
+        return f"mixture of {self.member.name}"
+
+    def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False):
+        if features:
+            raise ValueError("a Mixture has no single feature vector; apply its member instead")
+        params = variables["params"]
+        state = {k: v for k, v in variables.items() if k != "params"}
+
+        def one(member_params, member_state):
+            return self.member.apply({"params": member_params, **member_state}, x, train=train, mask=mask)
+
+        outputs, new_state = jax.vmap(one)(params["members"], state)
+        mixed = jnp.tensordot(params["weights"].astype(outputs.dtype), outputs, axes=1)
+        return mixed, new_state

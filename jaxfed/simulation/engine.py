@@ -28,6 +28,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.training import is_regression
 from jaxfed.core import (
     finite_rows,
     gather_clients,
@@ -138,12 +139,16 @@ class Simulation:
     # ----- state -----------------------------------------------------------------------------
 
     def init(self) -> SimState:
-        """The starting state: the algorithm's init, one client state stacked for every client."""
+        """The starting state: the algorithm's init, one client state stacked for every client
+        (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
         return self._init_state()
 
     def _init(self) -> SimState:
         server, client = self.algorithm.init(sampling.init_key(self.root))
-        return SimState(server=server, clients=stack_clients(client, self.num_clients), round=jnp.int32(0))
+        clients = stack_clients(client, self.num_clients)
+        if self.algorithm.init_client is not None:
+            clients = jax.vmap(self.algorithm.init_client)(clients, jnp.arange(self.num_clients, dtype=jnp.int32))
+        return SimState(server=server, clients=clients, round=jnp.int32(0))
 
     # ----- rounds ----------------------------------------------------------------------------
 
@@ -300,7 +305,8 @@ class Simulation:
     # ----- evaluation ------------------------------------------------------------------------
 
     def _evaluate(self, state: SimState, data: FederatedData):
-        alg, model, batch = self.algorithm, self.model, self.eval_batch_size
+        alg, batch = self.algorithm, self.eval_batch_size
+        model = alg.eval_model or self.model
         test = data.test_data(jnp.arange(self.num_clients, dtype=jnp.int32))
         eval_batch = min(batch, test.indices.shape[1])
         clients_per_chunk = max(1, self.eval_examples_per_call // eval_batch)
@@ -320,11 +326,12 @@ class Simulation:
         else:  # each tier's clients against that tier's view of the server, computed once
             blocks = [evaluate_block(alg.eval_server(state.server, t), lo, hi) for t, (lo, hi) in enumerate(self.tiers)]
             correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
-        metrics = personalized_metrics(correct, loss, count)
+        regression = is_regression(data.y_test)
+        metrics = personalized_metrics(correct, loss, count, regression)
         if alg.global_params is not None:
             pooled = pooled_view(data.x_test, data.y_test)
             g_correct, g_loss, g_count = evaluate_examples(model, alg.global_params(state.server), pooled, batch)
-            metrics["global_acc"] = g_correct / g_count
+            metrics["global_mse" if regression else "global_acc"] = (g_loss if regression else g_correct) / g_count
             metrics["global_loss"] = g_loss / g_count
         return metrics
 

@@ -1,12 +1,15 @@
 """Evaluation: every client's personalized model on its own test split, vmapped in chunks of
-clients, and the global model (where there is one) on the pooled test set."""
+clients, and the global model (where there is one) on the pooled test set.
+
+Classification (integer labels) reports accuracies; regression (float targets) reports mean
+squared errors, under ``personalized_mse_*`` and ``global_mse``."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from jaxfed.algorithms.training import example_losses, is_regression
 from jaxfed.data import ClientData
 
 
@@ -20,27 +23,33 @@ def evaluate_examples(model, variables, data: ClientData, batch_size: int):
         batch = data.batch(pos)
         logits, _ = model.apply(variables, batch.x, train=False)
         weight = batch.mask.astype(jnp.float32)
-        correct = jnp.sum((jnp.argmax(logits, -1) == batch.y) * weight)
-        loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, batch.y) * weight)
+        correct = 0.0 if is_regression(batch.y) else jnp.sum((jnp.argmax(logits, -1) == batch.y) * weight)
+        loss = jnp.sum(example_losses(logits, batch.y) * weight)
         return (totals[0] + correct, totals[1] + loss), None
 
     (correct, loss), _ = jax.lax.scan(one_batch, (jnp.float32(0), jnp.float32(0)), positions)
     return correct, loss, data.count.astype(jnp.float32)
 
 
-def personalized_metrics(correct, loss, count) -> dict:
-    """Per-client accuracies summarized: unweighted mean, sample-weighted mean, std across clients
-    (clients without test examples excluded)."""
+def _summarize(per_client_total, count, name: str) -> dict:
+    """Per-client means of ``per_client_total``: unweighted mean, sample-weighted mean and std
+    across clients (clients without test examples excluded)."""
     has_test = count > 0
-    acc = jnp.where(has_test, correct / jnp.maximum(count, 1), 0.0)
+    value = jnp.where(has_test, per_client_total / jnp.maximum(count, 1), 0.0)
     n = jnp.maximum(jnp.sum(has_test), 1)
-    mean = jnp.sum(acc) / n
+    mean = jnp.sum(value) / n
     return {
-        "personalized_acc_mean": mean,
-        "personalized_acc_weighted": jnp.sum(correct) / jnp.maximum(jnp.sum(count), 1),
-        "personalized_acc_std": jnp.sqrt(jnp.sum(jnp.where(has_test, (acc - mean) ** 2, 0.0)) / n),
-        "personalized_loss": jnp.sum(loss) / jnp.maximum(jnp.sum(count), 1),
+        f"personalized_{name}_mean": mean,
+        f"personalized_{name}_weighted": jnp.sum(per_client_total) / jnp.maximum(jnp.sum(count), 1),
+        f"personalized_{name}_std": jnp.sqrt(jnp.sum(jnp.where(has_test, (value - mean) ** 2, 0.0)) / n),
     }
+
+
+def personalized_metrics(correct, loss, count, regression: bool = False) -> dict:
+    """Per-client accuracies (mean squared errors for ``regression``) summarized; plus the pooled loss."""
+    metrics = _summarize(loss, count, "mse") if regression else _summarize(correct, count, "acc")
+    metrics["personalized_loss"] = jnp.sum(loss) / jnp.maximum(jnp.sum(count), 1)
+    return metrics
 
 
 def pooled_view(x, y) -> ClientData:
