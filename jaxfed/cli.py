@@ -55,6 +55,16 @@ def _parser() -> argparse.ArgumentParser:
         help="personalized_acc_mean (default), personalized_acc_weighted or global_acc",
     )
     commands.add_parser("list", help="list algorithms, datasets, models, partitioners and config keys")
+    bench = commands.add_parser("bench", help="throughput of a workload (w1, w2, w3), against a PyTorch loop")
+    bench.add_argument("workload", nargs="?", default="w1", help="w1 (default), w2 or w3; see jaxfed.bench")
+    bench.add_argument("--data-dir", help="directory with mnist.npz (w1, w3)")
+    bench.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
+    bench.add_argument("--rounds", type=int, default=5, help="steady-state rounds timed after a warm-up call")
+    bench.add_argument("--baseline", default="torch", help="torch (a PyTorch per-client loop; fedavg only) or none")
+    bench.add_argument("--strategies", default="", help="comma-separated client_chunk values to time too, e.g. 0,1,10")
+    bench.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     return parser
 
 
@@ -108,11 +118,12 @@ def _plot(args) -> int:
 
 def _list(args) -> int:
     from jaxfed.algorithms import ALGORITHMS
-    from jaxfed.data import DATASETS, PARTITIONERS
+    from jaxfed.data import DATASETS, PARTITIONERS, SYNTHETIC_TASKS, default_model
     from jaxfed.nn import MODELS
 
     print("algorithms:   " + ", ".join(ALGORITHMS))
-    print("datasets:     " + ", ".join(f"{name} (model {model})" for name, (_, model) in DATASETS.items()))
+    names = [*DATASETS, *SYNTHETIC_TASKS]
+    print("datasets:     " + ", ".join(f"{name} (model {default_model(name)})" for name in names))
     print("models:       " + ", ".join(MODELS))
     print("partitioners: " + ", ".join(PARTITIONERS))
     print("config keys (--set key=value):")
@@ -121,10 +132,30 @@ def _list(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import json
+
+    from jaxfed.bench import run_benchmark, summary_lines
+
+    try:
+        strategies = [int(s) for s in args.strategies.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--strategies: expected comma-separated client_chunk values such as 0,1,10, got '{args.strategies}'"
+        )
+    overrides = ([f"data_dir={args.data_dir}"] if args.data_dir else []) + args.set
+    result = run_benchmark(args.workload, overrides, rounds=args.rounds, baseline=args.baseline, strategies=strategies)
+    print("\n".join(summary_lines(result)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"run": _run, "plot": _plot, "list": _list}[args.command](args)
+        return {"run": _run, "plot": _plot, "list": _list, "bench": _bench}[args.command](args)
     except ConfigError as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_USAGE

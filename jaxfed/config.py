@@ -46,14 +46,16 @@ class Config:
     # partition
     partition: str = _field(
         "dirichlet",
-        "iid, dirichlet, client_dirichlet, pathological or label_groups (num_clusters disjoint label groups, "
-        "client k in group k mod C); synthetic datasets come partitioned",
+        "iid, dirichlet, client_dirichlet, pathological, label_groups (num_clusters disjoint label groups, "
+        "client k in group k mod C) or resample (client_train_size / client_test_size examples drawn per "
+        "client from the whole pool, shared between clients: throughput studies); synthetic datasets come "
+        "partitioned",
     )
     alpha: float = _field(0.5, "Dirichlet concentration (> 0); smaller = more heterogeneous")
     min_examples: int = _field(10, "dirichlet: minimum training examples per client")
     classes_per_client: int = _field(2, "pathological: classes each client holds")
-    client_train_size: int = _field(500, "client_dirichlet: training examples per client")
-    client_test_size: int = _field(100, "client_dirichlet: test examples per client")
+    client_train_size: int = _field(500, "client_dirichlet, resample: training examples per client")
+    client_test_size: int = _field(100, "client_dirichlet, resample: test examples per client")
     train_reduction: float = _field(
         0.0, "drop this fraction of each client's training examples (keeping min_examples), in [0, 1)"
     )
@@ -218,9 +220,9 @@ class Config:
         from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
         from jaxfed.algorithms.fedcspack import MERGES, SELECTIONS
         from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
-        from jaxfed.algorithms.floral import ROUTERS
         from jaxfed.core.adaptors import CONV_ADAPTORS
         from jaxfed.core.packs import WEIGHTS
+        from jaxfed.core.routing import ROUTERS
         from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS, SYNTHETIC_TASKS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS

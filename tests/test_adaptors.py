@@ -9,6 +9,7 @@ import pytest
 from jaxfed.algorithms.training import split_variables
 from jaxfed.core import adaptors as ad
 from jaxfed.core import lowrank
+from jaxfed.core.routing import mixture_weights
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
 
@@ -30,7 +31,7 @@ def test_at_init_the_adapted_model_is_the_base_model(resnet):
     plan = ad.adaptor_plan(params, 4, rho=0.1)
     assert plan.norms and plan.biases  # GroupNorm scales/offsets and the head's bias are adapted
     adaptors = jax.jit(lambda k: ad.init_adaptors(k, params, plan))(jax.random.key(1))
-    weights = ad.mixture_weights(jnp.array([0.3, -1.0, 2.0, 0.1]))
+    weights = mixture_weights(jnp.array([0.3, -1.0, 2.0, 0.1]))
     mixed = jax.jit(lambda p, a, w: ad.mix(p, a, w, plan))(params, adaptors, weights)
     for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
@@ -94,8 +95,8 @@ def test_ranks_follow_the_budget(resnet):
 
 def test_mixture_weights_softmax_with_noise_and_temperature():
     logits = jnp.array([1.0, 0.0, -1.0])
-    np.testing.assert_allclose(ad.mixture_weights(logits), jax.nn.softmax(logits), rtol=1e-6)
-    noisy = ad.mixture_weights(logits, jax.random.key(0), noise_std=1.0, temperature=2.0)
+    np.testing.assert_allclose(mixture_weights(logits), jax.nn.softmax(logits), rtol=1e-6)
+    noisy = mixture_weights(logits, jax.random.key(0), noise_std=1.0, temperature=2.0)
     u = jax.random.uniform(jax.random.key(0), (3,))
     np.testing.assert_allclose(noisy, jax.nn.softmax((logits + u) / 2.0), rtol=1e-6)
 

@@ -106,7 +106,8 @@ def test_real_dataset_absent_offline_says_how_to_get_it(tmp_path, capsys):
 def test_installed_entry_point_lists_and_fails_cleanly():
     listing = subprocess.run([sys.executable, "-m", "jaxfed.cli", "list"], capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0
-    for word in ("fedavg", "fedprox", "local", "digits", "cifar100", "resnet18", "client_dirichlet", "rounds_per_call"):
+    words = ("fedavg", "ensemble", "digits", "cifar100", "synthetic_mlp (model mlp)", "resnet18", "label_groups")
+    for word in words:
         assert word in listing.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "jaxfed.cli", "run", "nope"], capture_output=True, text=True, timeout=120

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
-from jaxfed.algorithms.floral import adaptor_weights, floral, local_adaptor
+from jaxfed.algorithms.floral import floral, local_adaptor
 from jaxfed.cli import main
+from jaxfed.core.routing import component_weights
 from jaxfed.data import ClientData
 from jaxfed.simulation import Simulation
 
@@ -16,14 +17,14 @@ def _floral(model, **options):
     return floral(model, lr=0.05, local_epochs=1, batch_size=32, **options)
 
 
-def test_adaptor_weights_are_p_k_given_c():
+def test_component_weights_are_p_k_given_c():
     rng = np.random.default_rng(0)
     pi = rng.dirichlet(np.ones(3), size=4)
     p = np.array([10.0, 30.0, 0.0, 60.0])  # the third is padding
     expected = np.array(
         [[p[k] * pi[k, c] / sum(p[j] * pi[j, c] for j in range(4)) for c in range(3)] for k in range(4)]
     )
-    np.testing.assert_allclose(adaptor_weights(jnp.asarray(pi), jnp.asarray(p)), expected, rtol=1e-5)
+    np.testing.assert_allclose(component_weights(jnp.asarray(pi), jnp.asarray(p)), expected, rtol=1e-5)
 
 
 def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):

@@ -10,7 +10,7 @@ def _labels(n=2000, classes=10, seed=0):
     return np.random.default_rng(seed).integers(0, classes, size=n)
 
 
-@pytest.mark.parametrize("name", PARTITIONERS)
+@pytest.mark.parametrize("name", [p for p in PARTITIONERS if p != "resample"])  # resample shares by design
 def test_every_client_non_empty_and_no_example_twice(name):
     y_train, y_test = _labels(3000), _labels(600, seed=1)
     options = {"client_train_size": 100, "client_test_size": 20}
@@ -112,3 +112,14 @@ def test_reduce_parts_keeps_a_fraction_but_at_least_min_examples():
     assert reduce_parts(parts, 0.0, 10, np.random.default_rng(0)) is parts
     with pytest.raises(ConfigError, match="train_reduction"):
         reduce_parts(parts, 1.0, 10, np.random.default_rng(0))
+
+
+def test_resample_gives_every_client_its_own_draw_even_beyond_the_pool():
+    y_train, y_test = _labels(300), _labels(60, seed=1)
+    train, test = partition(
+        "resample", y_train, y_test, 1000, np.random.default_rng(0), client_train_size=8, client_test_size=3
+    )
+    assert len(train) == 1000 and all(len(p) == 8 and len(np.unique(p)) == 8 for p in train)
+    assert all(len(p) == 3 for p in test) and max(p.max() for p in train) < 300
+    with pytest.raises(ConfigError, match="client_train_size"):
+        partition("resample", y_train, y_test, 10, np.random.default_rng(0), client_train_size=301)

@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.floral import check_router, mixture_average, oracle_init, per_key
-from jaxfed.algorithms.training import sgd, split_variables, train_parameters
-from jaxfed.core import adaptors as ad
+from jaxfed.algorithms.training import per_key, sgd, split_variables, train_parameters
 from jaxfed.core import tree_select
+from jaxfed.core.routing import check_router, mixture_average, mixture_weights, oracle_init
 from jaxfed.nn.models import Mixture
 
 
@@ -58,7 +57,7 @@ def ensemble(
 
         def to_params(t, step_key):
             logits = t["router"] if learned else router_logits
-            weights = ad.mixture_weights(logits, step_key, router_noise, router_temperature)
+            weights = mixture_weights(logits, step_key, router_noise, router_temperature)
             return {"members": t["members"], "weights": weights}
 
         trainable = {"members": message["members"], **({"router": router_logits} if learned else {})}
@@ -76,7 +75,7 @@ def ensemble(
             stochastic=True,
         )
         new_logits = trained["router"] if learned else router_logits
-        pi = ad.mixture_weights(new_logits, temperature=router_temperature)
+        pi = mixture_weights(new_logits, temperature=router_temperature)
         upload = {"members": trained["members"], "mixture_weights": pi}
         return {"router": new_logits, "model_state": model_state}, upload, metrics
 
@@ -85,7 +84,7 @@ def ensemble(
         return tree_select(jnp.sum(weights) > 0, {"members": members}, server_state)
 
     def eval_params(server_state, client_state):
-        pi = ad.mixture_weights(client_state["router"], temperature=router_temperature)
+        pi = mixture_weights(client_state["router"], temperature=router_temperature)
         return {"params": {"members": server_state["members"], "weights": pi}, **client_state["model_state"]}
 
     return FederatedAlgorithm(

@@ -24,63 +24,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import sgd, split_variables, train_parameters
+from jaxfed.algorithms.training import per_key, sgd, split_variables, train_parameters
 from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
-from jaxfed.errors import ConfigError
-
-ROUTERS = ("learned", "oracle")
-ORACLE_LOGIT_GAP = 100.0  # the authors' optimal router: logits -100 off the client's cluster
-
-
-def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
-    """One optax transformation per top-level key of a dict of parameters."""
-
-    def init(params):
-        return {k: t.init(params[k]) for k, t in transforms.items()}
-
-    def update(updates, state, params=None):
-        out, new_state = {}, {}
-        for k, t in transforms.items():
-            out[k], new_state[k] = t.update(updates[k], state[k], None if params is None else params[k])
-        return out, new_state
-
-    return optax.GradientTransformation(init, update)
-
-
-def adaptor_weights(pi: jax.Array, weights: jax.Array) -> jax.Array:
-    """``[clients, C]``: ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c`` (0 for an adaptor nobody used)."""
-    joint = weights[:, None] * pi
-    return joint / jnp.where(jnp.sum(joint, axis=0) > 0, jnp.sum(joint, axis=0), 1.0)
-
-
-def mixture_average(components, pi: jax.Array, weights: jax.Array, previous):
-    """Component c of the stacked uploads ``components`` (leaves ``[clients, C, ...]``) averaged with
-    weights ``p(k|c)``; a component no client used keeps its ``previous`` value (leaves ``[C, ...]``)."""
-    per_client = adaptor_weights(pi, weights)
-    used = jnp.sum(weights[:, None] * pi, axis=0) > 0  # [C]
-
-    def average(x, old):
-        w = per_client.reshape(per_client.shape + (1,) * (x.ndim - 2))
-        return jnp.where(used.reshape((-1,) + (1,) * (old.ndim - 1)), jnp.sum(w * x, axis=0), old)
-
-    return jax.tree.map(average, components, previous)
-
-
-def check_router(router: str, num_components: int, num_clusters: int) -> None:
-    if router not in ROUTERS:
-        raise ConfigError(f"router: unknown '{router}'; allowed: {', '.join(ROUTERS)}")
-    if router == "oracle" and num_clusters > num_components:
-        raise ConfigError(
-            f"router: oracle routes each of num_clusters={num_clusters} clusters to its own component; "
-            f"needs num_adaptors >= {num_clusters}, got {num_components}"
-        )
-
-
-def oracle_logits(client_id, num_components: int, num_clusters: int) -> jax.Array:
-    """Router logits one-hot (after softmax) on client ``client_id``'s cluster ``client_id mod num_clusters``."""
-    cluster = client_id % num_clusters
-    return jnp.where(jnp.arange(num_components) == cluster, 0.0, -ORACLE_LOGIT_GAP).astype(jnp.float32)
+from jaxfed.core.routing import check_router, mixture_average, mixture_weights, oracle_init
 
 
 def _local_optimizer(plan, lr, momentum, weight_decay, precondition, router_lr=None):
@@ -131,14 +78,13 @@ def floral(
         return server, {"router": jnp.zeros((num_adaptors,), jnp.float32), "model_state": model_state}
 
     def client_update(message, client_state, data, rng):
-        if not learned:
-            router_logits = client_state["router"]
-        else:
-            router_logits = client_state["router"] if stateful else jnp.zeros_like(client_state["router"])
+        router_logits = client_state["router"]
+        if learned and not stateful:
+            router_logits = jnp.zeros_like(router_logits)
 
         def to_params(t, step_key):  # fresh router noise at every step
             logits = t["router"] if learned else router_logits
-            pi = ad.mixture_weights(logits, step_key, router_noise, router_temperature)
+            pi = mixture_weights(logits, step_key, router_noise, router_temperature)
             return ad.mix(t["base"], t["adaptors"], pi, plan)
 
         trainable = {"base": message["base"], "adaptors": message["adaptors"]}
@@ -158,7 +104,7 @@ def floral(
             stochastic=True,
         )
         new_logits = trained["router"] if learned else router_logits
-        pi = ad.mixture_weights(new_logits, temperature=router_temperature)
+        pi = mixture_weights(new_logits, temperature=router_temperature)
         upload = {"base": trained["base"], "adaptors": trained["adaptors"], "mixture_weights": pi}
         return {"router": new_logits, "model_state": model_state}, upload, metrics
 
@@ -172,7 +118,7 @@ def floral(
         return tree_select(jnp.sum(weights) > 0, new, server_state)
 
     def eval_params(server_state, client_state):
-        pi = ad.mixture_weights(client_state["router"], temperature=router_temperature)
+        pi = mixture_weights(client_state["router"], temperature=router_temperature)
         return {
             "params": ad.mix(server_state["base"], server_state["adaptors"], pi, plan),
             **client_state["model_state"],
@@ -188,15 +134,6 @@ def floral(
         global_params=None,  # every client mixes the adaptors with its own router
         init_client=None if learned else oracle_init(num_adaptors, num_clusters),
     )
-
-
-def oracle_init(num_components: int, num_clusters: int):
-    """``init_client`` that sets a client's router to the oracle's logits."""
-
-    def init_client(client_state, client_id):
-        return {**client_state, "router": oracle_logits(client_id, num_components, num_clusters)}
-
-    return init_client
 
 
 def local_adaptor(

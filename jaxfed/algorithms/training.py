@@ -179,6 +179,24 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.Gr
     return optax.chain(optax.add_decayed_weights(weight_decay), opt) if weight_decay else opt
 
 
+def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One optax transformation per top-level key of a dict of parameters, each seeing only its
+    own subtree. (``optax.multi_transform`` hands every transformation the whole tree with the
+    other parts masked, so one written for a part, like FLoRAL's LoRA preconditioner, would not
+    apply.)"""
+
+    def init(params):
+        return {k: t.init(params[k]) for k, t in transforms.items()}
+
+    def update(updates, state, params=None):
+        out, new_state = {}, {}
+        for k, t in transforms.items():
+            out[k], new_state[k] = t.update(updates[k], state[k], None if params is None else params[k])
+        return out, new_state
+
+    return optax.GradientTransformation(init, update)
+
+
 def client_optimizer(config) -> optax.GradientTransformation:
     return sgd(config.lr, config.momentum, config.weight_decay)
 

@@ -1,8 +1,8 @@
 """Mixtures of low-rank adaptors with a router (FLoRAL's parameterization), for any Flax model.
 
 Every adapted layer keeps its shared base weight and gets ``C`` adaptors; a client's router
-logits ``w`` give mixture weights ``pi = softmax(w)``, and the model runs ONE forward pass with
-the mixed parameters (:func:`mix`):
+logits ``w`` give mixture weights ``pi = softmax(w)`` (:mod:`jaxfed.core.routing`), and the model
+runs ONE forward pass with the mixed parameters (:func:`mix`):
 
 - kernel: ``W + alpha * fold(sum_c pi_c down_c @ up_c)``, rank ``rank_from_budget(rows, cols,
   rho)`` (or a fixed rank) of the kernel's matricized form. Dense kernels are matrices; a Conv
@@ -126,13 +126,6 @@ def init_adaptors(rng: jax.Array, template, plan: AdaptorPlan, dtype=jnp.float32
         "biases": {key: zeros_like_leaf(key, "bias") for key in plan.biases},
         "norms": {key: {n: zeros_like_leaf(key, n) for n in ("scale", "bias")} for key in plan.norms},
     }
-
-
-def mixture_weights(logits: jax.Array, rng: jax.Array | None = None, noise_std: float = 0.0, temperature: float = 1.0):
-    """``softmax((logits + noise_std * U[0, 1)) / temperature)``; no noise without ``rng``."""
-    if rng is not None and noise_std:
-        logits = logits + noise_std * jax.random.uniform(rng, logits.shape, logits.dtype)
-    return jax.nn.softmax(logits / temperature)
 
 
 def mix(params, adaptors: dict, weights: jax.Array, plan: AdaptorPlan):

@@ -31,7 +31,7 @@ def partition(
     num_classes = int(max(y_train.max(), y_test.max())) + 1
     if num_clients < 1:
         raise ConfigError(f"num_clients: must be >= 1, got {num_clients}")
-    if num_clients > len(y_train):
+    if num_clients > len(y_train) and name != "resample":
         raise ConfigError(f"num_clients: {num_clients} clients but only {len(y_train)} training examples")
     if name in ("dirichlet", "client_dirichlet") and not alpha > 0:
         raise ConfigError(f"alpha: must be > 0, got {alpha}")
@@ -45,6 +45,8 @@ def partition(
         return client_dirichlet(
             y_train, y_test, num_clients, rng, alpha=alpha, train_size=client_train_size, test_size=client_test_size
         )
+    elif name == "resample":
+        return resample(y_train, y_test, num_clients, rng, train_size=client_train_size, test_size=client_test_size)
     elif name == "label_groups":
         return label_groups(y_train, y_test, num_clients, rng, num_groups=num_groups, num_classes=num_classes)
     else:
@@ -117,6 +119,18 @@ def client_dirichlet(y_train, y_test, num_clients, rng, *, alpha, train_size, te
     q = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)
     train = _draw_by_proportions(y_train, q, train_size, rng)
     test = _draw_by_proportions(y_test, q, test_size, rng)
+    return train, test
+
+
+def resample(y_train, y_test, num_clients, rng, *, train_size, test_size):
+    """Each client draws ``train_size`` / ``test_size`` examples at random from the whole pool;
+    different clients may share examples. For throughput studies with more clients than a
+    dataset can split (e.g. 10 000 clients on digits), not for accuracy claims."""
+    for field, size, pool in (("client_train_size", train_size, y_train), ("client_test_size", test_size, y_test)):
+        if not 1 <= size <= len(pool):
+            raise ConfigError(f"{field}: resample needs 1..{len(pool)} examples per client, got {size}")
+    train = [np.sort(rng.choice(len(y_train), train_size, replace=False)) for _ in range(num_clients)]
+    test = [np.sort(rng.choice(len(y_test), test_size, replace=False)) for _ in range(num_clients)]
     return train, test
 
 
@@ -224,4 +238,4 @@ def describe(summary: dict) -> str:
     return text
 
 
-PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological", "label_groups")
+PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological", "label_groups", "resample")

@@ -150,6 +150,12 @@ class Simulation:
             clients = jax.vmap(self.algorithm.init_client)(clients, jnp.arange(self.num_clients, dtype=jnp.int32))
         return SimState(server=server, clients=clients, round=jnp.int32(0))
 
+    def sampled_ids(self, round_index: int) -> np.ndarray:
+        """The ids of the clients sampled in round ``round_index`` (0-based), as the round draws them."""
+        key = sampling.round_key(self.root, round_index)
+        ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
+        return np.asarray(ids)
+
     # ----- rounds ----------------------------------------------------------------------------
 
     def _on_client_axis(self, tree):

@@ -1,0 +1,204 @@
+"""``jaxfed bench``: throughput of the engine on fixed workloads, against a PyTorch per-client loop.
+
+Per workload it reports the compile time apart, the steady-state seconds per round (median over
+compiled calls), client updates and examples per second, the achieved GFLOP/s of the useful
+training work (XLA's FLOP count of one local step per example, times the examples of a round)
+against the machine's measured matmul GFLOP/s, peak memory, and the time to evaluate every
+client. ``--strategies`` times the client-parallel strategies (``client_chunk``: 0 vmaps all
+sampled clients, k runs ``lax.map`` over chunks of k vmapped clients). ``--baseline torch`` runs
+the same rounds as a PyTorch per-client loop and reports the ratio, with both accuracies to show
+equal work.
+
+Workloads (``--set key=value`` changes any config key):
+
+- ``w1``: FedAvg, MNIST, ``cnn``, 1000 clients, Dirichlet 0.5 (min 10 examples), 100 per round,
+  1 local epoch, batch 32 (last partial batch dropped, as PFLlib), SGD lr 0.005.
+- ``w2``: FedAvg, ``mlp`` on digits, 10 000 clients of 64 training / 16 test examples drawn from
+  the pool (``partition=resample``), 1000 per round.
+- ``w3``: W1's setting with ``--set algorithm=NAME`` (any algorithm; default floral).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxfed.bench.measure import matmul_gflops, peak_memory_bytes, training_flops_per_example
+from jaxfed.config import Config
+from jaxfed.errors import ConfigError
+
+W1 = [
+    "algorithm=fedavg",
+    "dataset=mnist",
+    "model=cnn",
+    "num_clients=1000",
+    "partition=dirichlet",
+    "alpha=0.5",
+    "min_examples=10",
+    "participation=0.1",
+    "local_epochs=1",
+    "batch_size=32",
+    "drop_last=true",
+    "lr=0.005",
+]
+WORKLOADS = {
+    "w1": W1,
+    "w2": [
+        "algorithm=fedavg",
+        "dataset=digits",
+        "model=mlp",
+        "num_clients=10000",
+        "partition=resample",
+        "client_train_size=64",
+        "client_test_size=16",
+        "participation=0.1",
+        "local_epochs=1",
+        "batch_size=32",
+        "drop_last=true",
+        "lr=0.005",
+    ],
+    "w3": [*W1, "algorithm=floral"],
+}
+
+
+def workload_config(name: str, overrides=()) -> Config:
+    if name not in WORKLOADS:
+        raise ConfigError(f"workload: unknown '{name}'; allowed: {', '.join(WORKLOADS)}")
+    return Config().with_overrides([*WORKLOADS[name], "checkpoint_every=0", *overrides]).validate()
+
+
+def examples_per_round(sim, config: Config, rounds: range) -> float:
+    """Mean examples a round's sampled clients train on (epochs x each client's steps x batch)."""
+    counts = np.asarray(sim.data.train_count)
+    per_round = []
+    for t in rounds:
+        ids = sim.sampled_ids(t)
+        n = counts[ids]
+        used = (n // config.batch_size) * config.batch_size if config.drop_last else n
+        per_round.append(float(used.sum()) * config.local_epochs)
+    return float(np.mean(per_round))
+
+
+def useful_step_fraction(sim, config: Config, rounds: range) -> float:
+    """Real local steps / steps executed if all sampled clients ran vmapped together (each
+    group runs as long as its largest client)."""
+    counts = np.asarray(sim.data.train_count)
+    fractions = []
+    for t in rounds:
+        ids = sim.sampled_ids(t)
+        steps = counts[ids] // config.batch_size if config.drop_last else -(-counts[ids] // config.batch_size)
+        fractions.append(steps.sum() / max(steps.max() * len(steps), 1))
+    return float(np.mean(fractions))
+
+
+def time_rounds(config: Config, rounds: int) -> dict:
+    """Build ``config``'s simulation and time it: compile, steady rounds, evaluation."""
+    from jaxfed.experiment import build
+
+    tick = time.perf_counter()
+    sim = build(config).simulation
+    build_seconds = time.perf_counter() - tick
+    per_call = max(1, min(config.rounds_per_call, rounds))
+    state = sim.init()
+    state, _ = sim.run_rounds(state, per_call)  # compiles, then warms up
+    jax.block_until_ready(state)
+    done, times = per_call, []
+    while done < per_call + rounds:
+        tick = time.perf_counter()
+        state, metrics = sim.run_rounds(state, per_call)
+        jax.block_until_ready((state, metrics))
+        times.append((time.perf_counter() - tick) / per_call)
+        done += per_call
+    jax.block_until_ready(sim._eval(state, sim.data))  # compile the evaluation
+    tick = time.perf_counter()
+    evaluation = sim.evaluate(state)
+    eval_seconds = time.perf_counter() - tick
+    seconds = statistics.median(times)
+    measured = range(per_call, done)
+    examples = examples_per_round(sim, config, measured)
+    return {
+        "sim": sim,
+        "build_seconds": build_seconds,
+        "compile_seconds": sim.compile_seconds,
+        "round_seconds_median": seconds,
+        "client_updates_per_second": sim.num_sampled / seconds,
+        "examples_per_second": examples / seconds,
+        "examples_per_round": examples,
+        "useful_step_fraction_vmap_all": useful_step_fraction(sim, config, measured),
+        "eval_all_clients_seconds": eval_seconds,
+        "rounds_timed": len(times) * per_call,
+        "global_acc": evaluation.get("global_acc"),
+        "personalized_acc_mean": evaluation.get("personalized_acc_mean"),
+    }
+
+
+def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=()) -> dict:
+    """Every measurement of one workload, as a JSON-ready dict."""
+    config = workload_config(workload, overrides)
+    if baseline not in ("torch", "none"):
+        raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
+    if baseline == "torch" and config.algorithm != "fedavg":
+        raise ConfigError(f"--baseline: torch runs fedavg only, not '{config.algorithm}'; use --baseline none")
+    engine = time_rounds(config, rounds)
+    sim = engine.pop("sim")
+    flops = training_flops_per_example(sim.model, sim.data.x_train.shape[1:], config.batch_size)
+    peak = matmul_gflops()
+    achieved = flops * engine["examples_per_second"] / 1e9
+    result = {
+        "workload": workload,
+        "config": [*WORKLOADS[workload], *overrides],
+        "device": str(jax.devices()[0]),
+        "devices": sim.num_devices,
+        "client_chunk": sim.client_chunk,
+        **engine,
+        "training_gflop_per_round": flops * engine["examples_per_round"] / 1e9,
+        "achieved_gflops": achieved,
+        "matmul_peak_gflops": peak,
+        "fraction_of_matmul_peak": achieved / peak,
+        **peak_memory_bytes(),
+    }
+    if strategies:
+        result["strategies"] = {}
+        for chunk in strategies:
+            timed = time_rounds(config.with_overrides([f"client_chunk={chunk}"]).validate(), rounds)
+            timed.pop("sim")
+            result["strategies"][str(chunk)] = {k: timed[k] for k in ("round_seconds_median", "compile_seconds")}
+    if baseline == "torch":
+        from jaxfed.bench.torch_loop import fedavg_rounds
+
+        torch_result = fedavg_rounds(sim, config, engine["rounds_timed"] + 1, config.hidden_widths() or (200, 200))
+        result["torch"] = torch_result
+        result["speedup_vs_torch"] = torch_result["round_seconds_median"] / engine["round_seconds_median"]
+        result["eval_speedup_vs_torch"] = torch_result["eval_all_clients_seconds"] / engine["eval_all_clients_seconds"]
+    return result
+
+
+def summary_lines(result: dict) -> list[str]:
+    """A short human-readable account of :func:`run_benchmark`'s result."""
+    r = result
+    lines = [
+        f"{r['workload']} on {r['device']} x{r['devices']} (client_chunk {r['client_chunk']}): "
+        f"{r['round_seconds_median']:.3f} s/round (compile {r['compile_seconds']:.1f} s), "
+        f"{r['client_updates_per_second']:.1f} client updates/s, {r['examples_per_second']:.0f} examples/s",
+        f"  {r['training_gflop_per_round']:.1f} GFLOP/round -> {r['achieved_gflops']:.1f} GFLOP/s "
+        f"({100 * r['fraction_of_matmul_peak']:.1f}% of the {r['matmul_peak_gflops']:.0f} GFLOP/s matmul peak); "
+        f"useful steps if all vmapped {100 * r['useful_step_fraction_vmap_all']:.0f}%",
+        f"  evaluation of all {'clients'}: {r['eval_all_clients_seconds']:.2f} s; "
+        f"peak host memory {r['host_peak_rss_bytes'] / 1e9:.2f} GB",
+    ]
+    for chunk, s in r.get("strategies", {}).items():
+        lines.append(
+            f"  client_chunk={chunk}: {s['round_seconds_median']:.3f} s/round (compile {s['compile_seconds']:.1f} s)"
+        )
+    if "torch" in r:
+        t = r["torch"]
+        lines.append(
+            f"  PyTorch per-client loop: {t['round_seconds_median']:.3f} s/round "
+            f"-> jaxfed {r['speedup_vs_torch']:.2f}x; "
+            f"evaluation {t['eval_all_clients_seconds']:.2f} s -> {r['eval_speedup_vs_torch']:.1f}x; "
+            f"global acc after the same rounds: jaxfed {r['global_acc']:.4f}, torch {t['global_acc']:.4f}"
+        )
+    return lines

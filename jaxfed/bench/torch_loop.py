@@ -1,0 +1,114 @@
+"""The baseline a researcher would write in PyTorch: a per-client loop, a model copy per client.
+
+The way PFLlib, FL-bench and Flower clients train: each sampled client deep-copies the global
+model, runs its local epochs of SGD over its own shuffled minibatches, and the server averages
+the copies' weights by sample count. It trains on exactly the examples jaxfed's partition gives
+each client, and the clients jaxfed's sampler draws each round. Torch is imported here only;
+it is a benchmark extra, never a jaxfed dependency (``pip install torch``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as err:
+        raise SystemExit(
+            "jaxfed bench: the torch baseline needs PyTorch (pip install torch); or pass --baseline none"
+        ) from err
+    return torch
+
+
+def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
+    """The jaxfed model ``name`` (``cnn`` or ``mlp``) in PyTorch, channels first."""
+    torch = _torch()
+    nn = torch.nn
+    if name == "cnn":
+        h, w, c = input_shape
+        flat = 64 * ((((h - 4) // 2) - 4) // 2) * ((((w - 4) // 2) - 4) // 2)
+        return nn.Sequential(
+            nn.Conv2d(c, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(flat, 512), nn.ReLU(), nn.Linear(512, num_classes),
+        )  # fmt: skip
+    if name == "mlp":
+        layers, width = [nn.Flatten()], int(np.prod(input_shape))
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        return nn.Sequential(*layers, nn.Linear(width, num_classes))
+    raise SystemExit(f"jaxfed bench: no PyTorch twin of model '{name}' (cnn, mlp)")
+
+
+def _channels_first(x: np.ndarray):
+    x = np.asarray(x)
+    return _torch().from_numpy(np.array(np.moveaxis(x, -1, 1) if x.ndim == 4 else x))  # a writable copy
+
+
+def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200)) -> dict:
+    """FedAvg for ``rounds`` rounds on ``sim``'s data and sampled clients; median round seconds,
+    the global model's pooled test accuracy after the last round, and the seconds to evaluate it
+    on every client's test split one client at a time."""
+    torch = _torch()
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(config.seed)
+    data = sim.data
+    x_train, y_train = _channels_first(data.x_train), torch.from_numpy(np.array(data.y_train)).long()
+    x_test, y_test = _channels_first(data.x_test), torch.from_numpy(np.array(data.y_test)).long()
+    train_idx, train_count = np.asarray(data.train_idx), np.asarray(data.train_count)
+    test_idx, test_count = np.asarray(data.test_idx), np.asarray(data.test_count)
+    global_model = torch_model(sim.model.name, data.x_train.shape[1:], data.num_classes, hidden)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(config.seed)
+
+    def train_client(k):
+        local = copy.deepcopy(global_model)
+        optimizer = torch.optim.SGD(local.parameters(), lr=config.lr, momentum=config.momentum)
+        own = torch.from_numpy(train_idx[k, : train_count[k]].astype(np.int64))
+        for _ in range(config.local_epochs):
+            order = own[torch.randperm(len(own), generator=generator)]
+            for start in range(0, len(order), config.batch_size):
+                batch = order[start : start + config.batch_size]
+                if config.drop_last and len(batch) < config.batch_size:
+                    break
+                optimizer.zero_grad()
+                loss_fn(local(x_train[batch]), y_train[batch]).backward()
+                optimizer.step()
+        return local.state_dict()
+
+    times = []
+    for t in range(rounds):
+        tick = time.perf_counter()
+        ids = sim.sampled_ids(t)
+        weights = train_count[ids].astype(np.float64) / train_count[ids].sum()
+        total = None
+        with torch.enable_grad():
+            for k, w in zip(ids, weights):
+                state = train_client(int(k))
+                scaled = {name: w * v.double() for name, v in state.items()}
+                total = scaled if total is None else {name: total[name] + scaled[name] for name in total}
+        global_model.load_state_dict({name: v.float() for name, v in total.items()})
+        times.append(time.perf_counter() - tick)
+
+    global_model.eval()
+    with torch.no_grad():
+        accuracy = float((global_model(x_test).argmax(1) == y_test).float().mean())
+        tick = time.perf_counter()
+        for k in range(sim.num_clients):  # every client's own test split, one client at a time
+            own = torch.from_numpy(test_idx[k, : test_count[k]].astype(np.int64))
+            if len(own):
+                (global_model(x_test[own]).argmax(1) == y_test[own]).float().mean()
+        eval_seconds = time.perf_counter() - tick
+    return {
+        "round_seconds_median": statistics.median(times),
+        "global_acc": accuracy,
+        "eval_all_clients_seconds": eval_seconds,
+    }
