@@ -62,3 +62,16 @@ def test_batchnorm_ignores_padded_examples():
     _, clean = apply(variables, x.at[2:].set(0.0))
     for a, b in zip(jax.tree.leaves(with_junk), jax.tree.leaves(clean)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, padding", [((2, 8, 6, 3), "VALID"), ((2, 7, 9, 3), "VALID"), ((2, 7, 5, 3), "SAME")])
+def test_max_pool_2x2_equals_flax_max_pool_with_its_gradient(shape, padding):
+    import flax.linen as nn
+
+    from jaxfed.nn.conv import max_pool_2x2
+
+    x = jax.random.normal(jax.random.key(0), shape)  # no ties, so the gradients are unique
+    np.testing.assert_array_equal(max_pool_2x2(x, padding), nn.max_pool(x, (2, 2), (2, 2), padding=padding))
+    grads = [jax.grad(lambda z, f=f: jnp.sum(jnp.sin(f(z))))(x) for f in (
+        lambda z: max_pool_2x2(z, padding), lambda z: nn.max_pool(z, (2, 2), (2, 2), padding=padding))]  # fmt: skip
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)

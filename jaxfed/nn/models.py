@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.errors import ConfigError
-from jaxfed.nn.conv import CONV_IMPLS, Conv
+from jaxfed.nn.conv import CONV_IMPLS, Conv, max_pool_2x2
 
 NORMS = ("group", "batch")
 GROUPS = 2
@@ -67,8 +67,8 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None, features: bool = False):
-        h = nn.max_pool(nn.relu(Conv(32, (5, 5), padding="VALID", impl=self.conv, name="conv1")(x)), (2, 2), (2, 2))
-        h = nn.max_pool(nn.relu(Conv(64, (5, 5), padding="VALID", impl=self.conv, name="conv2")(h)), (2, 2), (2, 2))
+        h = max_pool_2x2(nn.relu(Conv(32, (5, 5), padding="VALID", impl=self.conv, name="conv1")(x)))
+        h = max_pool_2x2(nn.relu(Conv(64, (5, 5), padding="VALID", impl=self.conv, name="conv2")(h)))
         h = nn.relu(nn.Dense(512, name="fc1")(h.reshape(h.shape[0], -1)))
         return h if features else nn.Dense(self.num_classes, name="head")(h)
 
@@ -86,7 +86,7 @@ class CNN4(nn.Module):
         h = x
         for i, width in enumerate(self.widths):
             h = nn.relu(Conv(width, (3, 3), padding="SAME", impl=self.conv, name=f"conv{i + 1}")(h))
-            h = nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
+            h = max_pool_2x2(h, padding="SAME")
         h = h.mean(axis=(1, 2))
         return h if features else nn.Dense(self.num_classes, name="head")(h)
 
@@ -145,7 +145,7 @@ class VGG8(nn.Module):
         h, conv = x, 0
         for item in self.plan:
             if item == "M":
-                h = nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
+                h = max_pool_2x2(h, padding="SAME")
             else:
                 conv += 1
                 h = Conv(item, (3, 3), padding="SAME", use_bias=False, impl=self.conv, name=f"conv{conv}")(h)

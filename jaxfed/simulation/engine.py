@@ -42,7 +42,7 @@ from jaxfed.core import (
 from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import NonFiniteUpdateError
 from jaxfed.simulation import sampling
-from jaxfed.simulation.evaluation import evaluate_examples, personalized_metrics, pooled_view
+from jaxfed.simulation.evaluation import client_eval_batch, evaluate_examples, personalized_metrics, pooled_view
 
 CLIENT_AXIS = "clients"
 NONFINITE_POLICIES = ("error", "skip")
@@ -108,7 +108,7 @@ class Simulation:
         seed: int = 0,
         devices: Sequence[jax.Device] | None = None,
         eval_batch_size: int = 256,
-        eval_examples_per_call: int = 8192,
+        eval_examples_per_call: int = 256,
         client_chunk: int | None = None,
         nonfinite: str = "error",
     ):
@@ -130,6 +130,7 @@ class Simulation:
         self.eval_batch_size = eval_batch_size
         self.client_chunk = default_client_chunk(devices[0].platform) if client_chunk is None else client_chunk
         self.eval_examples_per_call = eval_examples_per_call
+        self.client_eval_batch = client_eval_batch(data.test_count, eval_batch_size)
         self.compile_seconds = 0.0
         self._executables: dict[int, Any] = {}
         self._init_state = jax.jit(self._init)
@@ -314,7 +315,7 @@ class Simulation:
         alg, batch = self.algorithm, self.eval_batch_size
         model = alg.eval_model or self.model
         test = data.test_data(jnp.arange(self.num_clients, dtype=jnp.int32))
-        eval_batch = min(batch, test.indices.shape[1])
+        eval_batch = self.client_eval_batch
         clients_per_chunk = max(1, self.eval_examples_per_call // eval_batch)
 
         def evaluate_block(server_view, lo, hi):
@@ -325,7 +326,9 @@ class Simulation:
                 return evaluate_examples(model, variables, view, eval_batch)
 
             block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
-            return jax.lax.map(one_client, block, batch_size=clients_per_chunk)
+            order = jnp.argsort(-block[2], stable=True)  # chunks of clients with similar test sizes
+            results = jax.lax.map(one_client, jax.tree.map(lambda x: x[order], block), batch_size=clients_per_chunk)
+            return jax.tree.map(lambda x: x[jnp.argsort(order)], results)
 
         if alg.eval_server is None:
             correct, loss, count = evaluate_block(state.server, 0, self.num_clients)

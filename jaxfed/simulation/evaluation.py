@@ -6,29 +6,43 @@ squared errors, under ``personalized_mse_*`` and ``global_mse``."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfed.algorithms.training import example_losses, is_regression
 from jaxfed.data import ClientData
 
 
 def evaluate_examples(model, variables, data: ClientData, batch_size: int):
-    """``(correct, loss_sum, count)`` of ``variables`` on all real examples of ``data``."""
-    max_examples = data.indices.shape[0]
-    steps = -(-max_examples // batch_size)
-    positions = jnp.arange(steps * batch_size, dtype=jnp.int32).reshape(steps, batch_size)
+    """``(correct, loss_sum, count)`` of ``variables`` on all real examples of ``data``, in
+    ``ceil(count / batch_size)`` batches (a ``lax.while_loop``: vmapped, a group of clients runs as
+    many batches as its largest)."""
+    steps = -(-data.count // batch_size)
 
-    def one_batch(totals, pos):
-        batch = data.batch(pos)
+    def one_batch(carry):
+        i, correct, loss = carry
+        batch = data.batch(i * batch_size + jnp.arange(batch_size, dtype=jnp.int32))
         logits, _ = model.apply(variables, batch.x, train=False)
         weight = batch.mask.astype(jnp.float32)
-        correct = 0.0 if is_regression(batch.y) else jnp.sum((jnp.argmax(logits, -1) == batch.y) * weight)
-        loss = jnp.sum(example_losses(logits, batch.y) * weight)
-        return (totals[0] + correct, totals[1] + loss), None
+        if not is_regression(batch.y):
+            correct = correct + jnp.sum((jnp.argmax(logits, -1) == batch.y) * weight)
+        return i + 1, correct, loss + jnp.sum(example_losses(logits, batch.y) * weight)
 
-    (correct, loss), _ = jax.lax.scan(one_batch, (jnp.float32(0), jnp.float32(0)), positions)
+    _, correct, loss = jax.lax.while_loop(
+        lambda carry: carry[0] < steps, one_batch, (jnp.int32(0), jnp.float32(0), jnp.float32(0))
+    )
     return correct, loss, data.count.astype(jnp.float32)
+
+
+def client_eval_batch(test_counts, largest: int) -> int:
+    """A per-client evaluation batch: the mean test split rounded up to a power of two (at least
+    8, at most ``largest`` and the biggest split), so small clients do not pad to the largest."""
+    counts = np.asarray(test_counts)
+    mean = max(float(counts.mean()) if counts.size else 1.0, 1.0)
+    return int(min(largest, max(int(counts.max()) if counts.size else 1, 1), max(8, 2 ** math.ceil(math.log2(mean)))))
 
 
 def _summarize(per_client_total, count, name: str) -> dict:
