@@ -41,3 +41,22 @@ def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys)
 def test_bench_refuses_the_torch_baseline_for_other_algorithms(capsys):
     assert main(["bench", "w2", "--set", "algorithm=fedprox", "--baseline", "torch", *("--set", TINY_W2[0])]) == 2
     assert "--baseline: torch runs fedavg only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1))])
+def test_the_torch_twin_from_jaxfed_weights_computes_the_same_outputs(name, shape):
+    torch = pytest.importorskip("torch", reason="the PyTorch baseline is a benchmark extra (pip install torch)")
+    import jax
+
+    from jaxfed.bench.torch_loop import copy_jax_params, torch_model
+    from jaxfed.nn import get_model
+
+    model = get_model(name, shape, 10)
+    variables = model.init(jax.random.key(0))
+    twin = torch_model(name, shape, 10)
+    copy_jax_params(twin, variables["params"])
+    x = np.random.default_rng(0).normal(size=(3, *shape)).astype(np.float32)
+    expected = np.asarray(model.apply(variables, x)[0])
+    with torch.no_grad():
+        got = twin(torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, -1, 1)))).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)

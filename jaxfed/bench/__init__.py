@@ -169,7 +169,10 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
     if baseline == "torch":
         from jaxfed.bench.torch_loop import fedavg_rounds
 
-        torch_result = fedavg_rounds(sim, config, engine["rounds_timed"] + 1, config.hidden_widths() or (200, 200))
+        rounds_run = engine["rounds_timed"] + max(1, min(config.rounds_per_call, rounds))
+        initial = sim.algorithm.global_params(sim.init().server)["params"]
+        hidden = config.hidden_widths() or (200, 200)
+        torch_result = fedavg_rounds(sim, config, rounds_run, hidden, initial_params=initial)
         result["torch"] = torch_result
         result["speedup_vs_torch"] = torch_result["round_seconds_median"] / engine["round_seconds_median"]
         result["eval_speedup_vs_torch"] = torch_result["eval_all_clients_seconds"] / engine["eval_all_clients_seconds"]

@@ -48,13 +48,46 @@ def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
     raise SystemExit(f"jaxfed bench: no PyTorch twin of model '{name}' (cnn, mlp)")
 
 
+def copy_jax_params(module, params) -> None:
+    """Load a jaxfed ``cnn`` / ``mlp`` parameter tree into its PyTorch twin, so both start from the
+    same weights (kernels HWIO -> OIHW, Dense [in, out] -> [out, in], and the first Dense after
+    the convolutions re-ordered from NHWC to NCHW flattening)."""
+    torch = _torch()
+    weighted = [m for m in module if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    layers = [params[name] for name in sorted(params, key=_layer_order)]
+    if len(layers) != len(weighted):
+        raise SystemExit(f"jaxfed bench: {len(layers)} jaxfed layers for {len(weighted)} torch layers")
+    conv_out = None
+    for layer, (torch_layer, p) in enumerate(zip(weighted, layers)):
+        kernel = np.asarray(p["kernel"], np.float32)
+        if kernel.ndim == 4:
+            weight = kernel.transpose(3, 2, 0, 1)
+            conv_out = kernel.shape[3]
+        elif conv_out is not None and layer > 0 and isinstance(weighted[layer - 1], torch.nn.Conv2d):
+            side = int(round((kernel.shape[0] / conv_out) ** 0.5))  # [h*w*c, out] -> [c*h*w, out]
+            weight = kernel.reshape(side, side, conv_out, -1).transpose(2, 0, 1, 3).reshape(kernel.shape[0], -1).T
+        else:
+            weight = kernel.T
+        with torch.no_grad():
+            torch_layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(weight)))
+            torch_layer.bias.copy_(torch.from_numpy(np.array(p["bias"], np.float32)))
+
+
+def _layer_order(name: str):
+    """conv1, conv2, fc1, fc2, ..., head: the order the layers run in."""
+    kind = 0 if name.startswith("conv") else 2 if name == "head" else 1
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return kind, int(digits or 0)
+
+
 def _channels_first(x: np.ndarray):
     x = np.asarray(x)
     return _torch().from_numpy(np.array(np.moveaxis(x, -1, 1) if x.ndim == 4 else x))  # a writable copy
 
 
-def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200)) -> dict:
-    """FedAvg for ``rounds`` rounds on ``sim``'s data and sampled clients; median round seconds,
+def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=None) -> dict:
+    """FedAvg for ``rounds`` rounds on ``sim``'s data and sampled clients (from jaxfed's initial
+    weights ``initial_params`` when given); median round seconds,
     the global model's pooled test accuracy after the last round, and the seconds to evaluate it
     on every client's test split one client at a time."""
     torch = _torch()
@@ -66,6 +99,8 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200)) -> dict:
     train_idx, train_count = np.asarray(data.train_idx), np.asarray(data.train_count)
     test_idx, test_count = np.asarray(data.test_idx), np.asarray(data.test_count)
     global_model = torch_model(sim.model.name, data.x_train.shape[1:], data.num_classes, hidden)
+    if initial_params is not None:
+        copy_jax_params(global_model, initial_params)
     loss_fn = torch.nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(config.seed)
 
