@@ -142,6 +142,10 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
         raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
     if baseline == "torch" and config.algorithm != "fedavg":
         raise ConfigError(f"--baseline: torch runs fedavg only, not '{config.algorithm}'; use --baseline none")
+    if baseline == "torch":
+        from jaxfed.bench.torch_loop import require_torch
+
+        require_torch()  # before minutes of timing, not after
     engine = time_rounds(config, rounds)
     sim = engine.pop("sim")
     flops = training_flops_per_example(sim.model, sim.data.x_train.shape[1:], config.batch_size)

@@ -17,7 +17,8 @@ import time
 import numpy as np
 
 
-def _torch():
+def require_torch():
+    """The ``torch`` module, or a one-line exit saying how to get it."""
     try:
         import torch
     except ImportError as err:
@@ -29,7 +30,7 @@ def _torch():
 
 def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
     """The jaxfed model ``name`` (``cnn`` or ``mlp``) in PyTorch, channels first."""
-    torch = _torch()
+    torch = require_torch()
     nn = torch.nn
     if name == "cnn":
         h, w, c = input_shape
@@ -52,7 +53,7 @@ def copy_jax_params(module, params) -> None:
     """Load a jaxfed ``cnn`` / ``mlp`` parameter tree into its PyTorch twin, so both start from the
     same weights (kernels HWIO -> OIHW, Dense [in, out] -> [out, in], and the first Dense after
     the convolutions re-ordered from NHWC to NCHW flattening)."""
-    torch = _torch()
+    torch = require_torch()
     weighted = [m for m in module if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     layers = [params[name] for name in sorted(params, key=_layer_order)]
     if len(layers) != len(weighted):
@@ -82,7 +83,7 @@ def _layer_order(name: str):
 
 def _channels_first(x: np.ndarray):
     x = np.asarray(x)
-    return _torch().from_numpy(np.array(np.moveaxis(x, -1, 1) if x.ndim == 4 else x))  # a writable copy
+    return require_torch().from_numpy(np.array(np.moveaxis(x, -1, 1) if x.ndim == 4 else x))  # a writable copy
 
 
 def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=None) -> dict:
@@ -90,7 +91,7 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
     weights ``initial_params`` when given); median round seconds,
     the global model's pooled test accuracy after the last round, and the seconds to evaluate it
     on every client's test split one client at a time."""
-    torch = _torch()
+    torch = require_torch()
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
     data = sim.data
