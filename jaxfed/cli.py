@@ -1,4 +1,4 @@
-"""The command line: ``jaxfed run``, ``jaxfed plot``, ``jaxfed list``.
+"""The command line: ``jaxfed run``, ``jaxfed sweep``, ``jaxfed plot``, ``jaxfed list``, ``jaxfed bench``.
 
 User mistakes end with one line on stderr and exit code 2, never a traceback; a run stopped by
 a non-finite client update ends with one line and exit code 1.
@@ -26,19 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxfed", description="Federated learning simulated at accelerator speed.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run one simulation (default: fedavg on the embedded digits data)")
-    run.add_argument("algorithm", nargs="?", help="algorithm name (default: fedavg)")
-    run.add_argument("--dataset", help="dataset name (default: digits)")
-    run.add_argument("--data-dir", help="directory with <dataset>.npz files or TFDS data")
-    run.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="config file of 'key = value' lines (# comments), applied before the options (repeatable)",
-    )
-    run.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
-    )
+    _add_config_arguments(run)
     run.add_argument("--out", help="run directory (default: runs/<algorithm>_<dataset>_<time>)")
     run.add_argument(
         "--resume",
@@ -46,6 +34,18 @@ def _parser() -> argparse.ArgumentParser:
         help="continue the run in --out from its newest checkpoint (its saved config, with --set applied on top)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep = commands.add_parser(
+        "sweep", help="run configurations differing in seed and/or lr as one compiled program, a run directory each"
+    )
+    _add_config_arguments(sweep)
+    sweep.add_argument("--seeds", default="", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
+    sweep.add_argument("--lrs", default="", help="comma-separated client learning rates (default: the config's lr)")
+    sweep.add_argument(
+        "--out",
+        help="parent directory of the members' run directories seed<S>_lr<LR> "
+        "(default: runs/sweep_<algorithm>_<dataset>_<time>)",
+    )
+    sweep.add_argument("--quiet", action="store_true", help="no progress lines")
     plot = commands.add_parser("plot", help="plot accuracy vs round and vs bytes uploaded for run directories")
     plot.add_argument("runs", nargs="+", metavar="DIR", help="run directories (written by jaxfed run)")
     plot.add_argument("--out", help="PNG file (default: DIR/accuracy.png for one run, ./accuracy.png for several)")
@@ -66,6 +66,30 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--strategies", default="", help="comma-separated client_chunk values to time too, e.g. 0,1,10")
     bench.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     return parser
+
+
+def _add_config_arguments(parser) -> None:
+    """The arguments that make a config: algorithm, --dataset, --data-dir, --config, --set."""
+    parser.add_argument("algorithm", nargs="?", help="algorithm name (default: fedavg)")
+    parser.add_argument("--dataset", help="dataset name (default: digits)")
+    parser.add_argument("--data-dir", help="directory with <dataset>.npz files or TFDS data")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="config file of 'key = value' lines (# comments), applied before the options (repeatable)",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
+
+
+def _number_list(option: str, text: str, kind: type) -> list:
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{option}: expected comma-separated {kind.__name__} values, got '{text}'") from None
 
 
 def config_from_args(args, base: Config | None = None) -> Config:
@@ -106,6 +130,28 @@ def _run(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    from pathlib import Path
+
+    from jaxfed.sweep import member_name, run_sweep, sweep_configs
+
+    base = config_from_args(args)
+    configs = sweep_configs(base, _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float))
+    root = Path(args.out or f"runs/sweep_{base.algorithm}_{base.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
+    outs = [root / member_name(c) for c in configs]
+    start = time.perf_counter()
+    try:
+        summaries = run_sweep(configs, outs, progress=not args.quiet)
+    except NonFiniteUpdateError as err:
+        print(f"jaxfed: error: {err}; last good states saved in {root}/*/checkpoints", file=sys.stderr)
+        return EXIT_FAILED
+    for out, s in zip(outs, summaries):
+        kind = "mse" if s["task"] == "regression" else "acc"
+        print(f"{out}: personalized {kind} {s[f'personalized_{kind}_mean']:.4f}")
+    print(f"{len(configs)} configurations in {time.perf_counter() - start:.1f} s -> {root}")
+    return 0
+
+
 def _plot(args) -> int:
     from pathlib import Path
 
@@ -137,12 +183,7 @@ def _bench(args) -> int:
 
     from jaxfed.bench import run_benchmark, summary_lines
 
-    try:
-        strategies = [int(s) for s in args.strategies.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--strategies: expected comma-separated client_chunk values such as 0,1,10, got '{args.strategies}'"
-        )
+    strategies = _number_list("--strategies", args.strategies, int)
     overrides = ([f"data_dir={args.data_dir}"] if args.data_dir else []) + args.set
     result = run_benchmark(args.workload, overrides, rounds=args.rounds, baseline=args.baseline, strategies=strategies)
     print("\n".join(summary_lines(result)))
@@ -155,7 +196,7 @@ def _bench(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"run": _run, "plot": _plot, "list": _list, "bench": _bench}[args.command](args)
+        return {"run": _run, "sweep": _sweep, "plot": _plot, "list": _list, "bench": _bench}[args.command](args)
     except ConfigError as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_USAGE

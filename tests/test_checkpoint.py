@@ -82,7 +82,7 @@ def _jaxfed(*args):
 
 
 def test_sigkill_then_resume_matches_the_run_left_alone(tmp_path):
-    settings = ["--quiet", "--set", "rounds=48", "--set", "eval_every=3", "--set", "checkpoint_every=4"]
+    settings = ["--quiet", "--set", "rounds=24", "--set", "eval_every=3", "--set", "checkpoint_every=4"]
     settings += ["--set", "rounds_per_call=2", "--set", "keep_checkpoints=2", "--set", "momentum=0.5"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     killed_dir, alone_dir = tmp_path / "killed", tmp_path / "alone"
@@ -92,7 +92,7 @@ def test_sigkill_then_resume_matches_the_run_left_alone(tmp_path):
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         done = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()] if checkpoints.exists() else []
-        if done and max(done) >= 8:
+        if done and max(done) >= 4:
             break
         time.sleep(0.01)
     time.sleep(random.Random(os.getpid()).uniform(0.0, 0.3))  # somewhere mid-run (or mid-save)
@@ -100,7 +100,7 @@ def test_sigkill_then_resume_matches_the_run_left_alone(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = max(int(p.name) for p in checkpoints.glob("*") if p.name.isdigit())
-    assert 8 <= killed_at < 48
+    assert 4 <= killed_at < 24
 
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "env": env}
     alone = subprocess.Popen(_jaxfed("--out", str(alone_dir), *settings), **pipes)  # runs meanwhile
@@ -112,8 +112,8 @@ def test_sigkill_then_resume_matches_the_run_left_alone(tmp_path):
 
     rows = _rows(killed_dir)
     assert rows == _rows(alone_dir)
-    assert [r["round"] for r in rows] == list(range(3, 49, 3))  # no duplicated round, no partial line
-    _assert_bitwise(_final_leaves(killed_dir, 48), _final_leaves(alone_dir, 48))
+    assert [r["round"] for r in rows] == list(range(3, 25, 3))  # no duplicated round, no partial line
+    _assert_bitwise(_final_leaves(killed_dir, 24), _final_leaves(alone_dir, 24))
 
 
 @pytest.fixture(scope="module")

@@ -165,3 +165,18 @@ def test_client_strategies_agree(mlp, digits_federation, chunk):
 
     for a, b in zip(run(0), run(chunk)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pooled_evaluation_of_a_global_model_equals_the_per_client_one(mlp, digits_federation):
+    """``evaluates_global``: one pass over the pooled test set, summed per client, gives what
+    evaluating each client's (identical) model on its own split gives."""
+    alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    assert alg.evaluates_global
+    pooled = Simulation(alg, mlp, digits_federation, participation=0.5, seed=2)
+    per_client = Simulation(alg._replace(evaluates_global=False), mlp, digits_federation, participation=0.5, seed=2)
+    state, _ = pooled.run_rounds(pooled.init(), 2)
+    got, expected = pooled.evaluate(state), per_client.evaluate(state)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert 0.3 < got["personalized_acc_mean"] < 1.0 and got["personalized_acc_std"] > 0

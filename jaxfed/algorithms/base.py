@@ -21,6 +21,10 @@ Optional hooks:
 - ``message_bytes(message_up)``: the bytes one client's message really takes (default: its arrays' size).
 - ``eval_server(server_state, tier)``: what ``eval_params`` receives for the clients of ``tier``,
   computed once per tier at evaluation (default: the server state itself).
+- ``evaluates_global``: True where every client's personalized model is the global model
+  (``eval_params(s, c) == global_params(s)``: FedAvg, FedProx, FedLoRU without private norm
+  statistics). The engine then runs the model once over the pooled test examples and sums each
+  client's share, instead of once per client.
 
 A *tiered* algorithm (``num_tiers`` set; FedHM, mFedLoRU, FedARA) has clients in static tiers
 of equal contiguous id blocks (client k of N is in tier ``k * num_tiers // N``). The engine runs
@@ -48,3 +52,4 @@ class FederatedAlgorithm(NamedTuple):
     eval_server: Callable[[Any, int], Any] | None = None
     init_client: Callable[[Any, Any], Any] | None = None
     eval_model: Any = None
+    evaluates_global: bool = False

@@ -88,6 +88,7 @@ def fedavg(
         eval_params=eval_params,
         # A model with BatchNorm has no global statistics: its global model is undefined.
         global_params=None if has_private_stats else global_params,
+        evaluates_global=not has_private_stats,
     )
 
 

@@ -177,6 +177,7 @@ def fedloru(
         ),
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
         global_params=None if adapted.has_private_stats else global_params,
+        evaluates_global=not adapted.has_private_stats,
     )
 
 
@@ -362,6 +363,7 @@ def mfedloru(
         server_update=server_update,
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
         global_params=None if adapted.has_private_stats else global_params,
+        evaluates_global=not adapted.has_private_stats,
         num_tiers=len(tier_ranks),
     )
 

@@ -13,10 +13,13 @@ its own broadcast and shapes), see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered.
+The data and the state are replicated on the mesh, which may span several processes
+(``jax.distributed``; see benchmarks/two_process.py).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -42,7 +45,14 @@ from jaxfed.core import (
 from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import NonFiniteUpdateError
 from jaxfed.simulation import sampling
-from jaxfed.simulation.evaluation import client_eval_batch, evaluate_examples, personalized_metrics, pooled_view
+from jaxfed.simulation.evaluation import (
+    client_eval_batch,
+    client_totals,
+    evaluate_examples,
+    example_outcomes,
+    personalized_metrics,
+    pooled_view,
+)
 
 CLIENT_AXIS = "clients"
 NONFINITE_POLICIES = ("error", "skip")
@@ -117,7 +127,6 @@ class Simulation:
         self.nonfinite = nonfinite
         self.algorithm = algorithm
         self.model = model
-        self.data = data
         self.num_clients = data.num_clients
         self.num_sampled = sampling.num_sampled(self.num_clients, participation)
         tiered = algorithm.num_tiers is not None
@@ -127,6 +136,8 @@ class Simulation:
         devices = list(devices if devices is not None else jax.devices())
         self.mesh = Mesh(np.array(devices), (CLIENT_AXIS,)) if len(devices) > 1 else None
         self.num_devices = len(devices)
+        # replicated on the mesh, which may span processes (jax.distributed)
+        self.data = data if self.mesh is None else jax.device_put(data, self._replicated())
         self.eval_batch_size = eval_batch_size
         self.client_chunk = default_client_chunk(devices[0].platform) if client_chunk is None else client_chunk
         self.eval_examples_per_call = eval_examples_per_call
@@ -142,7 +153,11 @@ class Simulation:
     def init(self) -> SimState:
         """The starting state: the algorithm's init, one client state stacked for every client
         (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
-        return self._init_state()
+        state = self._init_state()
+        return state if self.mesh is None else jax.device_put(state, self._replicated())
+
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
 
     def _init(self) -> SimState:
         server, client = self.algorithm.init(sampling.init_key(self.root))
@@ -150,6 +165,13 @@ class Simulation:
         if self.algorithm.init_client is not None:
             clients = jax.vmap(self.algorithm.init_client)(clients, jnp.arange(self.num_clients, dtype=jnp.int32))
         return SimState(server=server, clients=clients, round=jnp.int32(0))
+
+    def variant(self, root, algorithm: FederatedAlgorithm) -> Simulation:
+        """This simulation with another root key and algorithm (same data layout, devices and
+        strategy): a member of a vectorized sweep, whose seed and learning rate may be traced."""
+        member = copy.copy(self)
+        member.root, member.algorithm = root, algorithm
+        return member
 
     def sampled_ids(self, round_index: int) -> np.ndarray:
         """The ids of the clients sampled in round ``round_index`` (0-based), as the round draws them."""
@@ -330,12 +352,20 @@ class Simulation:
             results = jax.lax.map(one_client, jax.tree.map(lambda x: x[order], block), batch_size=clients_per_chunk)
             return jax.tree.map(lambda x: x[jnp.argsort(order)], results)
 
+        regression = is_regression(data.y_test)
+        if alg.evaluates_global:  # one pass over the pooled test set, each client's share summed
+            outcomes = example_outcomes(model, alg.global_params(state.server), data.x_test, data.y_test, batch)
+            correct, loss = (client_totals(o, test.indices, test.count) for o in outcomes)
+            metrics = personalized_metrics(correct, loss, test.count.astype(jnp.float32), regression)
+            examples = outcomes[1].shape[0]
+            metrics["global_mse" if regression else "global_acc"] = jnp.sum(outcomes[1 if regression else 0]) / examples
+            metrics["global_loss"] = jnp.sum(outcomes[1]) / examples
+            return metrics
         if alg.eval_server is None:
             correct, loss, count = evaluate_block(state.server, 0, self.num_clients)
         else:  # each tier's clients against that tier's view of the server, computed once
             blocks = [evaluate_block(alg.eval_server(state.server, t), lo, hi) for t, (lo, hi) in enumerate(self.tiers)]
             correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
-        regression = is_regression(data.y_test)
         metrics = personalized_metrics(correct, loss, count, regression)
         if alg.global_params is not None:
             pooled = pooled_view(data.x_test, data.y_test)

@@ -37,6 +37,30 @@ def evaluate_examples(model, variables, data: ClientData, batch_size: int):
     return correct, loss, data.count.astype(jnp.float32)
 
 
+def example_outcomes(model, variables, x, y, batch_size: int):
+    """``(correct, loss)`` per example of ``variables`` on all of ``x`` (``[N]`` each; correct is 0
+    for regression), in batches of ``batch_size`` under ``lax.map``."""
+    n = x.shape[0]
+    steps = -(-n // batch_size)
+    positions = jnp.arange(steps * batch_size, dtype=jnp.int32).reshape(steps, batch_size)
+
+    def one_batch(idx):
+        idx = jnp.minimum(idx, n - 1)
+        logits, _ = model.apply(variables, jnp.take(x, idx, axis=0), train=False)
+        labels = jnp.take(y, idx, axis=0)
+        correct = jnp.zeros(batch_size) if is_regression(y) else (jnp.argmax(logits, -1) == labels)
+        return correct.astype(jnp.float32), example_losses(logits, labels)
+
+    correct, loss = jax.lax.map(one_batch, positions)
+    return correct.reshape(-1)[:n], loss.reshape(-1)[:n]
+
+
+def client_totals(per_example, indices, counts):
+    """``[clients]``: each client's sum of ``per_example`` over its examples ``indices[k, :counts[k]]``."""
+    real = jnp.arange(indices.shape[1]) < counts[:, None]
+    return jnp.sum(jnp.where(real, per_example[indices], 0.0), axis=1)
+
+
 def client_eval_batch(test_counts, largest: int) -> int:
     """A per-client evaluation batch: the mean test split rounded up to a power of two (at least
     8, at most ``largest`` and the biggest split), so small clients do not pad to the largest."""

@@ -1,0 +1,231 @@
+"""Vectorized sweeps: S configurations that differ only in ``seed`` and/or ``lr``, run as one
+compiled program with an experiment axis vmapped over the whole simulation.
+
+``run_sweep(configs, out_dirs)`` is what ``jaxfed sweep`` calls. Each configuration gets its own
+run directory, written as ``jaxfed run`` writes it (``config.json``, ``metrics.jsonl``,
+``summary.json``, plots, ``checkpoints/``), so any member can be plotted with the others or
+continued alone with ``jaxfed run --out DIR --resume``.
+
+How the members are stacked: each configuration is built as ``jaxfed run`` would build it (its
+seed partitions the data on the host); the per-client index tables are padded to a common width
+(padding is masked and the shuffles do not depend on it, so a member computes what it would
+alone) and only the data arrays that differ between members get the experiment axis. The root
+key and the client learning rate are traced, so one compiled program serves every member.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfed.algorithms import ALGORITHMS
+from jaxfed.config import Config
+from jaxfed.data import FederatedData
+from jaxfed.errors import ConfigError, NonFiniteUpdateError
+from jaxfed.experiment import (
+    RunRecord,
+    _summary,
+    _write_plots,
+    _write_rows,
+    build,
+    chunk_schedule,
+)
+from jaxfed.simulation.checkpoint import RunCheckpoints
+
+SWEEP_KEYS = ("seed", "lr")  # what may differ between the members of a sweep
+
+
+def sweep_configs(base: Config, seeds=(), lrs=()) -> list[Config]:
+    """The grid ``seeds x lrs`` over ``base`` (an empty list keeps ``base``'s value), validated."""
+    seeds = list(seeds) or [base.seed]
+    lrs = list(lrs) or [base.lr]
+    for option, values in (("--seeds", seeds), ("--lrs", lrs)):
+        if len(set(values)) < len(values):
+            raise ConfigError(f"{option}: values repeat in {values}; each member needs its own directory")
+    return [dataclasses.replace(base, seed=s, lr=lr).validate() for s, lr in itertools.product(seeds, lrs)]
+
+
+def member_name(config: Config) -> str:
+    """A member's run directory name: ``seed<seed>_lr<lr>``."""
+    return f"seed{config.seed}_lr{config.lr:g}"
+
+
+def check_sweepable(configs: list[Config]) -> None:
+    """One-line ConfigError unless the configs differ only in :data:`SWEEP_KEYS`."""
+    if not configs:
+        raise ConfigError("sweep: no configurations (give --seeds and/or --lrs)")
+    first = configs[0]
+    for config in configs[1:]:
+        differ = [k for k in Config.keys() if k not in SWEEP_KEYS and getattr(config, k) != getattr(first, k)]
+        if differ:
+            raise ConfigError(f"sweep: members may differ only in {', '.join(SWEEP_KEYS)}; they differ in {differ}")
+
+
+def _pad_columns(table: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
+
+
+def stack_data(datas: list[FederatedData]) -> tuple[FederatedData, FederatedData]:
+    """``(stacked, in_axes)``: the members' data with an experiment axis on the arrays that differ
+    between them (index tables padded to a common width first) and none on the shared ones."""
+    widths = {name: max(getattr(d, name).shape[1] for d in datas) for name in ("train_idx", "test_idx")}
+    fields, axes = {}, {}
+    for field in dataclasses.fields(FederatedData):
+        if field.name == "num_classes":
+            continue
+        values = [np.asarray(getattr(d, field.name)) for d in datas]
+        if field.name in widths:
+            values = [_pad_columns(v, widths[field.name]) for v in values]
+        same = all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values[1:])
+        fields[field.name] = jnp.asarray(values[0]) if same else jnp.asarray(np.stack(values))
+        axes[field.name] = None if same else 0
+    num_classes = datas[0].num_classes
+    return FederatedData(**fields, num_classes=num_classes), FederatedData(**axes, num_classes=num_classes)
+
+
+class Sweep:
+    """The members' simulations as one: ``init()``, ``run_rounds(states, n)`` and
+    ``evaluate(states)`` act on states stacked along a leading experiment axis."""
+
+    def __init__(self, configs: list[Config]):
+        check_sweepable(configs)
+        self.configs = configs
+        self.built = [build(c) for c in configs]
+        self.template = self.built[0].simulation
+        self.data, self.data_axes = stack_data([b.simulation.data for b in self.built])
+        self.seeds = jnp.asarray([c.seed for c in configs], jnp.uint32)
+        self.lrs = jnp.asarray([c.lr for c in configs], jnp.float32)
+        self.compile_seconds = 0.0
+        self._executables: dict[int, object] = {}
+        self._init = jax.jit(jax.vmap(lambda seed, lr: self._member(seed, lr)._init()))
+        self._evaluate = jax.jit(
+            jax.vmap(lambda s, lr, st, d: self._member(s, lr)._evaluate(st, d), in_axes=(0, 0, 0, self.data_axes))
+        )
+
+    @property
+    def num_devices(self) -> int:
+        return self.template.num_devices
+
+    def _member(self, seed, lr):
+        """The template simulation with this member's root key and client learning rate (traced)."""
+        config = dataclasses.replace(self.configs[0], lr=lr)
+        algorithm = ALGORITHMS[config.algorithm](config, self.template.model)
+        return self.template.variant(jax.random.key(seed), algorithm)
+
+    def init(self):
+        return self._init(self.seeds, self.lrs)
+
+    def run_rounds(self, states, num_rounds: int):
+        """``num_rounds`` rounds of every member in one compiled call; metrics ``[members, rounds]``."""
+        if num_rounds not in self._executables:
+
+            def run(seed, lr, state, data):
+                return self._member(seed, lr)._run_rounds(state, data, num_rounds)
+
+            compiled = jax.jit(jax.vmap(run, in_axes=(0, 0, 0, self.data_axes)))
+            start = time.perf_counter()
+            self._executables[num_rounds] = compiled.lower(self.seeds, self.lrs, states, self.data).compile()
+            self.compile_seconds += time.perf_counter() - start
+        return self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
+
+    def evaluate(self, states) -> list[dict]:
+        metrics = jax.device_get(self._evaluate(self.seeds, self.lrs, states, self.data))
+        return [{k: float(v[i]) for k, v in metrics.items()} for i in range(len(self.configs))]
+
+
+def _member_slice(tree, i: int):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None) -> list[dict]:
+    """Run the members of a sweep together; write one run directory each; return their summaries.
+
+    A member whose client update is non-finite under ``nonfinite=error`` stops the sweep after every
+    member's state is checkpointed (raises :class:`NonFiniteUpdateError` naming that member's
+    directory); the others can be continued with ``jaxfed run --resume``.
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    start = time.perf_counter()
+    outs = [Path(d) for d in out_dirs]
+    for out in outs:
+        if (out / "checkpoints").exists() or (out / "metrics.jsonl").exists():
+            raise ConfigError(f"--out {out}: already holds a run; choose another --out")
+    sweep = Sweep(configs)
+    config = configs[0]
+    states = sweep.init()
+    records = [RunRecord(c) for c in configs]
+    stores = [RunCheckpoints(out / "checkpoints", keep=config.keep_checkpoints) for out in outs]
+    for c, out in zip(configs, outs):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
+        _write_rows(out / "metrics.jsonl", [])
+
+    def save_all(states):
+        wall = time.perf_counter() - start
+        for i, (record, store) in enumerate(zip(records, stores)):
+            state = _member_slice(states, i)
+            store.save(int(state.round), state, record.to_json(int(state.round), wall, sweep.num_devices))
+
+    schedule = chunk_schedule(0, config.rounds, config.eval_every, config.rounds_per_call, config.checkpoint_every)
+    done = 0
+    for length, evaluate, checkpoint in schedule:
+        compile_before, tick = sweep.compile_seconds, time.perf_counter()
+        states, metrics = sweep.run_rounds(states, length)
+        metrics = jax.device_get(metrics)
+        seconds = (time.perf_counter() - tick - (sweep.compile_seconds - compile_before)) / length
+        failure = _first_failure(config, metrics)
+        for i, record in enumerate(records):
+            good = length if failure is None or failure[0] != i else failure[1]
+            record.add_rounds(jax.tree.map(lambda m: m[i][:good], metrics), seconds)
+        if failure is not None:
+            save_all(states)
+            for store in stores:
+                store.wait()
+            i, first = failure
+            ids = sorted(int(c) for c in metrics["nonfinite_ids"][i][first] if c >= 0)
+            err = NonFiniteUpdateError(done + first + 1, ids, _member_slice(states, i))
+            err.checkpoint = stores[i].directory / str(done + first)
+            raise err
+        done += length
+        if evaluate:
+            wall = time.perf_counter() - start
+            for record, out, evaluation in zip(records, outs, sweep.evaluate(states)):
+                row = record.add_row(done, evaluation, wall)
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        if checkpoint:
+            save_all(states)
+        if progress:
+            log(f"sweep: {done}/{config.rounds} rounds of {len(configs)} members")
+    for store in stores:
+        store.wait()
+
+    summaries = []
+    for c, built, record, out in zip(configs, sweep.built, records, outs):
+        built.simulation.compile_seconds = sweep.compile_seconds
+        summary = _summary(c, built, record, built.simulation, time.perf_counter() - start)
+        summary["sweep_members"] = len(configs)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_plots(out, record.rows, log)
+        summaries.append(summary)
+    return summaries
+
+
+def _first_failure(config: Config, metrics: dict):
+    """``(member, round within the call)`` of the first non-finite update under
+    ``nonfinite=error``, or None."""
+    if config.nonfinite != "error":
+        return None
+    bad = np.asarray(metrics["nonfinite_clients"]) > 0  # [members, rounds]
+    if not bad.any():
+        return None
+    member = int(np.argmax(bad.any(axis=1)))
+    return member, int(np.argmax(bad[member]))

@@ -1,0 +1,90 @@
+"""``jaxfed sweep``: members differing in seed and lr, run as one vmapped program, write what
+``jaxfed run`` writes for each of them, with the same numbers."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_federation
+
+from jaxfed.cli import main
+from jaxfed.config import Config
+from jaxfed.errors import ConfigError, NonFiniteUpdateError
+from jaxfed.experiment import TIMING_KEYS, run
+from jaxfed.sweep import check_sweepable, member_name, run_sweep, stack_data, sweep_configs
+
+TINY = ["num_clients=12", "participation=0.5", "rounds=2", "eval_every=1", "rounds_per_call=1", "checkpoint_every=2"]
+
+
+def rows(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def test_the_grid_and_its_directory_names():
+    configs = sweep_configs(Config().with_overrides(TINY), seeds=[0, 1], lrs=[0.05, 0.2])
+    assert [(c.seed, c.lr) for c in configs] == [(0, 0.05), (0, 0.2), (1, 0.05), (1, 0.2)]
+    assert [member_name(c) for c in configs] == ["seed0_lr0.05", "seed0_lr0.2", "seed1_lr0.05", "seed1_lr0.2"]
+
+
+def test_members_match_their_sequential_runs(tmp_path):
+    base = Config().with_overrides(TINY)
+    # the second member differs from the first (the compiled template) in lr and in seed, so in its partition
+    configs = [base.with_overrides(["seed=0", "lr=0.05"]), base.with_overrides(["seed=1", "lr=0.2"])]
+    outs = [tmp_path / "sweep" / member_name(c) for c in configs]
+    summaries = run_sweep(configs, outs, progress=False)
+    assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]
+    alone = run(configs[1], tmp_path / "alone", progress=False)
+    swept, single = rows(outs[1]), rows(tmp_path / "alone")
+    assert [r["round"] for r in swept] == [r["round"] for r in single] == [1, 2]
+    for a, b in zip(swept, single):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert summaries[1]["personalized_acc_mean"] == pytest.approx(alone["personalized_acc_mean"], abs=1e-6)
+    assert json.loads((outs[1] / "config.json").read_text()) == configs[1].to_dict()
+    assert (outs[1] / "accuracy.png").exists() and sorted(p.name for p in (outs[1] / "checkpoints").iterdir()) == ["2"]
+    # a member is an ordinary run directory: it continues alone
+    more = run(configs[1].with_overrides(["rounds=3"]), outs[1], resume=True, progress=False)
+    assert more["rounds"] == 3 and [r["round"] for r in rows(outs[1])] == [1, 2, 3]
+
+
+def test_stack_data_shares_what_is_equal_and_pads_tables(digits):
+    a = make_federation(digits, num_clients=5, seed=0, alpha=0.5)
+    b = make_federation(digits, num_clients=5, seed=1, alpha=0.5)
+    stacked, axes = stack_data([a, b])
+    assert axes.x_train is None and axes.y_test is None and axes.train_idx == 0 and axes.train_count == 0
+    width = max(a.train_idx.shape[1], b.train_idx.shape[1])
+    assert stacked.train_idx.shape == (2, 5, width)
+    for i, d in enumerate((a, b)):
+        np.testing.assert_array_equal(stacked.train_idx[i, :, : d.train_idx.shape[1]], d.train_idx)
+        np.testing.assert_array_equal(stacked.train_count[i], d.train_count)
+
+
+def test_a_member_that_diverges_stops_the_sweep_with_its_state_saved(tmp_path):
+    configs = sweep_configs(Config().with_overrides([*TINY, "rounds=1"]), lrs=[0.05, 1e30])
+    outs = [tmp_path / member_name(c) for c in configs]
+    with pytest.raises(NonFiniteUpdateError) as err:
+        run_sweep(configs, outs, progress=False)
+    assert err.value.round == 1 and str(err.value.checkpoint).startswith(str(outs[1]))
+    assert int(jax.device_get(err.value.state.round)) == 0
+    # every member's state is kept: the good member after its round, the bad one before it
+    assert [sorted(p.name for p in (out / "checkpoints").iterdir()) for out in outs] == [["1"], ["0"]]
+
+
+def test_one_line_errors(tmp_path, capsys):
+    base = Config().with_overrides(TINY)
+    with pytest.raises(ConfigError, match="differ only in seed, lr; they differ in \\['rounds'\\]"):
+        check_sweepable([base, base.with_overrides(["rounds=3"])])
+    with pytest.raises(ConfigError, match="--seeds: values repeat"):
+        sweep_configs(base, seeds=[1, 1])
+    with pytest.raises(ConfigError, match="lr"):
+        sweep_configs(base, lrs=[0.1, -1.0])
+    assert main(["sweep", "--seeds", "0,x", "--out", str(tmp_path / "s")]) == 2
+    assert "--seeds: expected comma-separated int values, got '0,x'" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+    (tmp_path / "taken" / "seed0_lr0.05").mkdir(parents=True)
+    (tmp_path / "taken" / "seed0_lr0.05" / "metrics.jsonl").write_text("")
+    assert main(["sweep", "--lrs", "0.05", "--out", str(tmp_path / "taken"), "--set", "rounds=1"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
