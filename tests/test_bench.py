@@ -16,14 +16,18 @@ def test_examples_and_useful_steps_follow_the_sampled_clients():
     config = workload_config("w2", [*TINY_W2, "partition=dirichlet", "alpha=0.3", "min_examples=5"])
     sim = build(config).simulation
     counts = np.asarray(sim.data.train_count)
-    examples, fractions = [], []
+    examples, real, all_together, in_threes = [], 0, 0, 0
     for t in range(3):
         n = counts[sim.sampled_ids(t)]
         examples.append(((n // 32) * 32).sum())  # w2 drops the last partial batch
-        steps = n // 32
-        fractions.append(steps.sum() / (steps.max() * len(steps)))
+        steps = np.sort(n // 32)[::-1]
+        real += steps.sum()
+        all_together += steps.max() * len(steps)
+        in_threes += sum(steps[i] * len(steps[i : i + 3]) for i in range(0, len(steps), 3))  # as long as their first
     assert examples_per_round(sim, config, range(3)) == pytest.approx(np.mean(examples))
-    assert useful_step_fraction(sim, config, range(3)) == pytest.approx(np.mean(fractions))
+    assert useful_step_fraction(sim, config, range(3), 0) == pytest.approx(real / all_together)
+    assert useful_step_fraction(sim, config, range(3), 3) == pytest.approx(real / in_threes)
+    assert useful_step_fraction(sim, config, range(3), 1) == 1.0
 
 
 def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys):

@@ -20,6 +20,7 @@ The data and the state are replicated on the mesh, which may span several proces
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -46,12 +47,13 @@ from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import NonFiniteUpdateError
 from jaxfed.simulation import sampling
 from jaxfed.simulation.evaluation import (
+    batch_outcomes,
+    batch_positions,
     client_eval_batch,
     client_totals,
     evaluate_examples,
-    example_outcomes,
+    global_metrics,
     personalized_metrics,
-    pooled_view,
 )
 
 CLIENT_AXIS = "clients"
@@ -186,36 +188,49 @@ class Simulation:
             return tree
         return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec(CLIENT_AXIS)))
 
-    def _map_clients(self, f, per_client, sizes):
-        """``f`` over the leading (client) axis of ``per_client``.
-
-        ``client_chunk=0`` vmaps all clients at once; k > 0 runs ``lax.map`` over chunks of k
-        vmapped clients. Clients are ordered by ``sizes`` (largest first) so that a chunk holds
-        clients of similar size: a vmapped chunk runs as many local steps as its largest client.
-        With several devices the size-ordered clients are dealt round-robin to the devices.
-        Results come back in the original order.
-        """
-        chunk, devices = self.client_chunk, self.num_devices
+    def _run_order(self, sizes):
+        """The order to run items of ``sizes`` in: largest first, so that a vmapped chunk holds
+        items of similar size (a chunk runs as many local steps as its largest client: this is
+        the engine's bucketing by size), then dealt round-robin to the devices (device d gets
+        ranks d, d + D, ...). ``len(sizes)`` is a multiple of the device count."""
         order = jnp.argsort(-sizes, stable=True)
-        if devices > 1:  # deal: device d gets ranks d, d + D, d + 2D, ...
-            order = order.reshape(-1, devices).T.reshape(-1)
-        inputs = jax.tree.map(lambda x: x[order], per_client)
+        if self.num_devices > 1:
+            order = order.reshape(-1, self.num_devices).T.reshape(-1)
+        return order
 
-        def mapped(xs):
+    def _map_clients(self, f, shared, per_client):
+        """``f(shared, client)`` over the leading (client) axis of ``per_client``, in run order:
+        ``client_chunk=0`` vmaps all clients at once; k > 0 runs ``lax.map`` over chunks of k
+        vmapped clients."""
+        chunk = self.client_chunk
+
+        def mapped(shared, xs):
+            one = functools.partial(f, shared)
             if chunk == 0:
-                return jax.vmap(f)(xs)
-            return jax.lax.map(f, xs, batch_size=chunk if chunk > 1 else None)
+                return jax.vmap(one)(xs)
+            return jax.lax.map(one, xs, batch_size=chunk if chunk > 1 else None)
 
+        return self._over_devices(mapped, shared, per_client)
+
+    def _over_devices(self, f, shared, items):
+        """``f(shared, items)``; on several devices each device runs ``f`` on its own contiguous
+        block of ``items`` (``shard_map``: no cross-device step inside, so a device stops when its
+        own items are done) with ``shared`` replicated. The item axis is a multiple of the
+        device count."""
         if self.mesh is None:
-            outputs = mapped(inputs)
-        elif chunk == 0:
-            outputs = mapped(self._on_client_axis(inputs))
-        else:
-            by_device = jax.tree.map(lambda x: x.reshape((devices, -1) + x.shape[1:]), inputs)
-            outputs = jax.vmap(mapped)(self._on_client_axis(by_device))
-            outputs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), outputs)
-        inverse = jnp.argsort(order)
-        return jax.tree.map(lambda x: x[inverse], outputs)
+            return f(shared, items)
+        spec = PartitionSpec(CLIENT_AXIS)
+        per_device = jax.shard_map(f, mesh=self.mesh, in_specs=(PartitionSpec(), spec), out_specs=spec, check_vma=False)
+        return per_device(shared, self._on_client_axis(items))
+
+    def _pad_to_devices(self, tree):
+        """Rows appended to the leading axis up to a multiple of the device count (copies of the
+        last row)."""
+        n = jax.tree.leaves(tree)[0].shape[0]
+        pad = -n % self.num_devices
+        if not pad:
+            return tree
+        return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), tree)
 
     def _client_groups(self, real_ids):
         """``[(tier, ids)]`` with static sizes: all sampled clients for an untiered algorithm;
@@ -234,13 +249,14 @@ class Simulation:
     def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids):
         """``client_update`` of the clients ``ids`` (one tier): their new states, messages, metrics."""
         alg = self.algorithm
+        ids = ids[self._run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
         client_data = data.train_data(ids)
         message_down = alg.broadcast(state.server, tier)
 
-        def update(args):
+        def update(shared, args):
+            message_down, x, y = shared
             client_state, indices, count, rng = args
-            view = client_data.replace(indices=indices, count=count)
-            return alg.client_update(message_down, client_state, view, rng)
+            return alg.client_update(message_down, client_state, ClientData(x, y, indices, count), rng)
 
         per_client = (
             gather_clients(state.clients, ids),
@@ -248,7 +264,8 @@ class Simulation:
             client_data.count,
             sampling.client_keys(key, ids),
         )
-        new_states, messages_up, client_metrics = self._map_clients(update, per_client, client_data.count)
+        shared = (message_down, client_data.x, client_data.y)
+        new_states, messages_up, client_metrics = self._map_clients(update, shared, per_client)
         is_real = ids < self.num_clients
         bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
         return _Group(tier, ids, is_real, client_data.count, message_down, new_states, messages_up, client_metrics, bad)
@@ -334,33 +351,20 @@ class Simulation:
     # ----- evaluation ------------------------------------------------------------------------
 
     def _evaluate(self, state: SimState, data: FederatedData):
-        alg, batch = self.algorithm, self.eval_batch_size
+        alg = self.algorithm
         model = alg.eval_model or self.model
         test = data.test_data(jnp.arange(self.num_clients, dtype=jnp.int32))
-        eval_batch = self.client_eval_batch
-        clients_per_chunk = max(1, self.eval_examples_per_call // eval_batch)
-
-        def evaluate_block(server_view, lo, hi):
-            def one_client(args):
-                client_state, indices, count = args
-                variables = alg.eval_params(server_view, client_state)
-                view = ClientData(x=data.x_test, y=data.y_test, indices=indices, count=count)
-                return evaluate_examples(model, variables, view, eval_batch)
-
-            block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
-            order = jnp.argsort(-block[2], stable=True)  # chunks of clients with similar test sizes
-            results = jax.lax.map(one_client, jax.tree.map(lambda x: x[order], block), batch_size=clients_per_chunk)
-            return jax.tree.map(lambda x: x[jnp.argsort(order)], results)
-
         regression = is_regression(data.y_test)
         if alg.evaluates_global:  # one pass over the pooled test set, each client's share summed
-            outcomes = example_outcomes(model, alg.global_params(state.server), data.x_test, data.y_test, batch)
+            outcomes = self._pooled_outcomes(model, alg.global_params(state.server), data)
             correct, loss = (client_totals(o, test.indices, test.count) for o in outcomes)
             metrics = personalized_metrics(correct, loss, test.count.astype(jnp.float32), regression)
-            examples = outcomes[1].shape[0]
-            metrics["global_mse" if regression else "global_acc"] = jnp.sum(outcomes[1 if regression else 0]) / examples
-            metrics["global_loss"] = jnp.sum(outcomes[1]) / examples
-            return metrics
+            return {**metrics, **global_metrics(*outcomes, regression)}
+
+        def evaluate_block(server_view, lo, hi):
+            block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
+            return self._evaluate_clients(model, server_view, block, data)
+
         if alg.eval_server is None:
             correct, loss, count = evaluate_block(state.server, 0, self.num_clients)
         else:  # each tier's clients against that tier's view of the server, computed once
@@ -368,11 +372,46 @@ class Simulation:
             correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
         metrics = personalized_metrics(correct, loss, count, regression)
         if alg.global_params is not None:
-            pooled = pooled_view(data.x_test, data.y_test)
-            g_correct, g_loss, g_count = evaluate_examples(model, alg.global_params(state.server), pooled, batch)
-            metrics["global_mse" if regression else "global_acc"] = (g_loss if regression else g_correct) / g_count
-            metrics["global_loss"] = g_loss / g_count
+            metrics.update(
+                global_metrics(*self._pooled_outcomes(model, alg.global_params(state.server), data), regression)
+            )
         return metrics
+
+    def _evaluate_clients(self, model, server_view, clients, data: FederatedData):
+        """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts)``,
+        each on its own test split: chunks of clients with similar test sizes under ``lax.map``.
+        The rows come in run order, with padding clients (count 0) appended: the summaries that
+        follow do not depend on the order and skip clients without test examples."""
+        eval_batch = self.client_eval_batch
+        clients_per_chunk = max(1, self.eval_examples_per_call // eval_batch)
+
+        def one_client(shared, args):
+            server_view, x, y = shared
+            client_state, indices, count = args
+            variables = self.algorithm.eval_params(server_view, client_state)
+            return evaluate_examples(model, variables, ClientData(x, y, indices, count), eval_batch)
+
+        def evaluate_all(shared, xs):
+            return jax.lax.map(functools.partial(one_client, shared), xs, batch_size=clients_per_chunk)
+
+        states, indices, counts = self._pad_to_devices(clients)
+        real = jnp.arange(counts.shape[0]) < clients[2].shape[0]
+        counts = jnp.where(real, counts, 0)  # padding clients have no test examples: not counted
+        order = self._run_order(counts)
+        clients = jax.tree.map(lambda x: x[order], (states, indices, counts))
+        return self._over_devices(evaluate_all, (server_view, data.x_test, data.y_test), clients)
+
+    def _pooled_outcomes(self, model, variables, data: FederatedData):
+        """``(correct, loss)`` of ``variables`` on every test example (``[N]`` each), in batches of
+        ``eval_batch_size`` shared out to the devices."""
+        n = data.x_test.shape[0]
+        positions = batch_positions(n, self.eval_batch_size)
+
+        def outcomes(shared, batches):
+            return jax.lax.map(functools.partial(batch_outcomes, model, *shared), batches)
+
+        per_batch = self._over_devices(outcomes, (variables, data.x_test, data.y_test), self._pad_to_devices(positions))
+        return tuple(o.reshape(-1)[:n] for o in per_batch)  # padding batches last
 
     def evaluate(self, state: SimState) -> dict:
         """Personalized accuracy of every client (and global accuracy where there is a global model)."""

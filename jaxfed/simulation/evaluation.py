@@ -37,22 +37,20 @@ def evaluate_examples(model, variables, data: ClientData, batch_size: int):
     return correct, loss, data.count.astype(jnp.float32)
 
 
-def example_outcomes(model, variables, x, y, batch_size: int):
-    """``(correct, loss)`` per example of ``variables`` on all of ``x`` (``[N]`` each; correct is 0
-    for regression), in batches of ``batch_size`` under ``lax.map``."""
-    n = x.shape[0]
+def batch_positions(n: int, batch_size: int):
+    """``[ceil(n / batch_size), batch_size]`` example positions ``0..n-1``, the last batch padded
+    with ``n - 1`` (its outcomes are sliced off)."""
     steps = -(-n // batch_size)
-    positions = jnp.arange(steps * batch_size, dtype=jnp.int32).reshape(steps, batch_size)
+    return jnp.minimum(jnp.arange(steps * batch_size, dtype=jnp.int32), n - 1).reshape(steps, batch_size)
 
-    def one_batch(idx):
-        idx = jnp.minimum(idx, n - 1)
-        logits, _ = model.apply(variables, jnp.take(x, idx, axis=0), train=False)
-        labels = jnp.take(y, idx, axis=0)
-        correct = jnp.zeros(batch_size) if is_regression(y) else (jnp.argmax(logits, -1) == labels)
-        return correct.astype(jnp.float32), example_losses(logits, labels)
 
-    correct, loss = jax.lax.map(one_batch, positions)
-    return correct.reshape(-1)[:n], loss.reshape(-1)[:n]
+def batch_outcomes(model, variables, x, y, positions):
+    """``(correct, loss)`` of ``variables`` on the examples at ``positions`` (correct is 0 for
+    regression)."""
+    logits, _ = model.apply(variables, jnp.take(x, positions, axis=0), train=False)
+    labels = jnp.take(y, positions, axis=0)
+    correct = jnp.zeros(positions.shape) if is_regression(y) else (jnp.argmax(logits, -1) == labels)
+    return correct.astype(jnp.float32), example_losses(logits, labels)
 
 
 def client_totals(per_example, indices, counts):
@@ -90,7 +88,11 @@ def personalized_metrics(correct, loss, count, regression: bool = False) -> dict
     return metrics
 
 
-def pooled_view(x, y) -> ClientData:
-    """The whole test set as one client's data."""
-    n = x.shape[0]
-    return ClientData(x=x, y=y, indices=jnp.arange(n, dtype=jnp.int32), count=jnp.int32(n))
+def global_metrics(correct, loss, regression: bool = False) -> dict:
+    """The global model's accuracy (mean squared error for ``regression``) and loss from its
+    per-example outcomes on the pooled test set."""
+    n = loss.shape[0]
+    return {
+        "global_mse" if regression else "global_acc": jnp.sum(loss if regression else correct) / n,
+        "global_loss": jnp.sum(loss) / n,
+    }
