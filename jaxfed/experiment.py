@@ -11,6 +11,7 @@ partial line or a round twice.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,8 @@ class Built(NamedTuple):
 def build(config: Config) -> Built:
     """Dataset, partition, model, algorithm and engine for ``config`` (validated)."""
     config.validate()
+    if config.host_devices:
+        split_host(config.host_devices)
     if config.dataset in SYNTHETIC_TASKS:
         dataset, model, train_parts, test_parts = _synthetic_task(config)
     else:
@@ -89,6 +92,20 @@ def build(config: Config) -> Built:
         nonfinite=config.nonfinite,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
+
+
+def split_host(count: int) -> None:
+    """Make the CPU show ``count`` JAX devices (``host_devices``). XLA reads the flag when JAX
+    starts its backend, so this must run first; a ConfigError says so otherwise."""
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={count}"])
+    cpus = jax.devices("cpu")
+    if len(cpus) != count:
+        raise ConfigError(
+            f"host_devices: JAX had started with {len(cpus)} CPU device(s) before {count} could be set; "
+            f"set XLA_FLAGS={flag}={count} before starting Python instead"
+        )
 
 
 def _model(config: Config, input_shape, outputs: int, default_hidden=None):
@@ -282,6 +299,8 @@ def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: 
     start = time.perf_counter()
     out = Path(out_dir)
     config.validate()
+    if config.host_devices:
+        split_host(config.host_devices)
     checkpoints = RunCheckpoints(out / "checkpoints", keep=config.keep_checkpoints)
     _check_run_dir(out, checkpoints, config, resume, log)  # refuses before anything is written
 

@@ -1,4 +1,4 @@
-"""1 device vs 4 forced CPU devices: the same numbers to float tolerance (subprocesses)."""
+"""1 device vs 4 CPU devices (``host_devices=4``): the same numbers to float tolerance (subprocesses)."""
 
 import json
 import os
@@ -17,26 +17,24 @@ SCRIPT = textwrap.dedent(
     from jaxfed.experiment import build
 
     devices, out = int(sys.argv[1]), sys.argv[2]
-    assert len(jax.devices()) == 4, jax.devices()
-    arrays, infos = {}, {}
-    for algorithm in ("fedavg",):
-        config = Config(algorithm=algorithm, num_clients=10, participation=0.5, local_epochs=1, devices=devices)
-        sim = build(config).simulation
-        state, metrics = sim.run_rounds(sim.init(), 3)
-        leaves = jax.tree.leaves(state.server) + jax.tree.leaves(state.clients)
-        arrays.update({f"{algorithm}_{i}": np.asarray(x) for i, x in enumerate(leaves)})
-        arrays[f"{algorithm}_loss"] = np.asarray(metrics["train_loss"])
-        infos[algorithm] = {"devices": sim.num_devices, "sharded": sim.mesh is not None, **sim.evaluate(state)}
+    # the 4-device run splits the host itself (host_devices), before JAX starts its backend
+    config = Config(num_clients=10, participation=0.5, local_epochs=1, host_devices=devices if devices > 1 else 0)
+    sim = build(config).simulation
+    assert jax.device_count() == devices, jax.devices()
+    state, metrics = sim.run_rounds(sim.init(), 3)
+    leaves = jax.tree.leaves(state.server) + jax.tree.leaves(state.clients)
+    arrays = {f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)}
+    arrays["loss"] = np.asarray(metrics["train_loss"])
     np.savez(out, **arrays)
-    print(json.dumps(infos))
+    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sim.evaluate(state)}))
     """
 )
 
 
 def _run_together(tmp_path, device_counts):
     """The script with each device count, as concurrent subprocesses: ``[(info, arrays)]``."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     outs = [tmp_path / f"devices_{n}.npz" for n in device_counts]
     procs = [
         subprocess.Popen(
@@ -63,9 +61,19 @@ def test_one_vs_four_devices(tmp_path):
     assert one.keys() == four.keys()
     for key in one:
         np.testing.assert_allclose(one[key], four[key], rtol=2e-4, atol=2e-5, err_msg=key)
-    for algorithm in ("fedavg",):
-        assert (one_info[algorithm]["devices"], one_info[algorithm]["sharded"]) == (1, False)
-        # 5 sampled clients padded to 8 over 4 devices
-        assert (four_info[algorithm]["devices"], four_info[algorithm]["sharded"]) == (4, True)
-        acc_one, acc_four = one_info[algorithm]["personalized_acc_mean"], four_info[algorithm]["personalized_acc_mean"]
-        assert acc_one == pytest.approx(acc_four, abs=0.01)
+    assert (one_info["devices"], one_info["sharded"]) == (1, False)
+    assert (four_info["devices"], four_info["sharded"]) == (4, True)  # 5 sampled clients padded to 8 over 4 devices
+    assert one_info["personalized_acc_mean"] == pytest.approx(four_info["personalized_acc_mean"], abs=0.01)
+
+
+def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):
+    import jax
+
+    from jaxfed.config import Config
+    from jaxfed.errors import ConfigError
+    from jaxfed.experiment import build
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
+    started = len(jax.devices("cpu"))
+    with pytest.raises(ConfigError, match=f"host_devices: JAX had started with {started} CPU device"):
+        build(Config(host_devices=started + 1))
