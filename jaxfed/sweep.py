@@ -126,15 +126,20 @@ class Sweep:
     def run_rounds(self, states, num_rounds: int):
         """``num_rounds`` rounds of every member in one compiled call; metrics ``[members, rounds]``."""
         if num_rounds not in self._executables:
-
-            def run(seed, lr, state, data):
-                return self._member(seed, lr)._run_rounds(state, data, num_rounds)
-
-            compiled = jax.jit(jax.vmap(run, in_axes=(0, 0, 0, self.data_axes)))
             start = time.perf_counter()
-            self._executables[num_rounds] = compiled.lower(self.seeds, self.lrs, states, self.data).compile()
+            lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.lrs, states, self.data)
+            self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
         return self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
+
+    def members_run(self, num_rounds: int):
+        """``(seeds, lrs, states, data) -> (states, metrics)``: every member's ``num_rounds`` rounds,
+        vmapped over the experiment axis (not jitted)."""
+
+        def run(seed, lr, state, data):
+            return self._member(seed, lr)._run_rounds(state, data, num_rounds)
+
+        return jax.vmap(run, in_axes=(0, 0, 0, self.data_axes))
 
     def evaluate(self, states) -> list[dict]:
         metrics = jax.device_get(self._evaluate(self.seeds, self.lrs, states, self.data))

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
+from jaxfed.algorithms import ALGORITHMS
 from jaxfed.cli import main
 from jaxfed.config import Config
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.experiment import TIMING_KEYS, run
-from jaxfed.sweep import check_sweepable, member_name, run_sweep, stack_data, sweep_configs
+from jaxfed.sweep import Sweep, check_sweepable, member_name, run_sweep, stack_data, sweep_configs
 
 TINY = ["num_clients=12", "participation=0.5", "rounds=2", "eval_every=1", "rounds_per_call=1", "checkpoint_every=2"]
 
@@ -88,3 +89,14 @@ def test_one_line_errors(tmp_path, capsys):
     (tmp_path / "taken" / "seed0_lr0.05" / "metrics.jsonl").write_text("")
     assert main(["sweep", "--lrs", "0.05", "--out", str(tmp_path / "taken"), "--set", "rounds=1"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
+    """A sweep builds each algorithm with the member's lr as a tracer: no algorithm may need a
+    concrete lr (traced only, not compiled: a Python-level use of lr fails here)."""
+    config = Config().with_overrides([*TINY, f"algorithm={algorithm}"])
+    sweep = Sweep(sweep_configs(config, lrs=[0.05, 0.1]))
+    states = jax.eval_shape(sweep._init, sweep.seeds, sweep.lrs)
+    _, metrics = jax.eval_shape(sweep.members_run(1), sweep.seeds, sweep.lrs, states, sweep.data)
+    assert metrics["train_loss"].shape == (2, 1)
