@@ -154,6 +154,11 @@ class Config:
         "clients vmapped together: 0 = all sampled at once, k = lax.map over chunks of k, -1 = auto "
         "(1 on CPU, 0 on GPU/TPU)",
     )
+    member_chunk: int = _field(
+        -1,
+        "jaxfed sweep: members run together: 0 = all vmapped, k = lax.map over chunks of k, -1 = auto "
+        "(1 on CPU, 0 on GPU/TPU)",
+    )
     checkpoint_every: int = _field(10, "save an orbax checkpoint every this many rounds and after the last; 0 = never")
     keep_checkpoints: int = _field(3, "checkpoints kept in the run directory (newest first)")
     nonfinite: str = _field(
@@ -301,6 +306,10 @@ class Config:
         for name in ("lr", "server_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.member_chunk < -1:
+            raise ConfigError(
+                f"member_chunk: must be -1 (auto), 0 (vmap all) or a chunk size >= 1, got {self.member_chunk}"
+            )
         if self.client_chunk < -1:
             raise ConfigError(
                 f"client_chunk: must be -1 (auto), 0 (vmap all) or a chunk size >= 1, got {self.client_chunk}"

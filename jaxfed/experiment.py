@@ -49,6 +49,7 @@ RESUMABLE_KEYS = frozenset(
         "rounds",
         "eval_every",
         "rounds_per_call",
+        "member_chunk",
         "checkpoint_every",
         "keep_checkpoints",
         "nonfinite",

@@ -1,5 +1,6 @@
 """Vectorized sweeps: S configurations that differ only in ``seed`` and/or ``lr``, run as one
-compiled program with an experiment axis vmapped over the whole simulation.
+compiled program with an experiment axis over the whole simulation (vmapped on accelerators;
+``member_chunk`` picks, as ``client_chunk`` does for clients).
 
 ``run_sweep(configs, out_dirs)`` is what ``jaxfed sweep`` calls. Each configuration gets its own
 run directory, written as ``jaxfed run`` writes it (``config.json``, ``metrics.jsonl``,
@@ -39,6 +40,7 @@ from jaxfed.experiment import (
     chunk_schedule,
 )
 from jaxfed.simulation.checkpoint import RunCheckpoints
+from jaxfed.simulation.engine import default_client_chunk
 
 SWEEP_KEYS = ("seed", "lr")  # what may differ between the members of a sweep
 
@@ -103,12 +105,34 @@ class Sweep:
         self.data, self.data_axes = stack_data([b.simulation.data for b in self.built])
         self.seeds = jnp.asarray([c.seed for c in configs], jnp.uint32)
         self.lrs = jnp.asarray([c.lr for c in configs], jnp.float32)
+        chunk = configs[0].member_chunk
+        self.member_chunk = default_client_chunk(jax.devices()[0].platform) if chunk < 0 else chunk
         self.compile_seconds = 0.0
         self._executables: dict[int, object] = {}
-        self._init = jax.jit(jax.vmap(lambda seed, lr: self._member(seed, lr)._init()))
+        self._init = jax.jit(self._over_members(lambda seed, lr, state, data: self._member(seed, lr)._init()))
         self._evaluate = jax.jit(
-            jax.vmap(lambda s, lr, st, d: self._member(s, lr)._evaluate(st, d), in_axes=(0, 0, 0, self.data_axes))
+            self._over_members(lambda seed, lr, state, data: self._member(seed, lr)._evaluate(state, data))
         )
+
+    def _over_members(self, member_fn):
+        """``(seeds, lrs, states, data) -> outputs stacked over members`` of
+        ``member_fn(seed, lr, state, data)``: vmapped over the experiment axis (``member_chunk=0``)
+        or ``lax.map`` over chunks of ``member_chunk`` vmapped members (1: one after another, in
+        the same compiled program; the default on CPU, where batched matmuls gain nothing)."""
+        chunk = self.member_chunk
+        if chunk == 0:
+            return jax.vmap(member_fn, in_axes=(0, 0, 0, self.data_axes))
+        own_fields = [name for name, axis in vars(self.data_axes).items() if axis == 0]
+
+        def mapped(seeds, lrs, states, data):
+            def one(args):
+                seed, lr, state, own = args
+                return member_fn(seed, lr, state, data.replace(**own))
+
+            own = {name: getattr(data, name) for name in own_fields}
+            return jax.lax.map(one, (seeds, lrs, states, own), batch_size=chunk if chunk > 1 else None)
+
+        return mapped
 
     @property
     def num_devices(self) -> int:
@@ -121,7 +145,7 @@ class Sweep:
         return self.template.variant(jax.random.key(seed), algorithm)
 
     def init(self):
-        return self._init(self.seeds, self.lrs)
+        return self._init(self.seeds, self.lrs, None, self.data)
 
     def run_rounds(self, states, num_rounds: int):
         """``num_rounds`` rounds of every member in one compiled call; metrics ``[members, rounds]``."""
@@ -133,13 +157,11 @@ class Sweep:
         return self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
 
     def members_run(self, num_rounds: int):
-        """``(seeds, lrs, states, data) -> (states, metrics)``: every member's ``num_rounds`` rounds,
-        vmapped over the experiment axis (not jitted)."""
-
-        def run(seed, lr, state, data):
-            return self._member(seed, lr)._run_rounds(state, data, num_rounds)
-
-        return jax.vmap(run, in_axes=(0, 0, 0, self.data_axes))
+        """``(seeds, lrs, states, data) -> (states, metrics)``: every member's ``num_rounds`` rounds
+        (not jitted)."""
+        return self._over_members(
+            lambda seed, lr, state, data: self._member(seed, lr)._run_rounds(state, data, num_rounds)
+        )
 
     def evaluate(self, states) -> list[dict]:
         metrics = jax.device_get(self._evaluate(self.seeds, self.lrs, states, self.data))

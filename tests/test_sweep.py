@@ -29,8 +29,9 @@ def test_the_grid_and_its_directory_names():
     assert [member_name(c) for c in configs] == ["seed0_lr0.05", "seed0_lr0.2", "seed1_lr0.05", "seed1_lr0.2"]
 
 
-def test_members_match_their_sequential_runs(tmp_path):
-    base = Config().with_overrides(TINY)
+@pytest.mark.parametrize("member_chunk", [0, 1])  # all vmapped; one after another in one program
+def test_members_match_their_sequential_runs(tmp_path, member_chunk):
+    base = Config().with_overrides([*TINY, f"member_chunk={member_chunk}"])
     # the second member differs from the first (the compiled template) in lr and in seed, so in its partition
     configs = [base.with_overrides(["seed=0", "lr=0.05"]), base.with_overrides(["seed=1", "lr=0.2"])]
     outs = [tmp_path / "sweep" / member_name(c) for c in configs]
@@ -97,6 +98,6 @@ def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
     concrete lr (traced only, not compiled: a Python-level use of lr fails here)."""
     config = Config().with_overrides([*TINY, f"algorithm={algorithm}"])
     sweep = Sweep(sweep_configs(config, lrs=[0.05, 0.1]))
-    states = jax.eval_shape(sweep._init, sweep.seeds, sweep.lrs)
+    states = jax.eval_shape(sweep.init)
     _, metrics = jax.eval_shape(sweep.members_run(1), sweep.seeds, sweep.lrs, states, sweep.data)
     assert metrics["train_loss"].shape == (2, 1)
