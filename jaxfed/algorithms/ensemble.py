@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import per_key, sgd, split_variables, train_parameters
+from jaxfed.algorithms.training import per_key, sgd, split_variables, train_routed
 from jaxfed.core import tree_select
 from jaxfed.core.routing import check_router, mixture_average, mixture_weights, oracle_init
 from jaxfed.nn.models import Mixture
@@ -55,28 +55,23 @@ def ensemble(
         if learned and not stateful:
             router_logits = jnp.zeros_like(router_logits)
 
-        def to_params(t, step_key):
-            logits = t["router"] if learned else router_logits
-            weights = mixture_weights(logits, step_key, router_noise, router_temperature)
-            return {"members": t["members"], "weights": weights}
-
-        trainable = {"members": message["members"], **({"router": router_logits} if learned else {})}
-        trained, model_state, metrics = train_parameters(
+        members, new_logits, pi, model_state, metrics = train_routed(
             mixture,
             optimizer,
-            trainable,
+            {"members": message["members"]},
+            router_logits,
+            lambda shared, weights: {"members": shared["members"], "weights": weights},
             client_state["model_state"],
             data,
             rng,
+            learned=learned,
+            noise=router_noise,
+            temperature=router_temperature,
             epochs=local_epochs,
             batch_size=batch_size,
             drop_last=drop_last,
-            to_params=to_params,
-            stochastic=True,
         )
-        new_logits = trained["router"] if learned else router_logits
-        pi = mixture_weights(new_logits, temperature=router_temperature)
-        upload = {"members": trained["members"], "mixture_weights": pi}
+        upload = {"members": members["members"], "mixture_weights": pi}
         return {"router": new_logits, "model_state": model_state}, upload, metrics
 
     def server_update(server_state, messages, weights):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import per_key, sgd, split_variables, train_parameters
+from jaxfed.algorithms.training import per_key, sgd, split_variables, train_parameters, train_routed
 from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
 from jaxfed.core.routing import check_router, mixture_average, mixture_weights, oracle_init
@@ -82,29 +82,22 @@ def floral(
         if learned and not stateful:
             router_logits = jnp.zeros_like(router_logits)
 
-        def to_params(t, step_key):  # fresh router noise at every step
-            logits = t["router"] if learned else router_logits
-            pi = mixture_weights(logits, step_key, router_noise, router_temperature)
-            return ad.mix(t["base"], t["adaptors"], pi, plan)
-
-        trainable = {"base": message["base"], "adaptors": message["adaptors"]}
-        if learned:
-            trainable["router"] = router_logits
-        trained, model_state, metrics = train_parameters(
+        trained, new_logits, pi, model_state, metrics = train_routed(
             model,
             optimizer,
-            trainable,
+            {"base": message["base"], "adaptors": message["adaptors"]},
+            router_logits,
+            lambda shared, weights: ad.mix(shared["base"], shared["adaptors"], weights, plan),
             client_state["model_state"],
             data,
             rng,
+            learned=learned,
+            noise=router_noise,
+            temperature=router_temperature,
             epochs=local_epochs,
             batch_size=batch_size,
             drop_last=drop_last,
-            to_params=to_params,
-            stochastic=True,
         )
-        new_logits = trained["router"] if learned else router_logits
-        pi = mixture_weights(new_logits, temperature=router_temperature)
         upload = {"base": trained["base"], "adaptors": trained["adaptors"], "mixture_weights": pi}
         return {"router": new_logits, "model_state": model_state}, upload, metrics
 

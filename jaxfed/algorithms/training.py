@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxfed.core.routing import mixture_weights
 from jaxfed.data import Batch, ClientData
 
 STEP_KEY_STREAM = 0x5EED  # the per-step keys are fold_in(rng, this), apart from the shuffling keys
@@ -171,6 +172,44 @@ def train_parameters(model, optimizer, trainable, model_state: dict, data: Clien
     variables, metrics = train_classifier(model, optimizer, {"params": trainable, **model_state}, data, rng, **options)
     trained, model_state = split_variables(variables)
     return trained, model_state, metrics
+
+
+def train_routed(
+    model,
+    optimizer,
+    shared: dict,
+    router_logits,
+    mix,
+    model_state: dict,
+    data,
+    rng,
+    *,
+    learned: bool,
+    noise: float,
+    temperature: float,
+    **options,
+):
+    """Local training of ``shared`` parameters that a client's private router mixes (FLoRAL's
+    adaptors, the ensemble's members): the model's parameters are ``mix(shared, pi)`` with
+    ``pi = mixture_weights(logits, step_key, noise, temperature)`` drawn afresh at every step, and
+    the router's logits train too when ``learned`` (under the optimizer's ``"router"`` key).
+
+    Returns ``(trained_shared, logits, pi, model_state, metrics)``: ``pi`` is the noise-free
+    mixture of the new logits, what the client uploads. ``options``: ``epochs, batch_size, drop_last``.
+    """
+
+    def to_params(trainable, step_key):
+        logits = trainable["router"] if learned else router_logits
+        parts = {k: v for k, v in trainable.items() if k != "router"}
+        return mix(parts, mixture_weights(logits, step_key, noise, temperature))
+
+    trainable = {**shared, **({"router": router_logits} if learned else {})}
+    trained, model_state, metrics = train_parameters(
+        model, optimizer, trainable, model_state, data, rng, to_params=to_params, stochastic=True, **options
+    )
+    logits = trained["router"] if learned else router_logits
+    trained_shared = {k: v for k, v in trained.items() if k != "router"}
+    return trained_shared, logits, mixture_weights(logits, temperature=temperature), model_state, metrics
 
 
 def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
