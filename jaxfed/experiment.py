@@ -10,6 +10,7 @@ partial line or a round twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -71,10 +72,15 @@ def build(config: Config) -> Built:
     config.validate()
     if config.host_devices:
         split_host(config.host_devices)
+    pooled_eval_model = None
     if config.dataset in SYNTHETIC_TASKS:
         dataset, model, train_parts, test_parts = _synthetic_task(config)
     else:
         dataset, model, train_parts, test_parts = _image_task(config)
+        if config.conv != "xla":  # the global model's passes over the whole test set: XLA's conv is faster there
+            pooled_eval_model = _model(
+                dataclasses.replace(config, conv="xla"), dataset.input_shape, dataset.num_classes
+            )
     algorithm = ALGORITHMS[config.algorithm](config, model)
     available = jax.devices()
     if config.devices > len(available):
@@ -90,6 +96,7 @@ def build(config: Config) -> Built:
         devices=devices,
         eval_batch_size=config.eval_batch_size,
         client_chunk=None if config.client_chunk < 0 else config.client_chunk,
+        pooled_eval_model=pooled_eval_model,
         nonfinite=config.nonfinite,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))

@@ -180,3 +180,21 @@ def test_pooled_evaluation_of_a_global_model_equals_the_per_client_one(mlp, digi
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
     assert 0.3 < got["personalized_acc_mean"] < 1.0 and got["personalized_acc_std"] > 0
+
+
+def test_the_pooled_pass_may_run_another_conv_implementation(digits, digits_federation):
+    """``pooled_eval_model``: the global model's pass over the whole test set with XLA's conv
+    gives what the training model (patches conv), evaluated client by client, gives."""
+    from jaxfed.nn import get_model
+
+    patches, xla = (
+        get_model("cnn4", digits.input_shape, digits.num_classes, "group", impl) for impl in ("patches", "xla")
+    )
+    alg = fedavg(patches, sgd(0.3), local_epochs=2, batch_size=16)
+    pooled = Simulation(alg, patches, digits_federation, participation=0.5, pooled_eval_model=xla)
+    per_client = Simulation(alg._replace(evaluates_global=False), patches, digits_federation, participation=0.5)
+    state, _ = pooled.run_rounds(pooled.init(), 3)
+    got, expected = pooled.evaluate(state), per_client.evaluate(state)
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
+    assert got["personalized_acc_mean"] > 0.1  # above chance (10 classes): not a constant prediction

@@ -104,6 +104,10 @@ class Simulation:
     ``init()`` gives the starting :class:`SimState`; ``run_rounds(state, n)`` runs ``n`` rounds in
     one compiled call and returns per-round metrics; ``evaluate(state)`` evaluates every client.
 
+    ``pooled_eval_model`` (default: ``model``) runs the passes of one model over the whole test
+    set (the global model): the same parameters in another implementation, e.g. XLA's
+    convolution, which is faster than the patches convolution outside loops and vmaps.
+
     ``client_chunk`` picks how the sampled clients run: 0 vmaps them all at once; k > 0 runs
     ``lax.map`` over chunks of k vmapped clients (k = 1: one client at a time, each doing only
     its own steps); ``None`` picks :func:`default_client_chunk` for the devices.
@@ -121,6 +125,7 @@ class Simulation:
         devices: Sequence[jax.Device] | None = None,
         eval_batch_size: int = 256,
         eval_examples_per_call: int = 256,
+        pooled_eval_model=None,
         client_chunk: int | None = None,
         nonfinite: str = "error",
     ):
@@ -129,6 +134,7 @@ class Simulation:
         self.nonfinite = nonfinite
         self.algorithm = algorithm
         self.model = model
+        self.pooled_eval_model = pooled_eval_model or model
         self.num_clients = data.num_clients
         self.num_sampled = sampling.num_sampled(self.num_clients, participation)
         tiered = algorithm.num_tiers is not None
@@ -353,10 +359,11 @@ class Simulation:
     def _evaluate(self, state: SimState, data: FederatedData):
         alg = self.algorithm
         model = alg.eval_model or self.model
+        pooled_model = alg.eval_model or self.pooled_eval_model
         test = data.test_data(jnp.arange(self.num_clients, dtype=jnp.int32))
         regression = is_regression(data.y_test)
         if alg.evaluates_global:  # one pass over the pooled test set, each client's share summed
-            outcomes = self._pooled_outcomes(model, alg.global_params(state.server), data)
+            outcomes = self._pooled_outcomes(pooled_model, alg.global_params(state.server), data)
             correct, loss = (client_totals(o, test.indices, test.count) for o in outcomes)
             metrics = personalized_metrics(correct, loss, test.count.astype(jnp.float32), regression)
             return {**metrics, **global_metrics(*outcomes, regression)}
@@ -373,7 +380,7 @@ class Simulation:
         metrics = personalized_metrics(correct, loss, count, regression)
         if alg.global_params is not None:
             metrics.update(
-                global_metrics(*self._pooled_outcomes(model, alg.global_params(state.server), data), regression)
+                global_metrics(*self._pooled_outcomes(pooled_model, alg.global_params(state.server), data), regression)
             )
         return metrics
 
