@@ -1,9 +1,10 @@
 """The engine: gather -> vmapped client update -> scatter -> server update, rounds under ``lax.scan``.
 
-Client states are one stacked pytree ``[num_clients, ...]``. A round samples client ids,
+Client states are one stacked pytree ``[num_clients, ...]``. A round samples client ids, orders
+them by training-set size (largest first: a vmapped chunk holds clients of similar size),
 gathers their states and data views, maps ``algorithm.client_update`` over them (``vmap`` over all,
 or ``lax.map`` over chunks of vmapped clients: ``client_chunk``), scatters the new states back by
-id, and hands the stacked messages to ``algorithm.server_update``.
+id, and hands the stacked messages (in that order) to ``algorithm.server_update``.
 A client whose returned state, message or metrics hold NaN or inf is caught inside the round:
 ``nonfinite="error"`` rejects the whole round (state unchanged) and ``run_rounds`` raises
 :class:`NonFiniteUpdateError` with the last good state; ``nonfinite="skip"`` gives that client
@@ -12,7 +13,8 @@ A tiered algorithm's clients run per tier (each tier's sampled clients padded to
 its own broadcast and shapes), see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
-of the device count with dummy clients that have no data, zero weight and are never scattered.
+of the device count with dummy clients that have no data, zero weight and are never scattered,
+and each device runs its own share of them (``shard_map``).
 The data and the state are replicated on the mesh, which may span several processes
 (``jax.distributed``; see benchmarks/two_process.py).
 """
