@@ -307,7 +307,7 @@ def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: 
     start = time.perf_counter()
     out = Path(out_dir)
     config.validate()
-    if config.host_devices:
+    if config.host_devices:  # before anything below starts JAX's backend (build splits it too, for direct callers)
         split_host(config.host_devices)
     checkpoints = RunCheckpoints(out / "checkpoints", keep=config.keep_checkpoints)
     _check_run_dir(out, checkpoints, config, resume, log)  # refuses before anything is written

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxfed.algorithms import ALGORITHMS
 from jaxfed.config import Config
+from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.experiment import (
@@ -168,10 +169,6 @@ class Sweep:
         return [{k: float(v[i]) for k, v in metrics.items()} for i in range(len(self.configs))]
 
 
-def _member_slice(tree, i: int):
-    return jax.tree.map(lambda x: x[i], tree)
-
-
 def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None) -> list[dict]:
     """Run the members of a sweep together; write one run directory each; return their summaries.
 
@@ -198,7 +195,7 @@ def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bo
     def save_all(states):
         wall = time.perf_counter() - start
         for i, (record, store) in enumerate(zip(records, stores)):
-            state = _member_slice(states, i)
+            state = gather_clients(states, i)
             store.save(int(state.round), state, record.to_json(int(state.round), wall, sweep.num_devices))
 
     schedule = chunk_schedule(0, config.rounds, config.eval_every, config.rounds_per_call, config.checkpoint_every)
@@ -218,7 +215,7 @@ def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bo
                 store.wait()
             i, first = failure
             ids = sorted(int(c) for c in metrics["nonfinite_ids"][i][first] if c >= 0)
-            err = NonFiniteUpdateError(done + first + 1, ids, _member_slice(states, i))
+            err = NonFiniteUpdateError(done + first + 1, ids, gather_clients(states, i))
             err.checkpoint = stores[i].directory / str(done + first)
             raise err
         done += length
