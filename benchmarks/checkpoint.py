@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import jax
 
+from jaxfed.build import build
 from jaxfed.config import Config
 from jaxfed.core import tree_bytes
-from jaxfed.experiment import build, run
+from jaxfed.driver import run
 from jaxfed.simulation.checkpoint import RunCheckpoints, load_state, save_state
 
 
@@ -72,7 +74,7 @@ def overhead(config: Config) -> list[dict]:
     for every in (0, 10):
         with tempfile.TemporaryDirectory(dir=".") as tmp:
             tick = time.perf_counter()
-            summary = run(Config(**{**config.to_dict(), "checkpoint_every": every}), Path(tmp) / "run", progress=False)
+            summary = run(dataclasses.replace(config, checkpoint_every=every), Path(tmp) / "run", progress=False)
             results.append(
                 {
                     "algorithm": config.algorithm,
@@ -90,26 +92,26 @@ def main() -> None:
     parser.add_argument("--data-dir", default="")
     parser.add_argument("--part", choices=("state", "overhead", "both"), default="both")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    base = Config(
-        dataset="mnist",
-        data_dir=args.data_dir,
-        num_clients=1000,
-        participation=0.1,
-        local_epochs=1,
-        lr=0.005,
-        min_examples=10,
-    ).with_overrides(args.set)
+    base = Config(dataset="mnist", data_dir=args.data_dir, num_clients=1000, participation=0.1, min_examples=10)
+    base = base.with_overrides(["local_epochs=1", "lr=0.005", *args.set])
     if args.part in ("state", "both"):
         for algorithm in ("fedavg", "local"):
-            print(json.dumps(state_cost(Config(**{**base.to_dict(), "algorithm": algorithm}), args.repeats)))
+            print(
+                json.dumps(
+                    state_cost(
+                        base.with_overrides([f"algorithm={algorithm}", "local_epochs=1", "lr=0.005", *args.set]),
+                        args.repeats,
+                    )
+                )
+            )
     if args.part in ("overhead", "both"):
-        small = Config(**{**base.to_dict(), "num_clients": 100, "rounds": 30, "eval_every": 10}).with_overrides(
-            args.set
-        )
+        small = dataclasses.replace(base, num_clients=100, rounds=30, eval_every=10).with_overrides(args.set)
         for algorithm in ("fedavg", "local"):
-            for row in overhead(Config(**{**small.to_dict(), "algorithm": algorithm})):
+            for row in overhead(
+                small.with_overrides([f"algorithm={algorithm}", "local_epochs=1", "lr=0.005", *args.set])
+            ):
                 print(json.dumps(row))
 
 

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.build import build
 from jaxfed.config import Config
 from jaxfed.data import ClientData
-from jaxfed.experiment import build
 from jaxfed.simulation import sampling
 
 WORKLOAD = [
@@ -118,7 +118,7 @@ def main():
         "rounds_per_call": args.rounds_per_call,
     }
     if not args.skip_loop:
-        loop_s, loop_compile, useful = loop_round_seconds(sim, args.rounds, config.batch_size)
+        loop_s, loop_compile, useful = loop_round_seconds(sim, args.rounds, config.options.batch_size)
         result.update(
             loop_round_seconds_median=loop_s,
             loop_compile_seconds=loop_compile,

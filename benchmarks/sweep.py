@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from jaxfed.config import Config
-from jaxfed.experiment import run
+from jaxfed.driver import run
 from jaxfed.sweep import member_name, run_sweep, sweep_configs
 
 

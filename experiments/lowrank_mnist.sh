@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The FedLoRU family and FedHM against FedAvg on MNIST (FedAvg CNN): 100 clients, 20 per round,
-# Dirichlet 0.5, 30 rounds, 1 local epoch, lr 0.05, LoRA rank 16, accumulation every 10 rounds.
+# Dirichlet 0.5, 30 rounds, 1 local epoch, batch 32, lr 0.05 without momentum, LoRA rank 16,
+# accumulation every 10 rounds (ALGORITHM.key applies a key to that algorithm only).
 # Usage: experiments/lowrank_mnist.sh DATA_DIR [ALGORITHM ...] [-- --set key=value ...]
 set -euo pipefail
 data_dir=$1; shift
@@ -10,6 +11,7 @@ while [[ $# -gt 0 && $1 != "--" ]]; do algorithms+=("$1"); shift; done
 [[ ${#algorithms[@]} -eq 0 ]] && algorithms=(fedavg fedlora fedloru pfedloru mfedloru fedhm)
 for algorithm in "${algorithms[@]}"; do
   jaxfed run "$algorithm" --dataset mnist --data-dir "$data_dir" --quiet --out "runs/lowrank_mnist/$algorithm" \
-    --set num_clients=100 --set participation=0.2 --set rounds=30 --set local_epochs=1 --set lr=0.05 \
-    --set eval_every=10 --set checkpoint_every=0 --set lora_rank=16 --set accumulate_every=10 "$@"
+    --set num_clients=100 participation=0.2 rounds=30 local_epochs=1 lr=0.05 batch_size=32 momentum=0 \
+    --set eval_every=10 checkpoint_every=0 \
+    --set {fedlora,fedloru,pfedloru,mfedloru}.lora_rank=16 {fedloru,pfedloru,mfedloru}.accumulate_every=10 "$@"
 done

@@ -54,12 +54,22 @@ def _parser() -> argparse.ArgumentParser:
         default="personalized_acc_mean",
         help="personalized_acc_mean (default), personalized_acc_weighted or global_acc",
     )
-    commands.add_parser("list", help="list algorithms, datasets, models, partitioners and config keys")
+    listing = commands.add_parser(
+        "list", help="list algorithms, datasets, models, partitioners and run keys; with ALGORITHM, its options"
+    )
+    listing.add_argument("algorithm", nargs="?", help="an algorithm: print its options, defaults and their sources")
+    listing.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="import a module that registers algorithms first (repeatable)",
+    )
     bench = commands.add_parser("bench", help="throughput of a workload (w1, w2, w3), against a PyTorch loop")
     bench.add_argument("workload", nargs="?", default="w1", help="w1 (default), w2 or w3; see jaxfed.bench")
     bench.add_argument("--data-dir", help="directory with mnist.npz (w1, w3)")
     bench.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+        "--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys"
     )
     bench.add_argument("--rounds", type=int, default=5, help="steady-state rounds timed after a warm-up call")
     bench.add_argument("--baseline", default="torch", help="torch (a PyTorch per-client loop; fedavg only) or none")
@@ -81,7 +91,20 @@ def _add_config_arguments(parser) -> None:
         help="config file of 'key = value' lines (# comments), applied before the options (repeatable)",
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override run or algorithm keys: --set a=1 b=2 (repeatable; jaxfed list ALGORITHM lists them)",
+    )
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="import a .py file or module whose jaxfed.register calls add algorithms (repeatable; recorded in "
+        "the config as plugins, so --resume imports it again)",
     )
 
 
@@ -96,6 +119,9 @@ def config_from_args(args, base: Config | None = None) -> Config:
     """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
     files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set``."""
     pairs = [pair for path in args.config for pair in read_config_file(path)]
+    if args.plugin:
+        known = base.plugins if base is not None else ()
+        pairs.append("plugins=" + ",".join(dict.fromkeys([*known, *args.plugin])))
     for key, value in (("algorithm", args.algorithm), ("dataset", args.dataset), ("data_dir", args.data_dir)):
         if value is not None:
             pairs.append(f"{key}={value}")
@@ -103,7 +129,8 @@ def config_from_args(args, base: Config | None = None) -> Config:
 
 
 def _run(args) -> int:
-    from jaxfed.experiment import human_bytes, run, saved_config
+    from jaxfed.driver import run, saved_config
+    from jaxfed.rundir import human_bytes
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the run directory to continue")
@@ -163,19 +190,37 @@ def _plot(args) -> int:
 
 
 def _list(args) -> int:
-    from jaxfed.algorithms import ALGORITHMS
+    from jaxfed.algorithms import registry
     from jaxfed.data import DATASETS, PARTITIONERS, SYNTHETIC_TASKS, default_model
     from jaxfed.nn import MODELS
 
-    print("algorithms:   " + ", ".join(ALGORITHMS))
+    for plugin in args.plugin:
+        registry.import_plugin(plugin)
+    if args.algorithm:
+        spec = registry.get(args.algorithm)
+        print(f"{spec.name}: {spec.summary}")
+        print(f"options ({spec.options.__name__}; --set key=value):")
+        _print_keys(spec.options.describe())
+        return 0
+    print("algorithms:   " + ", ".join(registry.names()) + "   (jaxfed list ALGORITHM: its options)")
     names = [*DATASETS, *SYNTHETIC_TASKS]
     print("datasets:     " + ", ".join(f"{name} (model {default_model(name)})" for name in names))
     print("models:       " + ", ".join(MODELS))
     print("partitioners: " + ", ".join(PARTITIONERS))
-    print("config keys (--set key=value):")
-    for name, default, help_ in Config.describe():
-        print(f"  {name:<18} {str(default)!r:<12} {help_}")
+    print("run keys (--set key=value):")
+    _print_keys(Config.describe())
     return 0
+
+
+def _print_keys(rows) -> None:
+    """``key = default`` then the help (and the default's source) wrapped under it, 100 columns."""
+    import textwrap
+
+    for key, default, help_, source in rows:
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        print(f"  {key} = {shown}")
+        text = help_ + (f" [default from: {source}]" if source else "")
+        print(textwrap.fill(text, width=100, initial_indent="      ", subsequent_indent="      "))
 
 
 def _bench(args) -> int:

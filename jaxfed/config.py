@@ -1,9 +1,12 @@
-"""Every run setting in one place, with its default and meaning (``jaxfed list`` prints them).
+"""A run's settings: the run-level keys here, plus the chosen algorithm's own options section.
 
-``Config`` is a frozen dataclass; ``Config().with_overrides(["lr=0.1", ...])`` parses the CLI's
-``--set key=value`` pairs (:func:`read_config_file` reads a ``--config`` file into such pairs),
-and ``validate()`` turns each user mistake into one clear :class:`ConfigError` naming the field
-and its allowed values.
+``Config`` is a frozen dataclass of run-level settings (data, partition, federation, rounds,
+evaluation, checkpoints, devices, strategy) whose ``options`` field holds the selected
+algorithm's options (:mod:`jaxfed.options`; each algorithm owns its class, with its paper's
+defaults). ``Config().with_overrides(["lr=0.1", ...])`` parses the CLI's ``--set key=value``
+pairs, run keys and the algorithm's keys alike (:func:`read_config_file` reads a ``--config``
+file into such pairs); ``validate()`` turns each mistake into one :class:`ConfigError` naming
+the field and its allowed values.
 """
 
 from __future__ import annotations
@@ -11,192 +14,175 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from jaxfed.errors import ConfigError
-
-
-def _field(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+from jaxfed.options import (
+    Options,
+    at_least,
+    field_types,
+    key_of,
+    non_negative,
+    option,
+    parse_value,
+    positive,
+    ratio,
+    split_keys,
+    unit_interval,
+)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Options):
     # what runs
-    algorithm: str = _field("fedavg", "algorithm name (jaxfed list)")
-    dataset: str = _field(
+    algorithm: str = option("fedavg", "algorithm name (jaxfed list; jaxfed list ALGORITHM for its options)")
+    plugins: tuple[str, ...] = option(
+        (), "modules or .py files imported first, whose jaxfed.register calls add algorithms (comma-separated)"
+    )
+    dataset: str = option(
         "digits",
         "digits (embedded), mnist, fashion_mnist, cifar10, cifar100, or the generated regression tasks "
         "synthetic_linear, synthetic_mlp",
     )
-    data_dir: str = _field("", "directory with <dataset>.npz files or TFDS data ($JAXFED_DATA_DIR if empty)")
-    download: bool = _field(False, "let TFDS download a missing dataset (needs internet)")
-    model: str = _field("", "model name; empty = the dataset's default (digits: mlp, mnist: cnn, ...)")
-    mlp_hidden: str = _field(
+    data_dir: str = option("", "directory with <dataset>.npz files or TFDS data ($JAXFED_DATA_DIR if empty)")
+    download: bool = option(False, "let TFDS download a missing dataset (needs internet)")
+    model: str = option("", "model name; empty = the dataset's default (digits: mlp, mnist: cnn, ...)")
+    mlp_hidden: str = option(
         "", "model mlp: comma-separated hidden widths; empty = 200,200 (synthetic_mlp: 2 * synthetic_dim)"
     )
-    norm: str = _field("group", "normalization of resnet/vgg models: group or batch (batch stats stay on clients)")
-    conv: str = _field(
+    norm: str = option("group", "normalization of resnet/vgg models: group or batch (batch stats stay on clients)")
+    conv: str = option(
         "patches", "convolution implementation: patches (slices + einsum, fast in loops and vmaps) or xla"
     )
     # federation
-    num_clients: int = _field(20, "number of clients")
-    participation: float = _field(0.5, "fraction of clients sampled per round, in (0, 1]")
-    sampling: str = _field("uniform", "uniform (new clients each round, without replacement) or fixed (one cohort)")
-    rounds: int = _field(30, "communication rounds")
+    num_clients: int = option(20, "number of clients", check=at_least(1))
+    participation: float = option(0.5, "fraction of clients sampled per round, in (0, 1]", check=ratio)
+    sampling: str = option("uniform", "uniform (new clients each round, without replacement) or fixed (one cohort)")
+    rounds: int = option(30, "communication rounds", check=at_least(1))
     # partition
-    partition: str = _field(
+    partition: str = option(
         "dirichlet",
         "iid, dirichlet, client_dirichlet, pathological, label_groups (num_clusters disjoint label groups, "
         "client k in group k mod C) or resample (client_train_size / client_test_size examples drawn per "
         "client from the whole pool, shared between clients: throughput studies); synthetic datasets come "
         "partitioned",
     )
-    alpha: float = _field(0.5, "Dirichlet concentration (> 0); smaller = more heterogeneous")
-    min_examples: int = _field(10, "dirichlet: minimum training examples per client")
-    classes_per_client: int = _field(2, "pathological: classes each client holds")
-    client_train_size: int = _field(500, "client_dirichlet, resample: training examples per client")
-    client_test_size: int = _field(100, "client_dirichlet, resample: test examples per client")
-    train_reduction: float = _field(
-        0.0, "drop this fraction of each client's training examples (keeping min_examples), in [0, 1)"
+    alpha: float = option(0.5, "Dirichlet concentration (> 0); smaller = more heterogeneous", check=positive)
+    min_examples: int = option(10, "dirichlet: minimum training examples per client", check=non_negative)
+    classes_per_client: int = option(2, "pathological: classes each client holds", check=at_least(1))
+    client_train_size: int = option(500, "client_dirichlet, resample: training examples per client", check=at_least(1))
+    client_test_size: int = option(100, "client_dirichlet, resample: test examples per client", check=at_least(1))
+    train_reduction: float = option(
+        0.0,
+        "drop this fraction of each client's training examples (keeping min_examples), in [0, 1)",
+        check=unit_interval,
     )
-    cluster_task: str = _field(
+    cluster_task: str = option(
         "none", "clustered task: none, rotation (cluster c rotates images by c*90 degrees) or label_shift"
     )
-    num_clusters: int = _field(
+    num_clusters: int = option(
         4, "ground-truth clusters C of a clustered task, label_groups or a synthetic dataset; client k is in k mod C"
     )
-    samples_per_client: int = _field(
-        0, "synthetic datasets: examples per client (80% train); 0 = the authors' ratio to the model's parameters"
+    samples_per_client: int = option(
+        0,
+        "synthetic datasets: examples per client (80% train); 0 = the authors' ratio to the model's parameters",
+        check=non_negative,
     )
-    synthetic_dim: int = _field(10, "synthetic datasets: input dimension d")
-    synthetic_outputs: int = _field(0, "synthetic datasets: outputs; 0 = 3 (synthetic_linear) or 1 (synthetic_mlp)")
-    synthetic_rank: int = _field(1, "synthetic datasets: rank of each cluster's difference U_c V_c")
-    synthetic_scale: float = _field(2.0, "synthetic datasets: scale of the cluster differences")
-    # local training
-    local_epochs: int = _field(2, "local epochs per round")
-    batch_size: int = _field(32, "local batch size")
-    drop_last: bool = _field(False, "drop each client's last partial batch (PFLlib's convention)")
-    lr: float = _field(0.05, "client SGD learning rate")
-    momentum: float = _field(0.0, "client SGD momentum")
-    weight_decay: float = _field(0.0, "client weight decay (added to the gradient)")
-    # server
-    server_optimizer: str = _field("none", "fedavg/fedprox server optimizer: none (plain average), sgd or adam")
-    server_lr: float = _field(1.0, "server optimizer learning rate")
-    server_momentum: float = _field(0.0, "server SGD momentum")
-    mu: float = _field(0.01, "fedprox proximal coefficient")
-    # low-rank
-    lora_rank: int = _field(16, "fedlora/fedloru: rank r of every LoRA update (at most the layer's matricized min dim)")
-    lora_alpha: float = _field(
-        0.0, "LoRA alpha of fedlora/fedloru and feddecomp's private part: scale = alpha / r; 0 = scale 1"
+    synthetic_dim: int = option(10, "synthetic datasets: input dimension d", check=at_least(1))
+    synthetic_outputs: int = option(
+        0, "synthetic datasets: outputs; 0 = 3 (synthetic_linear) or 1 (synthetic_mlp)", check=non_negative
     )
-    accumulate_every: int = _field(50, "fedloru: fold the LoRA updates into the global model every this many rounds")
-    reinit: bool = _field(True, "fedloru: restart the LoRA factors after accumulating (false: continue them)")
-    personal_rank: int = _field(8, "pfedloru: rank of the personal LoRA pair (the global pair has lora_rank)")
-    personal_epochs: int = _field(1, "pfedloru: epochs on the personal pair each round, before the global pair")
-    global_epochs: int = _field(1, "pfedloru: epochs on the global pair (and the full-rank layers) each round")
-    rank_dense: float = _field(0.6, "feddecomp: rank ratio R_l of the private part of Dense kernels, in (0, 1]")
-    rank_conv: float = _field(0.6, "feddecomp: rank ratio R_c of the private part of Conv kernels, in (0, 1]")
-    lora_epochs: int = _field(
-        -1, "feddecomp: epochs on the private low-rank part before the shared part; -1 = round(0.4 * local_epochs)"
-    )
-    schedule: str = _field("alternating", "feddecomp: alternating (private part, then shared) or simultaneous")
-    decomp_aggregation: str = _field("uniform", "feddecomp: server mean over uploads, uniform (paper) or samples")
-    pack_size: int = _field(1024, "fedcspack: parameters per pack (the flattened model is zero-padded to packs)")
-    share_ratio: float = _field(0.1, "fedcspack: top_k shares K = ceil(share_ratio * packs) packs, in (0, 1]")
-    select: str = _field("top_k", "fedcspack: top_k (paper) or all_below (every pack below the cosine threshold)")
-    weight: str = _field("cos_kl", "fedcspack: pack weight |cos + KL| (cos_kl), |cos| (cos) or |KL| (kl)")
-    merge: str = _field("masked", "fedcspack: masked (global packs where the global mask is set) or full")
-    lambda_: float = _field(
-        2.0, "fedara: anchor alignment weight lambda (key 'lambda'; paper: 10 homogeneous, 2 CIFAR-10)"
-    )
-    lambda_warmup_rounds: int = _field(10, "fedara: lambda ramps linearly from 0 (round 1) over this many rounds")
-    mu_fro: float = _field(1e-3, "fedara: Frobenius decay of the decomposed layers, mu * sum ||U V^T||_F^2")
-    anchor_loss: str = _field(
-        "mean", "fedara: anchor MSE averaged over feature dimensions (mean) or summed over them (sum)"
-    )
-    decompose_layers: str = _field(
-        "", "fedara: comma-separated feature-extractor layers to decompose; empty = all but the first"
-    )
-    num_adaptors: int = _field(4, "floral: adaptors C per adapted layer (mixture components); ensemble: models C")
-    rho: float = _field(0.01, "floral: adaptor rank from this relative parameter budget per adaptor, in (0, 1]")
-    adaptor_rank: int = _field(0, "floral: a fixed adaptor rank instead of rho; 0 = from rho")
-    conv_adaptor: str = _field("balanced_2d", "floral: conv adaptor kind: balanced_2d, channel, in_layer or out_layer")
-    adaptor_alpha: float = _field(1.0, "floral: scale alpha of the kernel adaptors")
-    router_lr: float = _field(0.1, "floral, ensemble: learning rate of the private router logits")
-    router_noise: float = _field(
-        0.0, "floral, ensemble: router training noise, softmax((w + noise * U[0,1)) / T), fresh every step"
-    )
-    router_temperature: float = _field(1.0, "floral, ensemble: router softmax temperature T (> 0)")
-    precondition: bool = _field(True, "floral: LoRA gradient preconditioning of the adaptors")
-    stateful: bool = _field(True, "floral, ensemble: clients keep their router between rounds (false: restart at 0)")
-    router: str = _field(
-        "learned", "floral, ensemble: learned (private trained logits) or oracle (one-hot on the client's cluster)"
-    )
-    tiers: str = _field(
-        "",
-        "tiered algorithms (fedhm, mfedloru, fedara): one rank ratio in (0, 1] per client tier, e.g. 0.5,0.25 "
-        "(mfedloru: relative to lora_rank); clients split into equal contiguous id blocks; "
-        "empty = the algorithm's default",
-    )
+    synthetic_rank: int = option(1, "synthetic datasets: rank of each cluster's difference U_c V_c", check=at_least(1))
+    synthetic_scale: float = option(2.0, "synthetic datasets: scale of the cluster differences")
     # run
-    seed: int = _field(0, "root random seed: partition, init, sampling and training all derive from it")
-    eval_every: int = _field(5, "evaluate every this many rounds (and after the last)")
-    rounds_per_call: int = _field(5, "rounds per compiled call (lax.scan over rounds)")
-    eval_batch_size: int = _field(256, "evaluation batch size")
-    devices: int = _field(0, "devices to shard clients over; 0 = all visible")
-    host_devices: int = _field(
+    seed: int = option(0, "root random seed: partition, init, sampling and training all derive from it")
+    eval_every: int = option(5, "evaluate every this many rounds (and after the last)", check=at_least(1))
+    rounds_per_call: int = option(5, "rounds per compiled call (lax.scan over rounds)", check=at_least(1))
+    eval_batch_size: int = option(256, "evaluation batch size", check=at_least(1))
+    devices: int = option(0, "devices to shard clients over; 0 = all visible", check=non_negative)
+    host_devices: int = option(
         0,
         "CPU only: split the host into this many JAX devices (XLA_FLAGS --xla_force_host_platform_device_count, "
         "set before JAX starts); 0 = as JAX starts. 2 on a 2-core CPU runs W2 1.7x faster",
+        check=non_negative,
     )
-    client_chunk: int = _field(
+    client_chunk: int = option(
         -1,
         "clients vmapped together: 0 = all sampled at once, k = lax.map over chunks of k, -1 = auto "
         "(1 on CPU, 0 on GPU/TPU)",
+        check=at_least(-1),
     )
-    member_chunk: int = _field(
+    member_chunk: int = option(
         -1,
         "jaxfed sweep: members run together: 0 = all vmapped, k = lax.map over chunks of k, -1 = auto "
         "(1 on CPU, 0 on GPU/TPU)",
+        check=at_least(-1),
     )
-    checkpoint_every: int = _field(10, "save an orbax checkpoint every this many rounds and after the last; 0 = never")
-    keep_checkpoints: int = _field(3, "checkpoints kept in the run directory (newest first)")
-    nonfinite: str = _field(
+    checkpoint_every: int = option(
+        10, "save an orbax checkpoint every this many rounds and after the last; 0 = never", check=non_negative
+    )
+    keep_checkpoints: int = option(3, "checkpoints kept in the run directory (newest first)", check=at_least(1))
+    nonfinite: str = option(
         "error", "a client update with NaN/inf: error (stop, last good state checkpointed) or skip (drop that client)"
     )
+    # the algorithm's own options (jaxfed list ALGORITHM); None = its defaults
+    options: Any = dataclasses.field(default=None, metadata={"help": "the algorithm's options", "source": ""})
 
-    # ----- parsing ---------------------------------------------------------------------------
+    def __post_init__(self):
+        if self.options is None:
+            options_class = _options_class(self.algorithm, missing_ok=True)
+            if options_class is not None:
+                object.__setattr__(self, "options", options_class())
+
+    # ----- keys ----------------------------------------------------------------------------------
 
     @classmethod
-    def keys(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+    def run_keys(cls) -> list[str]:
+        """The run-level keys (every field but ``options``)."""
+        return [key_of(f.name) for f in dataclasses.fields(cls) if f.name != "options"]
 
     @classmethod
-    def describe(cls) -> list[tuple[str, object, str]]:
-        """``(key, default, help)`` of every field; a key is its field's name without a trailing
-        underscore (``lambda`` is the field ``lambda_``)."""
-        return [(f.name.rstrip("_"), f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]
+    def describe(cls) -> list[tuple[str, Any, str, str]]:
+        return [row for row in super().describe() if row[0] != "options"]
+
+    def keys_of_algorithm(self) -> list[str]:
+        return self.options.keys() if self.options is not None else []
+
+    # ----- parsing -------------------------------------------------------------------------------
 
     def with_overrides(self, pairs: Iterable[str]) -> Config:
-        """A copy with ``key=value`` pairs applied (values parsed to the field's type)."""
-        fields = {f.name.rstrip("_"): f for f in dataclasses.fields(self)}
-        fields.update({f.name: f for f in dataclasses.fields(self)})
-        changes = {}
-        for pair in pairs:
-            key, sep, raw = pair.partition("=")
-            key = key.strip().replace("-", "_")
-            if not sep:
-                raise ConfigError(f"--set: expected key=value, got '{pair}'")
-            if key not in fields:
-                close = difflib.get_close_matches(key, [k for k in fields if not k.endswith("_")], n=3)
-                hint = f"; did you mean {', '.join(close)}?" if close else "; see `jaxfed list`"
-                raise ConfigError(f"unknown config key '{key}'{hint}")
-            changes[fields[key].name] = _parse(key, raw.strip(), type(fields[key].default))
-        return dataclasses.replace(self, **changes)
+        """A copy with ``key=value`` pairs applied: run keys and the selected algorithm's keys.
+        ``algorithm=`` (and ``plugins=``) are applied first, wherever they stand, so the other
+        keys are read as the final algorithm's."""
+        parsed = [_split_pair(pair) for pair in pairs]
+        run_types = field_types(Config)
+        run_changes, option_values, scoped = {}, {}, []
+        for key, raw in parsed:
+            if "." in key:  # ALGORITHM.key: applies only when that algorithm runs
+                scoped.append((*key.split(".", 1), raw))
+            elif key in self.run_keys():
+                run_changes[key] = parse_value(key, raw, run_types[key])
+            else:
+                option_values[key] = raw
+        for plugin in run_changes.get("plugins", self.plugins):
+            _import_plugin(plugin)
+        algorithm = run_changes.get("algorithm", self.algorithm)
+        for scope, key, raw in scoped:
+            _options_class(scope)  # an unknown algorithm is an error, not a silently ignored key
+            if scope == algorithm:
+                option_values[key] = raw
+        options = self.options if algorithm == self.algorithm and self.options is not None else None
+        options_class = _options_class(algorithm)
+        options = options_class() if options is None else options
+        unknown = [key for key in option_values if options_class.field_for(key) is None]
+        if unknown:
+            raise ConfigError(_unknown_key_message(unknown[0], algorithm, options_class))
+        return dataclasses.replace(self, **run_changes, options=options.with_values(option_values))
 
-    def tier_ratios(self, default: tuple[float, ...]) -> tuple[float, ...]:
-        """The ``tiers`` list as floats, or ``default`` when it is empty."""
-        return parse_tiers(self.tiers) if self.tiers.strip() else tuple(default)
+    def tier_count(self) -> int:
+        """The number of client tiers of the selected algorithm (0 when it has none)."""
+        return len(getattr(self.options, "tiers", ()) or ())
 
     def clustered(self) -> bool:
         """Whether clients have ground-truth clusters (client k in cluster ``k mod num_clusters``)."""
@@ -219,25 +205,34 @@ class Config:
         return widths
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The run keys and, under ``"options"``, the algorithm's (JSON-ready)."""
+        values = {key: value for key, value in super().to_dict().items() if key != "options"}
+        return {**values, "options": self.options.to_dict() if self.options is not None else {}}
 
-    # ----- validation ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict) -> Config:
+        """The inverse of :meth:`to_dict` (imports the config's plugins first)."""
+        run = {k: v for k, v in values.items() if k in cls.run_keys()}
+        config = cls(**{**run, "plugins": tuple(run.get("plugins", ()))}, options=None)
+        for plugin in config.plugins:
+            _import_plugin(plugin)
+        options = _options_class(config.algorithm).from_dict(values.get("options", {}))
+        return dataclasses.replace(config, options=options)
 
-    def validate(self) -> Config:
-        """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
-        from jaxfed.algorithms import ALGORITHMS
-        from jaxfed.algorithms.fedara import ANCHOR_LOSSES
-        from jaxfed.algorithms.fedavg import SERVER_OPTIMIZERS
-        from jaxfed.algorithms.fedcspack import MERGES, SELECTIONS
-        from jaxfed.algorithms.feddecomp import AGGREGATIONS, SCHEDULES
-        from jaxfed.core.adaptors import CONV_ADAPTORS
-        from jaxfed.core.packs import WEIGHTS
-        from jaxfed.core.routing import ROUTERS
+    # ----- validation ----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The run keys' choices and the rules that span several keys (the per-field checks run first)."""
         from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS, SYNTHETIC_TASKS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
 
-        _choice("algorithm", self.algorithm, ALGORITHMS)
+        options_class = _options_class(self.algorithm)
+        if not isinstance(self.options, options_class):
+            raise ConfigError(
+                f"options: {type(self.options).__name__} given for algorithm {self.algorithm} "
+                f"(expects {options_class.__name__})"
+            )
         _choice("dataset", self.dataset, [*DATASETS, *SYNTHETIC_TASKS])
         if self.model:
             _choice("model", self.model, MODELS)
@@ -245,139 +240,76 @@ class Config:
         _choice("conv", self.conv, CONV_IMPLS)
         _choice("partition", self.partition, PARTITIONERS)
         _choice("sampling", self.sampling, SAMPLINGS)
-        _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("decomp_aggregation", self.decomp_aggregation, AGGREGATIONS)
-        _choice("select", self.select, SELECTIONS)
-        _choice("weight", self.weight, WEIGHTS)
-        _choice("merge", self.merge, MERGES)
-        _choice("anchor_loss", self.anchor_loss, ANCHOR_LOSSES)
-        _choice("conv_adaptor", self.conv_adaptor, CONV_ADAPTORS)
         _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
-        _choice("router", self.router, ROUTERS)
         if self.dataset in SYNTHETIC_TASKS and self.cluster_task != "none":
             raise ConfigError(f"cluster_task: {self.dataset} is clustered already; use cluster_task=none")
         if self.clustered() and not 1 <= self.num_clusters <= self.num_clients:
             raise ConfigError(f"num_clusters: must be in 1..num_clients ({self.num_clients}), got {self.num_clusters}")
-        if self.router == "oracle" and not self.clustered():
-            raise ConfigError(
-                "router: oracle needs ground-truth clusters "
-                "(a cluster_task, partition=label_groups or a synthetic dataset)"
-            )
-        if not 0 < self.rho <= 1:
-            raise ConfigError(f"rho: must be in (0, 1], got {self.rho}")
-        if not self.router_temperature > 0:
-            raise ConfigError(f"router_temperature: must be > 0, got {self.router_temperature}")
-        if not 0 < self.share_ratio <= 1:
-            raise ConfigError(f"share_ratio: must be in (0, 1], got {self.share_ratio}")
-        for name in ("rank_dense", "rank_conv"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"{name}: a rank ratio must be in (0, 1], got {getattr(self, name)}")
-        if not -1 <= self.lora_epochs <= self.local_epochs:
-            raise ConfigError(
-                f"lora_epochs: must be -1 (auto) or in 0..local_epochs ({self.local_epochs}), got {self.lora_epochs}"
-            )
-        if not 0 < self.participation <= 1:
-            raise ConfigError(f"participation: must be in (0, 1], got {self.participation}")
-        if not 0 <= self.train_reduction < 1:
-            raise ConfigError(f"train_reduction: must be in [0, 1), got {self.train_reduction}")
-        if not self.alpha > 0:
-            raise ConfigError(f"alpha: must be > 0, got {self.alpha}")
-        for name in (
-            "num_clients",
-            "rounds",
-            "local_epochs",
-            "batch_size",
-            "eval_every",
-            "rounds_per_call",
-            "eval_batch_size",
-            "keep_checkpoints",
-            "lora_rank",
-            "accumulate_every",
-            "personal_rank",
-            "pack_size",
-            "num_adaptors",
-            "synthetic_dim",
-            "synthetic_rank",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "server_lr"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.member_chunk < -1:
-            raise ConfigError(
-                f"member_chunk: must be -1 (auto), 0 (vmap all) or a chunk size >= 1, got {self.member_chunk}"
-            )
-        if self.client_chunk < -1:
-            raise ConfigError(
-                f"client_chunk: must be -1 (auto), 0 (vmap all) or a chunk size >= 1, got {self.client_chunk}"
-            )
-        for name in (
-            "momentum",
-            "server_momentum",
-            "weight_decay",
-            "mu",
-            "min_examples",
-            "devices",
-            "host_devices",
-            "checkpoint_every",
-            "lora_alpha",
-            "personal_epochs",
-            "global_epochs",
-            "lambda_",
-            "lambda_warmup_rounds",
-            "mu_fro",
-            "adaptor_rank",
-            "router_noise",
-            "router_lr",
-            "samples_per_client",
-            "synthetic_outputs",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name.rstrip('_')}: must be >= 0, got {getattr(self, name)}")
         self.hidden_widths()
-        if self.tiers.strip() and len(parse_tiers(self.tiers)) > self.num_clients:
+        tiers = self.tier_count()
+        if tiers > self.num_clients:
             raise ConfigError(
-                f"tiers: {len(parse_tiers(self.tiers))} tiers for {self.num_clients} clients; "
-                "every tier needs at least one client"
+                f"tiers: {tiers} tiers for {self.num_clients} clients; every tier needs at least one client"
             )
-        return self
+        self.options.validate()
 
 
 def read_config_file(path) -> list[str]:
-    """The ``key=value`` pairs of a config file: one ``key = value`` per line, ``#`` starts a comment."""
-    from pathlib import Path
-
+    """The ``key=value`` pairs of a config file: one ``key = value`` per line, ``#`` starts a
+    comment; the lines after a ``[ALGORITHM]`` header are that algorithm's options, applied only
+    when it runs (returned as ``ALGORITHM.key=value``), until the next header (``[run]``: back to
+    keys for every run)."""
     try:
         text = Path(path).read_text()
     except OSError as err:
         raise ConfigError(f"--config: cannot read '{path}': {err.strerror or err}") from None
-    pairs = []
+    pairs, section = [], ""
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
+        if line.startswith("[") and line.endswith("]"):
+            section = "" if line[1:-1].strip() == "run" else line[1:-1].strip() + "."
+            continue
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--config: {path} line {number}: expected 'key = value', got '{line}'")
-        pairs.append(f"{key.strip()}={value.strip()}")
+        pairs.append(f"{section}{key.strip()}={value.strip()}")
     return pairs
 
 
-def parse_tiers(text: str) -> tuple[float, ...]:
-    """``"0.5,0.25"`` -> ``(0.5, 0.25)``; every ratio must be in (0, 1]."""
-    ratios = []
-    for part in text.split(","):
-        try:
-            ratio = float(part)
-        except ValueError:
-            raise ConfigError(f"tiers: expected comma-separated rank ratios in (0, 1] such as 0.5,0.25, got '{text}'")
-        if not 0 < ratio <= 1:
-            raise ConfigError(f"tiers: every rank ratio must be in (0, 1], got {ratio} in '{text}'")
-        ratios.append(ratio)
-    return tuple(ratios)
+def _split_pair(pair: str) -> tuple[str, str]:
+    key, sep, raw = pair.partition("=")
+    if not sep:
+        raise ConfigError(f"--set: expected key=value, got '{pair}'")
+    return key.strip().replace("-", "_"), raw.strip()
+
+
+def _options_class(algorithm: str, missing_ok: bool = False):
+    from jaxfed.algorithms import registry
+
+    if missing_ok and algorithm not in registry.names():
+        return None
+    return registry.get(algorithm).options
+
+
+def _import_plugin(spec: str) -> None:
+    from jaxfed.algorithms import registry
+
+    registry.import_plugin(spec)
+
+
+def _unknown_key_message(key: str, algorithm: str, options_class) -> str:
+    from jaxfed.algorithms import registry
+
+    owners = [name for name in registry.options_with(key) if name != algorithm]
+    if owners:
+        return f"{key}: an option of {', '.join(owners)}, not of {algorithm}; see `jaxfed list {algorithm}`"
+    candidates = [*Config.run_keys(), *options_class.keys()]
+    close = difflib.get_close_matches(key, candidates, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; see `jaxfed list {algorithm}`"
+    return f"unknown config key '{key}'{hint}"
 
 
 def _choice(field: str, value: str, allowed) -> None:
@@ -387,15 +319,4 @@ def _choice(field: str, value: str, allowed) -> None:
         raise ConfigError(f"{field}: unknown '{value}'{hint}; allowed: {', '.join(allowed)}")
 
 
-def _parse(key: str, raw: str, kind: type):
-    try:
-        if kind is bool:
-            lowered = raw.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        return kind(raw)
-    except ValueError:
-        raise ConfigError(f"{key}: expected {kind.__name__}, got '{raw}'") from None
+__all__ = ["Config", "read_config_file", "split_keys"]

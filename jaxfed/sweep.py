@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,20 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.algorithms import ALGORITHMS
+from jaxfed.algorithms import registry
+from jaxfed.build import build
 from jaxfed.config import Config
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
-from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.experiment import (
-    RunRecord,
-    _summary,
-    _write_plots,
-    _write_rows,
-    build,
-    chunk_schedule,
-)
-from jaxfed.simulation.checkpoint import RunCheckpoints
+from jaxfed.driver import drive
+from jaxfed.errors import ConfigError
+from jaxfed.rundir import LoopSettings, RunDirectory, RunRecord, summary
 from jaxfed.simulation.engine import default_client_chunk
 
 SWEEP_KEYS = ("seed", "lr")  # what may differ between the members of a sweep
@@ -49,16 +42,19 @@ SWEEP_KEYS = ("seed", "lr")  # what may differ between the members of a sweep
 def sweep_configs(base: Config, seeds=(), lrs=()) -> list[Config]:
     """The grid ``seeds x lrs`` over ``base`` (an empty list keeps ``base``'s value), validated."""
     seeds = list(seeds) or [base.seed]
-    lrs = list(lrs) or [base.lr]
+    lrs = list(lrs) or [base.options.lr]
     for option, values in (("--seeds", seeds), ("--lrs", lrs)):
         if len(set(values)) < len(values):
             raise ConfigError(f"{option}: values repeat in {values}; each member needs its own directory")
-    return [dataclasses.replace(base, seed=s, lr=lr).validate() for s, lr in itertools.product(seeds, lrs)]
+    return [
+        dataclasses.replace(base, seed=s, options=dataclasses.replace(base.options, lr=lr)).validate()
+        for s, lr in itertools.product(seeds, lrs)
+    ]
 
 
 def member_name(config: Config) -> str:
     """A member's run directory name: ``seed<seed>_lr<lr>``."""
-    return f"seed{config.seed}_lr{config.lr:g}"
+    return f"seed{config.seed}_lr{config.options.lr:g}"
 
 
 def check_sweepable(configs: list[Config]) -> None:
@@ -67,7 +63,12 @@ def check_sweepable(configs: list[Config]) -> None:
         raise ConfigError("sweep: no configurations (give --seeds and/or --lrs)")
     first = configs[0]
     for config in configs[1:]:
-        differ = [k for k in Config.keys() if k not in SWEEP_KEYS and getattr(config, k) != getattr(first, k)]
+        differ = [k for k in Config.run_keys() if k not in SWEEP_KEYS and getattr(config, k) != getattr(first, k)]
+        if type(config.options) is not type(first.options):
+            differ.append("algorithm")
+        else:
+            mine, theirs = config.options.to_dict(), first.options.to_dict()
+            differ += [k for k in mine if k not in SWEEP_KEYS and mine[k] != theirs[k]]
         if differ:
             raise ConfigError(f"sweep: members may differ only in {', '.join(SWEEP_KEYS)}; they differ in {differ}")
 
@@ -103,16 +104,17 @@ class Sweep:
         self.configs = configs
         self.built = [build(c) for c in configs]
         self.template = self.built[0].simulation
+        self.num_members, self.nonfinite = len(configs), self.template.nonfinite
         self.data, self.data_axes = stack_data([b.simulation.data for b in self.built])
         self.seeds = jnp.asarray([c.seed for c in configs], jnp.uint32)
-        self.lrs = jnp.asarray([c.lr for c in configs], jnp.float32)
+        self.lrs = jnp.asarray([c.options.lr for c in configs], jnp.float32)
         chunk = configs[0].member_chunk
         self.member_chunk = default_client_chunk(jax.devices()[0].platform) if chunk < 0 else chunk
         self.compile_seconds = 0.0
         self._executables: dict[int, object] = {}
-        self._init = jax.jit(self._over_members(lambda seed, lr, state, data: self._member(seed, lr)._init()))
+        self._init = jax.jit(self._over_members(lambda seed, lr, state, data: self._member(seed, lr).init_pure()))
         self._evaluate = jax.jit(
-            self._over_members(lambda seed, lr, state, data: self._member(seed, lr)._evaluate(state, data))
+            self._over_members(lambda seed, lr, state, data: self._member(seed, lr).evaluate_pure(state, data))
         )
 
     def _over_members(self, member_fn):
@@ -141,27 +143,35 @@ class Sweep:
 
     def _member(self, seed, lr):
         """The template simulation with this member's root key and client learning rate (traced)."""
-        config = dataclasses.replace(self.configs[0], lr=lr)
-        algorithm = ALGORITHMS[config.algorithm](config, self.template.model)
+        config = self.configs[0]
+        options = dataclasses.replace(config.options, lr=lr)
+        algorithm = registry.get(config.algorithm).build(self.template.model, options, config)
         return self.template.variant(jax.random.key(seed), algorithm)
 
     def init(self):
         return self._init(self.seeds, self.lrs, None, self.data)
 
     def run_rounds(self, states, num_rounds: int):
-        """``num_rounds`` rounds of every member in one compiled call; metrics ``[members, rounds]``."""
+        """``num_rounds`` rounds of every member in one compiled call: the stacked states and each
+        member's metrics (arrays with a leading round axis)."""
         if num_rounds not in self._executables:
             start = time.perf_counter()
             lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.lrs, states, self.data)
             self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
-        return self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
+        states, metrics = self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
+        metrics = jax.device_get(metrics)
+        return states, [jax.tree.map(lambda m, i=i: m[i], metrics) for i in range(self.num_members)]
+
+    def member(self, states, index: int):
+        """Member ``index``'s :class:`~jaxfed.simulation.SimState`."""
+        return gather_clients(states, index)
 
     def members_run(self, num_rounds: int):
         """``(seeds, lrs, states, data) -> (states, metrics)``: every member's ``num_rounds`` rounds
         (not jitted)."""
         return self._over_members(
-            lambda seed, lr, state, data: self._member(seed, lr)._run_rounds(state, data, num_rounds)
+            lambda seed, lr, state, data: self._member(seed, lr).rounds_pure(state, data, num_rounds)
         )
 
     def evaluate(self, states) -> list[dict]:
@@ -170,7 +180,8 @@ class Sweep:
 
 
 def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None) -> list[dict]:
-    """Run the members of a sweep together; write one run directory each; return their summaries.
+    """Run the members of a sweep together (:func:`jaxfed.driver.drive`, the loop ``jaxfed run``
+    uses); write one run directory each; return their summaries.
 
     A member whose client update is non-finite under ``nonfinite=error`` stops the sweep after every
     member's state is checkpointed (raises :class:`NonFiniteUpdateError` naming that member's
@@ -178,78 +189,30 @@ def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bo
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     start = time.perf_counter()
-    outs = [Path(d) for d in out_dirs]
-    for out in outs:
-        if (out / "checkpoints").exists() or (out / "metrics.jsonl").exists():
-            raise ConfigError(f"--out {out}: already holds a run; choose another --out")
-    sweep = Sweep(configs)
     config = configs[0]
-    states = sweep.init()
-    records = [RunRecord(c) for c in configs]
-    stores = [RunCheckpoints(out / "checkpoints", keep=config.keep_checkpoints) for out in outs]
-    for c, out in zip(configs, outs):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
-        _write_rows(out / "metrics.jsonl", [])
-
-    def save_all(states):
-        wall = time.perf_counter() - start
-        for i, (record, store) in enumerate(zip(records, stores)):
-            state = gather_clients(states, i)
-            store.save(int(state.round), state, record.to_json(int(state.round), wall, sweep.num_devices))
-
-    schedule = chunk_schedule(0, config.rounds, config.eval_every, config.rounds_per_call, config.checkpoint_every)
-    done = 0
-    for length, evaluate, checkpoint in schedule:
-        compile_before, tick = sweep.compile_seconds, time.perf_counter()
-        states, metrics = sweep.run_rounds(states, length)
-        metrics = jax.device_get(metrics)
-        seconds = (time.perf_counter() - tick - (sweep.compile_seconds - compile_before)) / length
-        failure = _first_failure(config, metrics)
-        for i, record in enumerate(records):
-            good = length if failure is None or failure[0] != i else failure[1]
-            record.add_rounds(jax.tree.map(lambda m: m[i][:good], metrics), seconds)
-        if failure is not None:
-            save_all(states)
-            for store in stores:
-                store.wait()
-            i, first = failure
-            ids = sorted(int(c) for c in metrics["nonfinite_ids"][i][first] if c >= 0)
-            err = NonFiniteUpdateError(done + first + 1, ids, gather_clients(states, i))
-            err.checkpoint = stores[i].directory / str(done + first)
-            raise err
-        done += length
-        if evaluate:
-            wall = time.perf_counter() - start
-            for record, out, evaluation in zip(records, outs, sweep.evaluate(states)):
-                row = record.add_row(done, evaluation, wall)
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
-        if checkpoint:
-            save_all(states)
-        if progress:
-            log(f"sweep: {done}/{config.rounds} rounds of {len(configs)} members")
-    for store in stores:
-        store.wait()
-
+    dirs = [RunDirectory(d, config.keep_checkpoints) for d in out_dirs]
+    for directory in dirs:
+        if directory.holds_run():
+            raise ConfigError(f"--out {directory.path}: already holds a run; choose another --out")
+    sweep = Sweep(configs)
+    records = [RunRecord(c.to_dict()) for c in configs]
+    for c, directory in zip(configs, dirs):
+        directory.start(c.to_dict(), [])
+    drive(
+        sweep,
+        sweep.init(),
+        dirs,
+        records,
+        LoopSettings.of(config),
+        start=start,
+        progress=progress,
+        desc=f"sweep of {len(configs)}",
+    )
     summaries = []
-    for c, built, record, out in zip(configs, sweep.built, records, outs):
+    for built, record, directory in zip(sweep.built, records, dirs):
         built.simulation.compile_seconds = sweep.compile_seconds
-        summary = _summary(c, built, record, built.simulation, time.perf_counter() - start)
-        summary["sweep_members"] = len(configs)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _write_plots(out, record.rows, log)
-        summaries.append(summary)
+        result = summary(built.simulation, record, time.perf_counter() - start, partition=built.partition_summary)
+        result["sweep_members"] = len(configs)
+        directory.finish(result, record.rows, log)
+        summaries.append(result)
     return summaries
-
-
-def _first_failure(config: Config, metrics: dict):
-    """``(member, round within the call)`` of the first non-finite update under
-    ``nonfinite=error``, or None."""
-    if config.nonfinite != "error":
-        return None
-    bad = np.asarray(metrics["nonfinite_clients"]) > 0  # [members, rounds]
-    if not bad.any():
-        return None
-    member = int(np.argmax(bad.any(axis=1)))
-    return member, int(np.argmax(bad[member]))

@@ -4,15 +4,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conftest import make_federation
 
-from jaxfed.algorithms import ALGORITHMS
+from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.fedprox import fedprox, proximal_term
 from jaxfed.algorithms.local import local
-from jaxfed.algorithms.training import sgd
 from jaxfed.config import Config
 from jaxfed.core import gather_clients
 from jaxfed.data import ClientData
@@ -40,15 +38,15 @@ def _train(alg, model, fed, rounds, participation=0.5, seed=0):
 
 def test_fedavg_learns_digits(mlp, digits):
     fed = make_federation(digits, num_clients=10, alpha=0.5)
-    result = _train(fedavg(mlp, sgd(0.05), local_epochs=2, batch_size=32), mlp, fed, rounds=15)
-    untrained = _train(fedavg(mlp, sgd(1e-6), local_epochs=1, batch_size=32), mlp, fed, rounds=1)
+    result = _train(fedavg(mlp, lr=0.05, local_epochs=2, batch_size=32), mlp, fed, rounds=15)
+    untrained = _train(fedavg(mlp, lr=1e-6, local_epochs=1, batch_size=32), mlp, fed, rounds=1)
     assert result["global_acc"] > 0.85, result
     assert untrained["global_acc"] < 0.4, untrained
 
 
 def test_local_learns_digits_and_personalizes(mlp, digits):
     fed = make_federation(digits, num_clients=10, name="pathological", classes_per_client=2)
-    result = _train(local(mlp, sgd(0.05), local_epochs=2, batch_size=32), mlp, fed, rounds=10, participation=1.0)
+    result = _train(local(mlp, lr=0.05, local_epochs=2, batch_size=32), mlp, fed, rounds=10, participation=1.0)
     # two classes per client: a local model beats chance by far on its own test split
     assert result["personalized_acc_mean"] > 0.9, result
     assert "global_acc" not in result
@@ -71,14 +69,14 @@ def test_fedprox_keeps_clients_near_the_global_model(mlp, digits_federation):
         _, params, _ = jax.jit(alg.client_update)(message, client, view, jax.random.key(1))
         return sum(float(jnp.sum((p - g) ** 2)) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(message)))
 
-    plain = drift(fedavg(mlp, sgd(0.1), local_epochs=3, batch_size=16))
-    prox = drift(fedprox(mlp, sgd(0.1), mu=5.0, local_epochs=3, batch_size=16))
+    plain = drift(fedavg(mlp, lr=0.1, local_epochs=3, batch_size=16))
+    prox = drift(fedprox(mlp, lr=0.1, mu=5.0, local_epochs=3, batch_size=16))
     assert prox < 0.8 * plain
 
 
 def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
-    plain = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
-    with_opt = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16, server_optimizer=optax.sgd(1.0))
+    plain = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
+    with_opt = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16, server_optimizer="sgd", server_lr=1.0)
     results = []
     for alg in (plain, with_opt):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
@@ -97,14 +95,16 @@ LEFT_OUT = {"fedprox", "fedlora", "fedhm", "local", "pfedloru", "mfedloru", "fed
 LEFT_OUT |= {"floral", "local_adaptor", "ensemble"}
 
 
-@pytest.mark.parametrize("name", sorted(set(ALGORITHMS) - LEFT_OUT))
+@pytest.mark.parametrize("name", sorted(set(registry.names()) - LEFT_OUT))
 def test_private_client_state_never_reaches_the_server(name, digits):
     """No leaf of the client state (here BatchNorm statistics) travels in a message, and the
     server state after an engine round is exactly server_update applied to the messages."""
     model = Model("tiny_bn", TinyBatchNormNet(digits.num_classes), digits.input_shape)
     fed = make_federation(digits, num_clients=4, alpha=1.0)
-    config = Config(algorithm=name, local_epochs=1, batch_size=32, lora_rank=8, personal_rank=4, tiers="1.0,0.5")
-    alg = ALGORITHMS[name](config, model)
+    wanted = {"local_epochs": 1, "batch_size": 32, "lora_rank": 8, "personal_rank": 4, "tiers": "1.0,0.5"}
+    options = Config(algorithm=name).options
+    config = Config(algorithm=name).with_overrides([f"{k}={v}" for k, v in wanted.items() if options.field_for(k)])
+    alg = registry.get(name).build(model, config.options, config)
     sim = Simulation(alg, model, fed, participation=1.0)
     state = sim.init()
 
@@ -127,9 +127,9 @@ def test_private_client_state_never_reaches_the_server(name, digits):
         assert not any(p.shape == leaf.shape and np.array_equal(p, leaf) for p in private)
 
     server_after_round = jax.jit(sim.round)(state, fed)[0].server
-    if alg.num_tiers:
-        expected = jax.jit(alg.server_update)(state.server, tuple(messages), tuple(weights))
-    else:
-        expected = jax.jit(alg.server_update)(state.server, messages[0], weights[0])
+    if alg.receive is not None:  # each tier's uploads decoded to the shape every tier shares
+        messages = [jax.vmap(lambda m, t=t: alg.receive(state.server, m, t))(m) for t, m in enumerate(messages)]
+    stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *messages)
+    expected = jax.jit(alg.server_update)(state.server, stacked, jnp.concatenate(weights))
     for a, b in zip(jax.tree.leaves(server_after_round), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxfed.bench import examples_per_round, useful_step_fraction, workload_config
+from jaxfed.build import build
 from jaxfed.cli import main
-from jaxfed.experiment import build
 
 TINY_W2 = ["num_clients=40", "participation=0.25", "client_train_size=40", "rounds_per_call=1"]
 

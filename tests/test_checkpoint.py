@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from jaxfed import load_state, save_state
+from jaxfed.build import build
 from jaxfed.cli import main
 from jaxfed.config import Config
-from jaxfed.experiment import TIMING_KEYS, build, chunk_schedule
+from jaxfed.driver import chunk_schedule
+from jaxfed.rundir import TIMING_KEYS
 from jaxfed.simulation import SimState
 
 SMALL = ["--quiet", "--set", "num_clients=8", "--set", "local_epochs=1", "--set", "eval_every=2"]
@@ -49,7 +51,7 @@ def _tree_digest(directory):
 
 
 def test_save_and_load_state_round_trip_bitwise(tmp_path):
-    sim = build(Config(algorithm="local", num_clients=6, local_epochs=1)).simulation
+    sim = build(Config(algorithm="local", num_clients=6).with_overrides(["local_epochs=1"])).simulation
     state, _ = sim.run_rounds(sim.init(), 2)
     save_state(tmp_path / "ckpt", state)
     restored = load_state(tmp_path / "ckpt", like=sim.init())

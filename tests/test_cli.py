@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxfed.cli import _parser, config_from_args, main
+from jaxfed.errors import ConfigError
 
 SUMMARY_KEYS = {
     "algorithm",
@@ -113,10 +114,10 @@ def test_installed_entry_point_lists_and_fails_cleanly():
         [sys.executable, "-m", "jaxfed.cli", "run", "nope"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    from jaxfed.algorithms import ALGORITHMS
+    from jaxfed.algorithms import registry
 
     assert bad.stderr.strip().splitlines() == [
-        f"jaxfed: error: algorithm: unknown 'nope'; allowed: {', '.join(ALGORITHMS)}"
+        f"jaxfed: error: algorithm: unknown 'nope'; allowed: {', '.join(registry.names())}"
     ]
 
 
@@ -126,9 +127,14 @@ def test_config_files_apply_in_order_before_the_command_line(tmp_path):
     variant.write_text("rounds = 9\n")
     args = _parser().parse_args(["run", "--config", str(base), "--config", str(variant), "--set", "mu=0.1"])
     config = config_from_args(args)
-    assert (config.algorithm, config.rounds, config.lr, config.mu) == ("fedprox", 9, 0.2, 0.1)
+    assert (config.algorithm, config.rounds, config.options.lr, config.options.mu) == ("fedprox", 9, 0.2, 0.1)
+    plain = tmp_path / "plain.conf"
+    plain.write_text("algorithm = fedprox\nrounds = 3\nlr = 0.2\n")
+    args = _parser().parse_args(["run", "local", "--config", str(plain)])
+    assert config_from_args(args).algorithm == "local"  # the positional algorithm overrides the file ...
     args = _parser().parse_args(["run", "local", "--config", str(base)])
-    assert config_from_args(args).algorithm == "local"  # the positional algorithm overrides the file
+    with pytest.raises(ConfigError, match="mu: an option of fedprox, not of local"):  # ... whose keys must fit it
+        config_from_args(args)
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,12 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import jax, numpy as np
     from jaxfed.config import Config
-    from jaxfed.experiment import build
+    from jaxfed.build import build
 
     devices, out = int(sys.argv[1]), sys.argv[2]
     # the 4-device run splits the host itself (host_devices), before JAX starts its backend
-    config = Config(num_clients=10, participation=0.5, local_epochs=1, host_devices=devices if devices > 1 else 0)
+    config = Config(num_clients=10, participation=0.5, host_devices=devices if devices > 1 else 0)
+    config = config.with_overrides(["local_epochs=1"])
     sim = build(config).simulation
     assert jax.device_count() == devices, jax.devices()
     state, metrics = sim.run_rounds(sim.init(), 3)
@@ -69,9 +70,9 @@ def test_one_vs_four_devices(tmp_path):
 def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):
     import jax
 
+    from jaxfed.build import build
     from jaxfed.config import Config
     from jaxfed.errors import ConfigError
-    from jaxfed.experiment import build
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
     started = len(jax.devices("cpu"))

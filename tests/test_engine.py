@@ -7,7 +7,6 @@ import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
-from jaxfed.algorithms.training import sgd
 from jaxfed.data import ClientData
 from jaxfed.simulation import Simulation, sampling
 
@@ -32,7 +31,7 @@ def _stack(views):
 
 def test_vmapped_client_update_equals_python_loop(mlp, digits_federation):
     fed = digits_federation
-    alg = fedavg(mlp, sgd(0.1, momentum=0.9), local_epochs=2, batch_size=16)
+    alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=16)
     server, client = alg.init(jax.random.key(0))
     message = alg.broadcast(server, 0)
     ids = [0, 3, 4, 7]
@@ -59,7 +58,7 @@ def test_padding_is_exact(mlp, digits_federation):
     counts = np.asarray(fed.train_count)
     small, big = int(np.argmin(counts[1:])) + 1, int(np.argmax(counts[1:])) + 1
     assert counts[big] > counts[0] and counts[big] > counts[small]
-    alg = fedavg(mlp, sgd(0.1, momentum=0.9), local_epochs=2, batch_size=8)  # momentum: a padded step would move
+    alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=8)  # momentum: a padded step would move
     server, client = alg.init(jax.random.key(0))
     message = alg.broadcast(server, 0)
     update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, None, ClientData.vmap_axes(), 0)))
@@ -81,7 +80,7 @@ def test_padding_is_exact(mlp, digits_federation):
 def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation):
     """One engine round equals: sample, run each client alone, weighted mean by n_k."""
     fed = digits_federation
-    alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
     sim = Simulation(alg, mlp, fed, participation=0.4, seed=3)
     state = sim.init()
     new_state, _ = jax.jit(sim.round)(state, fed)
@@ -114,7 +113,7 @@ def test_sampling_without_replacement_and_fixed_cohort():
 
 
 def test_unsampled_clients_keep_their_state(mlp, digits_federation):
-    alg = local(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    alg = local(mlp, lr=0.1, local_epochs=1, batch_size=16)
     sim = Simulation(alg, mlp, digits_federation, participation=0.3, seed=1)
     state = sim.init()
     new_state, _ = sim.run_rounds(state, 1)
@@ -129,7 +128,7 @@ def test_unsampled_clients_keep_their_state(mlp, digits_federation):
 
 def test_same_seed_same_numbers(mlp, digits_federation):
     def once(seed):
-        alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+        alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
         sim = Simulation(alg, mlp, digits_federation, participation=0.5, seed=seed)
         state, metrics = sim.run_rounds(sim.init(), 3)
         return jax.tree.leaves(state.server["params"]), metrics["train_loss"]
@@ -142,13 +141,13 @@ def test_same_seed_same_numbers(mlp, digits_federation):
 
 
 def test_bytes_counted_from_messages(mlp, digits_federation):
-    alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
     sim = Simulation(alg, mlp, digits_federation, participation=0.5)
     _, metrics = sim.run_rounds(sim.init(), 2)
     model_bytes = sum(x.size * 4 for x in jax.tree.leaves(mlp.init(jax.random.key(0))["params"]))
     np.testing.assert_array_equal(metrics["bytes_up"], [5 * model_bytes] * 2)
     np.testing.assert_array_equal(metrics["bytes_down"], [5 * model_bytes] * 2)
-    sim_local = Simulation(local(mlp, sgd(0.1), local_epochs=1, batch_size=16), mlp, digits_federation)
+    sim_local = Simulation(local(mlp, lr=0.1, local_epochs=1, batch_size=16), mlp, digits_federation)
     _, metrics = sim_local.run_rounds(sim_local.init(), 1)
     assert float(metrics["bytes_up"][0]) == 0 and float(metrics["bytes_down"][0]) == 0
 
@@ -158,7 +157,7 @@ def test_client_strategies_agree(mlp, digits_federation, chunk):
     """vmap over all sampled clients, one at a time, and chunks of 3 give the same round."""
 
     def run(client_chunk):
-        alg = fedavg(mlp, sgd(0.1, momentum=0.9), local_epochs=2, batch_size=16)
+        alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=16)
         sim = Simulation(alg, mlp, digits_federation, participation=0.7, client_chunk=client_chunk)
         state, metrics = sim.run_rounds(sim.init(), 2)
         return jax.tree.leaves(state.server["params"]) + [metrics["train_loss"]]
@@ -170,7 +169,7 @@ def test_client_strategies_agree(mlp, digits_federation, chunk):
 def test_pooled_evaluation_of_a_global_model_equals_the_per_client_one(mlp, digits_federation):
     """``evaluates_global``: one pass over the pooled test set, summed per client, gives what
     evaluating each client's (identical) model on its own split gives."""
-    alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
     assert alg.evaluates_global
     pooled = Simulation(alg, mlp, digits_federation, participation=0.5, seed=2)
     per_client = Simulation(alg._replace(evaluates_global=False), mlp, digits_federation, participation=0.5, seed=2)
@@ -190,7 +189,7 @@ def test_the_pooled_pass_may_run_another_conv_implementation(digits, digits_fede
     patches, xla = (
         get_model("cnn4", digits.input_shape, digits.num_classes, "group", impl) for impl in ("patches", "xla")
     )
-    alg = fedavg(patches, sgd(0.3), local_epochs=2, batch_size=16)
+    alg = fedavg(patches, lr=0.3, local_epochs=2, batch_size=16)
     pooled = Simulation(alg, patches, digits_federation, participation=0.5, pooled_eval_model=xla)
     per_client = Simulation(alg._replace(evaluates_global=False), patches, digits_federation, participation=0.5)
     state, _ = pooled.run_rounds(pooled.init(), 3)

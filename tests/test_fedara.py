@@ -7,7 +7,7 @@ import pytest
 from conftest import make_federation
 
 from jaxfed.algorithms.fedara import class_anchors, fedara, lambda_at
-from jaxfed.algorithms.training import masked_loss, sgd
+from jaxfed.algorithms.training import masked_loss
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
@@ -18,7 +18,7 @@ from jaxfed.simulation import Simulation
 
 def _fedara(model, lr=0.05, **options):
     options = {"local_epochs": 1, "batch_size": 32, **options}
-    return fedara(model, sgd(lr), **options)
+    return fedara(model, lr=lr, **options)
 
 
 def _client(fed, client=2):
@@ -33,7 +33,7 @@ def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federa
     variables = {"params": {**message["fe"], "head": client["head"]}}
     data = _client(digits_federation)
     with factorized_execution():
-        anchors, present = jax.jit(lambda v: class_anchors(mlp, v, data, batch_size=16))(variables)
+        anchors, present = jax.jit(lambda v: class_anchors(mlp, "head", v, data, batch_size=16))(variables)
         x = np.asarray(data.x)[np.asarray(data.indices)[: int(data.count)]]
         features = np.asarray(mlp.apply(variables, jnp.asarray(x), features=True)[0], np.float64)
     labels = np.asarray(data.y)[np.asarray(data.indices)[: int(data.count)]]
@@ -84,7 +84,7 @@ def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_ancho
 def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_federation):
     lam, mu, lr = 5.0, 1e-2, 0.05
     alg = _fedara(
-        mlp, lr=lr, tiers=(0.5,), lam=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512
+        mlp, lr=lr, tiers=(0.5,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512
     )  # one full batch per epoch: three plain gradient steps
     server, client = jax.jit(alg.init)(jax.random.key(0))
     server = {**server, "round": jnp.int32(4)}  # past round 1: lambda is on
@@ -122,7 +122,8 @@ def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_c
     _, upload, metrics = jax.jit(alg.client_update)(message, client, _client(digits_federation), jax.random.key(1))
     assert float(metrics["steps"]) > 0
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), upload)
-    new = alg.server_update(server, (stacked,), (jnp.array([30.0, 50.0]),))
+    received = jax.vmap(lambda m: alg.receive(server, m, 0))(stacked)  # the server decodes each upload
+    new = alg.server_update(server, received, jnp.array([30.0, 50.0]))
     for before, after in zip(jax.tree.leaves(server["fe"]), jax.tree.leaves(new["fe"])):
         np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
 
@@ -161,13 +162,13 @@ def test_client_flops_fall_with_the_tier_rank(mlp, digits_federation):
 
 def test_bad_settings_are_clear_errors(mlp, tmp_path, capsys):
     with pytest.raises(ConfigError, match="decompose_layers: 'conv9' is not a layer of the feature extractor"):
-        _fedara(mlp, layers=["conv9"])
+        _fedara(mlp, decompose_layers=["conv9"])
     with pytest.raises(ConfigError, match="decompose_layers: 'head' is not a layer of the feature extractor"):
-        _fedara(mlp, layers=["head"])
-    with pytest.raises(ConfigError, match=r"tiers: a rank ratio must be in \(0, 1\], got 1.5"):
+        _fedara(mlp, decompose_layers=["head"])
+    with pytest.raises(ConfigError, match=r"tiers: every rank ratio must be in \(0, 1\], got 1.5 in '1.0,1.5'"):
         _fedara(mlp, tiers=(1.0, 1.5))
     cases = [
-        (["--set", "tiers=1.0,0"], "tiers: every rank ratio must be in (0, 1], got 0.0 in '1.0,0'"),
+        (["--set", "tiers=1.0,0"], "tiers: every rank ratio must be in (0, 1], got 0.0 in '1.0,0.0'"),
         (["--set", "decompose_layers=fc2,fc9"], "decompose_layers: 'fc9' is not a layer of the feature extractor"),
         (["--set", "num_clients=3", "--set", "tiers=1,0.5,0.25,0.1"], "tiers: 4 tiers for 3 clients"),
         (["--set", "lambda=-1"], "lambda: must be >= 0, got -1.0"),
@@ -181,6 +182,7 @@ def test_bad_settings_are_clear_errors(mlp, tmp_path, capsys):
 def test_the_lambda_key_maps_to_its_field():
     from jaxfed.config import Config
 
-    config = Config().with_overrides(["lambda=0.5", "lambda_warmup_rounds=3", "mu_fro=0"]).validate()
-    assert (config.lambda_, config.lambda_warmup_rounds, config.mu_fro) == (0.5, 3, 0.0)
-    assert ("lambda", 2.0) in [(k, d) for k, d, _ in Config.describe()]
+    config = Config(algorithm="fedara").with_overrides(["lambda=0.5", "lambda_warmup_rounds=3", "mu_fro=0"]).validate()
+    options = config.options
+    assert (options.lambda_, options.lambda_warmup_rounds, options.mu_fro) == (0.5, 3, 0.0)
+    assert ("lambda", 2.0) in [(k, d) for k, d, _, _ in type(options).describe()]

@@ -7,7 +7,6 @@ import pytest
 from test_packs import _np_scores
 
 from jaxfed.algorithms.fedcspack import fedcspack
-from jaxfed.algorithms.training import sgd
 from jaxfed.cli import main
 from jaxfed.core import packs as pk
 from jaxfed.data import ClientData
@@ -17,7 +16,7 @@ PACK = 1024
 
 
 def _fedcspack(model, **options):
-    return fedcspack(model, sgd(0.05), local_epochs=1, batch_size=32, pack_size=PACK, **options)
+    return fedcspack(model, lr=0.05, local_epochs=1, batch_size=32, pack_size=PACK, **options)
 
 
 def _client_update(alg, fed, server, client_state, client=2, seed=1):

@@ -9,7 +9,7 @@ import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.feddecomp import decomposition_ranks, feddecomp
-from jaxfed.algorithms.training import sgd, split_variables
+from jaxfed.algorithms.training import split_variables
 from jaxfed.cli import main
 from jaxfed.core import tree_bytes
 from jaxfed.data import ClientData
@@ -18,7 +18,7 @@ from jaxfed.simulation import Simulation
 
 
 def _feddecomp(model, local_epochs=1, lora_epochs=0, lr=0.05, **options):
-    return feddecomp(model, sgd(lr), local_epochs=local_epochs, lora_epochs=lora_epochs, batch_size=32, **options)
+    return feddecomp(model, lr=lr, local_epochs=local_epochs, lora_epochs=lora_epochs, batch_size=32, **options)
 
 
 def _one_client_update(alg, fed, client=2, seed=1):
@@ -126,7 +126,7 @@ def test_no_lora_epochs_with_sample_weights_follows_fedavg(mlp, digits_federatio
     servers = []
     for alg in (
         _feddecomp(mlp, local_epochs=1, lora_epochs=0, aggregation="samples"),
-        fedavg(mlp, sgd(0.05), local_epochs=1, batch_size=32),
+        fedavg(mlp, lr=0.05, local_epochs=1, batch_size=32),
     ):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
         servers.append(sim.run_rounds(sim.init(), 3)[0].server["params"])
@@ -149,7 +149,7 @@ def test_runs_from_a_config_file_with_the_per_client_dirichlet_partition(tmp_pat
         "# FedDecomp on digits, the paper's per-client Dirichlet partition\n"
         "algorithm = feddecomp\npartition = client_dirichlet\nalpha = 0.1\n"
         "num_clients = 10\nclient_train_size = 100\nclient_test_size = 30\nparticipation = 1.0\n"
-        "rounds = 6\neval_every = 3\nlr = 0.1\nlocal_epochs = 3   # lora_epochs auto: 1\n"
+        "rounds = 6\neval_every = 3\nlr = 0.1\nbatch_size = 32\nlocal_epochs = 3   # lora_epochs auto: 1\n"
     )
     out = tmp_path / "run"
     assert main(["run", "--config", str(config), "--out", str(out), "--quiet", "--set", "checkpoint_every=0"]) == 0
@@ -165,9 +165,9 @@ def test_runs_from_a_config_file_with_the_per_client_dirichlet_partition(tmp_pat
     [
         ("rank_conv=1.5", "rank_conv: a rank ratio must be in (0, 1], got 1.5"),
         ("rank_dense=0", "rank_dense: a rank ratio must be in (0, 1], got 0.0"),
-        ("lora_epochs=3", "lora_epochs: must be -1 (auto) or in 0..local_epochs (2), got 3"),
+        ("lora_epochs=6", "lora_epochs: must be -1 (auto) or in 0..local_epochs (5), got 6"),
         ("schedule=both", "schedule: unknown 'both'; allowed: alternating, simultaneous"),
-        ("decomp_aggregation=mean", "decomp_aggregation: unknown 'mean'; allowed: uniform, samples"),
+        ("aggregation=mean", "aggregation: unknown 'mean'; allowed: uniform, samples"),
     ],
 )
 def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
@@ -180,5 +180,5 @@ def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
 def test_bad_ratios_are_errors_from_the_python_api(mlp):
     with pytest.raises(ConfigError, match=r"rank_conv: a rank ratio must be in \(0, 1\], got 1.2"):
         _feddecomp(mlp, rank_conv=1.2)
-    with pytest.raises(ConfigError, match=r"lora_epochs: must be in 0..local_epochs \(1\), got 2"):
+    with pytest.raises(ConfigError, match=r"lora_epochs: must be -1 \(auto\) or in 0..local_epochs \(1\), got 2"):
         _feddecomp(mlp, local_epochs=1, lora_epochs=2)

@@ -7,17 +7,17 @@ import pytest
 from conftest import make_federation
 
 from jaxfed.algorithms.fedhm import fedhm
-from jaxfed.algorithms.training import sgd
 from jaxfed.cli import main
 from jaxfed.config import Config
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
-from jaxfed.nn.factorized import factorized_execution, interior_layers
+from jaxfed.nn.factorized import factorized_execution
+from jaxfed.nn.layers import interior_layers
 from jaxfed.simulation import Simulation
 
 
 def _fedhm(model, lr=0.05, **options):
-    return fedhm(model, sgd(lr), local_epochs=1, batch_size=32, **options)
+    return fedhm(model, lr=lr, local_epochs=1, batch_size=32, **options)
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
@@ -59,8 +59,9 @@ def test_server_reconstructs_each_upload_then_averages_with_sample_weights(mlp):
         return jax.tree.map(lambda a: jnp.asarray(a + rng.normal(size=(n,) + a.shape), jnp.float32), tree)
 
     messages = (noisy(alg.broadcast(server, 0), 2), noisy(alg.broadcast(server, 1), 1))
-    weights = (jnp.array([10.0, 30.0]), jnp.array([60.0]))
-    new = alg.server_update(server, messages, weights)
+    weights = jnp.array([10.0, 30.0, 60.0])
+    received = [jax.vmap(lambda m, t=t: alg.receive(server, m, t))(m) for t, m in enumerate(messages)]
+    new = alg.server_update(server, jax.tree.map(lambda *rows: jnp.concatenate(rows), *received), weights)
 
     uploads = [jax.tree.map(lambda a, i=i: np.float64(a[i]), m) for m, n in zip(messages, (2, 1)) for i in range(n)]
     fc2 = [m["fc2"]["u"] @ m["fc2"]["v"].T for m in uploads]  # each client's kernel, then the mean
@@ -91,13 +92,13 @@ def test_tier_errors_are_clear(mlp, digits, capsys, tmp_path):
     fed = make_federation(digits, num_clients=3, alpha=0.5)
     with pytest.raises(ConfigError, match=r"tiers: 4 tiers for 3 clients; allowed 1..3"):
         Simulation(_fedhm(mlp, tiers=(1.0, 0.5, 0.25, 0.1)), mlp, fed)
-    with pytest.raises(ConfigError, match=r"tiers: a rank ratio must be in \(0, 1\], got 1.5"):
+    with pytest.raises(ConfigError, match=r"tiers: every rank ratio must be in \(0, 1\], got 1.5 in '1.5'"):
         _fedhm(mlp, tiers=(1.5,))
     with pytest.raises(ConfigError, match=r"tiers: every rank ratio must be in \(0, 1\], got 0.0"):
-        Config().with_overrides(["tiers=0.5,0"]).tier_ratios(())
-    with pytest.raises(ConfigError, match=r"tiers: expected comma-separated rank ratios"):
-        Config().with_overrides(["tiers=half"]).validate()
+        Config(algorithm="fedhm").with_overrides(["tiers=0.5,0"]).validate()
+    with pytest.raises(ConfigError, match=r"tiers: expected float, got 'half'"):
+        Config(algorithm="fedhm").with_overrides(["tiers=half"]).validate()
     with pytest.raises(ConfigError, match=r"tiers: 3 tiers for 2 clients"):
-        Config().with_overrides(["tiers=1,0.5,0.25", "num_clients=2"]).validate()
+        Config(algorithm="fedhm").with_overrides(["tiers=1,0.5,0.25", "num_clients=2"]).validate()
     assert main(["run", "fedhm", "--quiet", "--out", str(tmp_path / "r"), "--set", "tiers=0.5,2"]) == 2
-    assert "tiers: every rank ratio must be in (0, 1], got 2.0 in '0.5,2'" in capsys.readouterr().err
+    assert "tiers: every rank ratio must be in (0, 1], got 2.0 in '0.5,2.0'" in capsys.readouterr().err

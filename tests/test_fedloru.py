@@ -7,7 +7,6 @@ import pytest
 from conftest import make_federation, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import fedloru
-from jaxfed.algorithms.training import sgd
 from jaxfed.cli import main
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
@@ -15,7 +14,7 @@ from jaxfed.simulation import Simulation
 
 
 def _algorithm(mlp, **options):
-    return fedloru(mlp, sgd(0.05), local_epochs=1, batch_size=32, rank=4, **options)
+    return fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=4, **options)
 
 
 def _logits(alg, mlp, server, x):
@@ -88,7 +87,7 @@ def test_clients_upload_only_factors_of_the_adapted_layers(mlp):
 
 def test_fedloru_learns_digits(mlp, digits):
     fed = make_federation(digits, num_clients=10, alpha=0.5)
-    alg = fedloru(mlp, sgd(0.05), local_epochs=2, batch_size=32, rank=8, accumulate_every=5)
+    alg = fedloru(mlp, lr=0.05, local_epochs=2, batch_size=32, lora_rank=8, accumulate_every=5)
     sim = Simulation(alg, mlp, fed, participation=0.5)
     state, metrics = sim.run_rounds(sim.init(), 15)
     assert sim.evaluate(state)["global_acc"] > 0.8
@@ -98,6 +97,6 @@ def test_fedloru_learns_digits(mlp, digits):
 
 def test_rank_larger_than_a_layer_allows_is_a_clear_error(mlp, capsys, tmp_path):
     with pytest.raises(ConfigError, match=r"lora_rank: 500 is not a valid rank for fc2 .* allowed 1..200"):
-        fedloru(mlp, sgd(0.1), local_epochs=1, batch_size=32, rank=500)
+        fedloru(mlp, lr=0.1, local_epochs=1, batch_size=32, lora_rank=500)
     assert main(["run", "fedloru", "--quiet", "--out", str(tmp_path / "r"), "--set", "lora_rank=0"]) == 2
     assert "lora_rank: must be >= 1" in capsys.readouterr().err

@@ -7,7 +7,6 @@ import pytest
 from conftest import make_federation, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import fedloru, mfedloru, pfedloru, with_nested
-from jaxfed.algorithms.training import sgd
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
@@ -26,11 +25,11 @@ def _one_client_update(alg, fed, client=2, tier=0, seed=1):
 
 
 def _pfedloru(mlp, **options):
-    return pfedloru(mlp, sgd(0.05), batch_size=32, rank=8, personal_rank=4, **options)
+    return pfedloru(mlp, lr=0.05, batch_size=32, lora_rank=8, personal_rank=4, **options)
 
 
 def test_pfedloru_personal_pair_stays_on_the_client(mlp, digits_federation):
-    alg = _pfedloru(mlp, personal_epochs=1, global_epochs=1)
+    alg = _pfedloru(mlp, personal_epochs=1, local_epochs=1)
     server, before, message, after, upload = _one_client_update(alg, digits_federation)
     personal = after["personal"]["fc2"]
     assert personal.down.shape == (200, 4) and personal.up.shape == (4, 200)
@@ -46,9 +45,7 @@ def test_pfedloru_personal_pair_stays_on_the_client(mlp, digits_federation):
 @pytest.mark.parametrize("phase", ["personal", "global"])
 def test_pfedloru_each_phase_trains_only_its_pair(mlp, digits_federation, phase):
     epochs = (
-        {"personal_epochs": 1, "global_epochs": 0}
-        if phase == "personal"
-        else {"personal_epochs": 0, "global_epochs": 1}
+        {"personal_epochs": 1, "local_epochs": 0} if phase == "personal" else {"personal_epochs": 0, "local_epochs": 1}
     )
     server, before, message, after, upload = _one_client_update(_pfedloru(mlp, **epochs), digits_federation)
     personal_changed = not np.array_equal(after["personal"]["fc2"].up, before["personal"]["fc2"].up)
@@ -61,7 +58,7 @@ def test_pfedloru_each_phase_trains_only_its_pair(mlp, digits_federation, phase)
 
 def test_pfedloru_personalizes(mlp, digits):
     fed = make_federation(digits, num_clients=10, name="pathological", classes_per_client=2)
-    sim = Simulation(_pfedloru(mlp, personal_epochs=1, global_epochs=1), mlp, fed, participation=1.0)
+    sim = Simulation(_pfedloru(mlp, personal_epochs=1, local_epochs=1), mlp, fed, participation=1.0)
     state, _ = sim.run_rounds(sim.init(), 6)
     result = sim.evaluate(state)
     assert result["personalized_acc_mean"] > 0.9 and result["personalized_acc_mean"] > result["global_acc"]
@@ -71,12 +68,12 @@ def test_pfedloru_personalizes(mlp, digits):
 
 
 def _mfedloru(mlp, tiers, **options):
-    return mfedloru(mlp, sgd(0.05), local_epochs=1, batch_size=32, rank=16, tiers=tiers, **options)
+    return mfedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, tiers=tiers, **options)
 
 
 def test_mfedloru_with_full_rank_tiers_is_fedloru(mlp, digits_federation):
     runs = []
-    plain = fedloru(mlp, sgd(0.05), local_epochs=1, batch_size=32, rank=16, accumulate_every=2)
+    plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, accumulate_every=2)
     for alg in (_mfedloru(mlp, (1.0,), accumulate_every=2), plain):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
         runs.append(sim.run_rounds(sim.init(), 3)[0].server)
@@ -105,7 +102,8 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
         for _ in range(2)
     ]
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), *uploads)
-    new = alg.server_update(server, (stacked,), (jnp.array([1.0, 3.0]),))
+    received = jax.vmap(lambda m: alg.receive(server, m, 0))(stacked)  # the server decodes each upload
+    new = alg.server_update(server, received, jnp.array([1.0, 3.0]))
     base = server["loras"]["fc2"]
     (d0, u0), (d1, u1) = (u["nested"]["fc2"] for u in uploads)
     down = [np.float64(base.down) + np.float64(d.down) @ np.float64(d.up) for d in (d0, d1)]
@@ -115,7 +113,7 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
 
 
 def test_mfedloru_tiers_upload_less_than_fedloru_at_rank_r(mlp, digits):
-    plain = fedloru(mlp, sgd(0.05), local_epochs=1, batch_size=32, rank=16)
+    plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16)
     server, _ = jax.eval_shape(plain.init, jax.random.key(0))
     free, _ = lowrank.split_kernels(server["params"], ["fc2"])
     fedloru_per_client = tree_bytes({"free": free, "loras": server["loras"]})  # what the engine counts per client
@@ -133,5 +131,5 @@ def test_mfedloru_tiers_upload_less_than_fedloru_at_rank_r(mlp, digits):
 
 
 def test_mfedloru_tier_errors(mlp):
-    with pytest.raises(ConfigError, match=r"tiers: a rank ratio must be in \(0, 1\], got 0"):
+    with pytest.raises(ConfigError, match=r"tiers: every rank ratio must be in \(0, 1\], got 0.0 in '0.5,0'"):
         _mfedloru(mlp, (0.5, 0))

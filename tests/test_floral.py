@@ -28,7 +28,7 @@ def test_component_weights_are_p_k_given_c():
 
 
 def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
-    alg = _floral(mlp, num_adaptors=2, rank=4)
+    alg = _floral(mlp, num_adaptors=2, adaptor_rank=4)
     server, _ = jax.jit(alg.init)(jax.random.key(0))
     rng = np.random.default_rng(1)
     n = 3
@@ -49,7 +49,7 @@ def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
 
 @pytest.mark.parametrize("stateful", [True, False])
 def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
-    alg = _floral(mlp, num_adaptors=3, rank=4, stateful=stateful)
+    alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, stateful=stateful)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     client = {**client, "router": jnp.array([0.5, -0.5, 2.0])}
     data = digits_federation.train_data(jnp.array([1]))
@@ -62,7 +62,7 @@ def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
         assert not (np.shape(leaf) == router.shape and np.array_equal(leaf, router))
     np.testing.assert_allclose(upload["mixture_weights"], jax.nn.softmax(new_client["router"]), rtol=1e-6)
     if not stateful:  # a stateless client started from zero logits
-        alg_from_zero = _floral(mlp, num_adaptors=3, rank=4)
+        alg_from_zero = _floral(mlp, num_adaptors=3, adaptor_rank=4)
         zero = {**client, "router": jnp.zeros(3)}
         again, _, _ = jax.jit(alg_from_zero.client_update)(alg.broadcast(server, 0), zero, view, jax.random.key(2))
         np.testing.assert_allclose(new_client["router"], again["router"], rtol=1e-6)
@@ -97,7 +97,7 @@ def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
 
 
 def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_federation):
-    alg = local_adaptor(mlp, lr=0.05, local_epochs=1, batch_size=32, rank=4)
+    alg = local_adaptor(mlp, lr=0.05, local_epochs=1, batch_size=32, adaptor_rank=4)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
@@ -112,7 +112,7 @@ def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_f
 
 def test_oracle_router_is_one_hot_on_the_cluster_and_never_trains(mlp, digits):
     fed = make_federation(digits, num_clients=4, name="iid")
-    alg = _floral(mlp, num_adaptors=3, rank=4, router="oracle", num_clusters=2)
+    alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, router="oracle", num_clusters=2)
     sim = Simulation(alg, mlp, fed, participation=1.0)
     start = sim.init()
     pi = np.asarray(jax.nn.softmax(start.clients["router"]))

@@ -9,7 +9,7 @@ from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
 from jaxfed.nn.conv import conv2d
-from jaxfed.nn.factorized import factorized_execution
+from jaxfed.nn.factorized import factorized_conv, factorized_dense, factorized_execution
 
 CONV_SHAPES = [(3, 3, 4, 6), (5, 5, 1, 8), (1, 1, 7, 3), (3, 2, 2, 5)]
 
@@ -122,7 +122,7 @@ def test_factorized_dense_equals_the_reconstructed_kernel():
     x, kernel = jnp.asarray(_random((5, 12), seed=5)), jnp.asarray(_random((12, 7), seed=6))
     factors = lowrank.factorize_kernel(kernel, 3)
     expected = np.asarray(x, np.float64) @ np.asarray(lowrank.reconstruct_kernel(factors, kernel.shape), np.float64)
-    np.testing.assert_allclose(lowrank.factorized_dense(x, factors), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(factorized_dense(x, factors), expected, rtol=1e-4, atol=1e-4)
 
 
 CONV_CASES = [
@@ -143,7 +143,7 @@ def test_factorized_conv_equals_the_conv_with_the_reconstructed_kernel(shape, pa
     factors = lowrank.factorize_kernel(jnp.asarray(_random(shape, seed=8)), 2)
     kernel = lowrank.reconstruct_kernel(factors, shape)
     expected = jax.lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    got = lowrank.factorized_conv(x, factors, shape, strides, padding, impl)
+    got = factorized_conv(x, factors, shape, strides, padding, impl)
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     # and it is the same as our own full conv

@@ -10,7 +10,6 @@ import pytest
 from jaxfed import NonFiniteUpdateError
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
-from jaxfed.algorithms.training import sgd
 from jaxfed.cli import main
 from jaxfed.data import ClientData
 from jaxfed.simulation import Simulation, sampling
@@ -31,7 +30,7 @@ def _view(fed, k):
 def test_skip_drops_the_client_from_the_mean(mlp, digits_federation):
     bad = 2
     fed = _poison(digits_federation, bad)
-    alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
     sim = Simulation(alg, mlp, fed, participation=1.0, seed=4, nonfinite="skip")
     state = sim.init()
     new_state, metrics = sim.run_rounds(state, 1)
@@ -59,7 +58,7 @@ def test_skip_drops_the_client_from_the_mean(mlp, digits_federation):
 def test_skip_keeps_the_clients_previous_state(mlp, digits_federation):
     bad = 5
     sim = Simulation(
-        local(mlp, sgd(0.1), local_epochs=1, batch_size=16),
+        local(mlp, lr=0.1, local_epochs=1, batch_size=16),
         mlp,
         _poison(digits_federation, bad),
         participation=1.0,
@@ -88,10 +87,10 @@ def _first_new_client(root, num_clients, per_round):
 
 def test_error_reports_round_and_client_and_returns_the_last_good_state(mlp, digits_federation):
     sim_args = dict(participation=0.3, seed=11)
-    probe = Simulation(fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16), mlp, digits_federation, **sim_args)
+    probe = Simulation(fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16), mlp, digits_federation, **sim_args)
     bad, first_round = _first_new_client(probe.root, 10, probe.num_sampled)
 
-    alg = fedavg(mlp, sgd(0.1), local_epochs=1, batch_size=16)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
     sim = Simulation(alg, mlp, _poison(digits_federation, bad), **sim_args)
     state = sim.init()
     with pytest.raises(NonFiniteUpdateError) as caught:

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
-from jaxfed.algorithms import ALGORITHMS
+from jaxfed.algorithms import registry
 from jaxfed.cli import main
 from jaxfed.config import Config
+from jaxfed.driver import run
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.experiment import TIMING_KEYS, run
+from jaxfed.rundir import TIMING_KEYS
 from jaxfed.sweep import Sweep, check_sweepable, member_name, run_sweep, stack_data, sweep_configs
 
 TINY = ["num_clients=12", "participation=0.5", "rounds=2", "eval_every=1", "rounds_per_call=1", "checkpoint_every=2"]
@@ -25,7 +26,7 @@ def rows(run_dir):
 
 def test_the_grid_and_its_directory_names():
     configs = sweep_configs(Config().with_overrides(TINY), seeds=[0, 1], lrs=[0.05, 0.2])
-    assert [(c.seed, c.lr) for c in configs] == [(0, 0.05), (0, 0.2), (1, 0.05), (1, 0.2)]
+    assert [(c.seed, c.options.lr) for c in configs] == [(0, 0.05), (0, 0.2), (1, 0.05), (1, 0.2)]
     assert [member_name(c) for c in configs] == ["seed0_lr0.05", "seed0_lr0.2", "seed1_lr0.05", "seed1_lr0.2"]
 
 
@@ -92,7 +93,7 @@ def test_one_line_errors(tmp_path, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", sorted(registry.names()))
 def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
     """A sweep builds each algorithm with the member's lr as a tracer: no algorithm may need a
     concrete lr (traced only, not compiled: a Python-level use of lr fails here)."""

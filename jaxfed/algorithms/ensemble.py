@@ -10,40 +10,39 @@ trained by clustered FedAvg.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import per_key, sgd, split_variables, train_routed
+from jaxfed.algorithms.floral import CODE, RouterOptions, check_oracle
+from jaxfed.algorithms.training import per_key, split_variables, train_routed
 from jaxfed.core import tree_select
-from jaxfed.core.routing import check_router, mixture_average, mixture_weights, oracle_init
+from jaxfed.core.routing import mixture_average, mixture_weights, oracle_init
 from jaxfed.nn.models import Mixture
+from jaxfed.options import at_least, option, resolve, sgd
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleOptions(RouterOptions):
+    """FLoRAL's Ensemble baseline: C full models mixed by a private router."""
+
+    num_members: int = option(4, "full models C mixed by each client's router", source=CODE, check=at_least(1))
 
 
 def ensemble(
-    model,
-    *,
-    lr: float,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    num_members: int = 4,
-    router_lr: float = 0.1,
-    router_noise: float = 0.0,
-    router_temperature: float = 1.0,
-    stateful: bool = True,
-    router: str = "learned",
-    num_clusters: int = 0,
-    name: str = "ensemble",
+    model, options: EnsembleOptions | None = None, *, num_clusters: int = 0, name: str = "ensemble", **overrides
 ) -> FederatedAlgorithm:
-    check_router(router, num_members, num_clusters)
-    learned = router == "learned"
+    """The ensemble; ``num_clusters`` is the task's ground-truth cluster count (``router="oracle"`` only)."""
+    options = resolve(EnsembleOptions, options, overrides)
+    num_members, router_temperature = options.num_members, options.router_temperature
+    check_oracle(options.router, num_members, num_clusters)
+    learned = options.router == "learned"
     mixture = Mixture(model)
-    transforms = {"members": sgd(lr, momentum, weight_decay)}
+    transforms = {"members": options.optimizer()}
     if learned:
-        transforms["router"] = sgd(router_lr)
+        transforms["router"] = sgd(options.router_lr)
     optimizer = per_key(transforms)
 
     def init(rng):
@@ -52,7 +51,7 @@ def ensemble(
 
     def client_update(message, client_state, data, rng):
         router_logits = client_state["router"]
-        if learned and not stateful:
+        if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
         members, new_logits, pi, model_state, metrics = train_routed(
@@ -65,11 +64,9 @@ def ensemble(
             data,
             rng,
             learned=learned,
-            noise=router_noise,
+            noise=options.router_noise,
             temperature=router_temperature,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
+            **options.batching(),
         )
         upload = {"members": members["members"], "mixture_weights": pi}
         return {"router": new_logits, "model_state": model_state}, upload, metrics
@@ -92,23 +89,4 @@ def ensemble(
         global_params=None,
         init_client=None if learned else oracle_init(num_members, num_clusters),
         eval_model=mixture,
-    )
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    return ensemble(
-        model,
-        lr=config.lr,
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        num_members=config.num_adaptors,
-        router_lr=config.router_lr,
-        router_noise=config.router_noise,
-        router_temperature=config.router_temperature,
-        stateful=config.stateful,
-        router=config.router,
-        num_clusters=config.num_clusters,
     )

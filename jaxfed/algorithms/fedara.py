@@ -1,66 +1,112 @@
 """FedARA: resource-adaptive low-rank feature extractors with anchor-driven representation alignment.
 
-The model is a feature extractor (FE: every layer but ``head``) and a classifier ``head``. The
-FE is shared; the head is private client state and never uploaded. Clients sit in static tiers,
-each with a rank ratio ``r_k`` (``tiers``) over the decomposed layers ``Q`` (``layers``,
-default: every FE layer but the first, which holds the fewest parameters).
+The model is a feature extractor (FE: every layer but the ``head``) and a classifier ``head``
+(option ``head``: a Dense layer's key, default the last Dense layer the forward pass calls). The
+FE is shared; the head is private client state and never uploaded. Clients sit in static
+tiers, each with a rank ratio ``r_k`` (``tiers``) over the decomposed layers ``Q``
+(``decompose_layers``, default: every FE layer but the first, which holds the fewest parameters).
 
 - Stage 1, server: for each tier, the truncated SVD of each layer of ``Q`` in the global FE at
   ``round(r_k * min dim)`` of its matricized kernel; the other FE layers are sent full.
-- Stage 2, client: anchors first, the per-class mean feature of the client's training examples
-  under the received, frozen FE (classes absent locally have none); then ``local_epochs`` of
-  ``CE + lambda_t * MSE(f(x_i), a_{y_i}) + mu_fro * sum_q ||U_q V_q^T||_F^2`` on the FE factors
-  and the head, run factorized (``factorized_execution``: compute scales with ``r_k``). The MSE
-  averages over examples and feature dimensions (``anchor_loss="mean"``, torch's ``MSELoss``);
-  ``anchor_loss="sum"`` sums over the dimensions, ``mean_i ||f(x_i) - a_{y_i}||^2``.
-  ``lambda_t`` ramps linearly from 0 in round 1 to ``lam`` in round ``lambda_warmup_rounds + 1``.
-- Stage 3, server: every upload reconstructed to full kernels, then the sample-weighted mean.
+- Stage 2, client: anchors first, the per-class mean feature (the head's input) of the client's
+  training examples under the received, frozen FE (classes absent locally have none); then
+  ``local_epochs`` of ``CE + lambda_t * MSE(f(x_i), a_{y_i}) + mu_fro * sum_q ||U_q V_q^T||_F^2``
+  on the FE factors and the head, run factorized (``factorized_execution``: compute scales with
+  ``r_k``). The MSE averages over examples and feature dimensions (``anchor_loss="mean"``,
+  torch's ``MSELoss``); ``anchor_loss="sum"`` sums over the dimensions. ``lambda_t`` ramps
+  linearly from 0 in round 1 to ``lambda`` in round ``lambda_warmup_rounds + 1``.
+- Stage 3, server: every upload reconstructed to full kernels (``receive``), then the
+  sample-weighted mean.
 
 A client's personalized model is the global FE truncated to its tier's rank plus its head.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.fedhm import reconstruct_and_average, tier_ranks
-from jaxfed.algorithms.training import (
-    TrainState,
-    client_optimizer,
-    gradient_step,
-    masked_loss,
-    run_epochs,
-    split_variables,
-)
+from jaxfed.algorithms.fedhm import DEFAULT_TIERS, average_received, reconstruct_upload, tier_ranks
+from jaxfed.algorithms.training import TrainState, gradient_step, masked_loss, run_epochs, split_variables
 from jaxfed.core import lowrank
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
-from jaxfed.nn.factorized import factorized_execution, layers_in_call_order
+from jaxfed.nn.factorized import factorized_execution
+from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order
+from jaxfed.options import TrainingOptions, each, non_negative, one_of, option, rank_ratio, resolve, split_keys
 
-HEAD = "head"
 ANCHOR_LOSSES = ("mean", "sum")
-DEFAULT_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+PAPER = "FedARA paper §5 settings"
 
 
-def default_decomposed_layers(model) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class FedARAOptions(TrainingOptions):
+    """FedARA's options: tiers, the anchor alignment and the private head."""
+
+    local_epochs: int = option(5, "local epochs per round", source=PAPER)
+    batch_size: int = option(16, "local batch size", source=PAPER)
+    lr: float = option(5e-3, "client SGD learning rate", source=PAPER)
+    tiers: tuple[float, ...] = option(
+        DEFAULT_TIERS,
+        "one rank ratio in (0, 1] per client tier; clients split into equal contiguous id blocks",
+        source="FedARA paper §5 (five heterogeneous tiers of decreasing rank)",
+        check=each(rank_ratio),
+    )
+    lambda_: float = option(
+        2.0,
+        "anchor alignment weight lambda (key 'lambda'); 10 in the homogeneous setting",
+        source="FedARA paper §5 (CIFAR-10 heterogeneous: 2)",
+        check=non_negative,
+    )
+    lambda_warmup_rounds: int = option(
+        10, "lambda ramps linearly from 0 (round 1) over this many rounds", source="FedARA paper §4", check=non_negative
+    )
+    mu_fro: float = option(
+        1e-3,
+        "Frobenius decay of the decomposed layers, mu * sum ||U V^T||_F^2",
+        source="FedARA paper §4",
+        check=non_negative,
+    )
+    anchor_loss: str = option(
+        "mean",
+        "anchor MSE averaged over feature dimensions (mean) or summed over them (sum)",
+        source="torch's MSELoss, the authors' framework",
+        check=one_of(*ANCHOR_LOSSES),
+    )
+    decompose_layers: tuple[str, ...] = option(
+        (), "feature-extractor layers to decompose (comma-separated); empty = all but the first"
+    )
+    head: str = option("", "the private classifier layer (a Dense layer's key); empty = the last Dense called")
+
+
+def default_decomposed_layers(model, head: str) -> list[str]:
     """Every feature-extractor layer but the first one called (the smallest in these models)."""
-    extractor = [key for key in layers_in_call_order(model) if key != HEAD]
+    extractor = [key for key in layers_in_call_order(model) if key != head]
     return extractor[1:] or extractor
 
 
-def check_decomposed_layers(template, layers) -> list[str]:
-    extractor = [key for key in lowrank.factorizable_layers(template) if key != HEAD]
+def check_decomposed_layers(template, layers, head: str) -> list[str]:
+    extractor = [key for key in lowrank.factorizable_layers(template) if key != head]
     for key in layers:
         if key not in extractor:
             raise ConfigError(
                 f"decompose_layers: '{key}' is not a layer of the feature extractor; allowed: {', '.join(extractor)}"
             )
     if not layers:
-        raise ConfigError(f"decompose_layers: no layer to decompose; allowed: {', '.join(extractor)}")
+        raise ConfigError(f"decompose_layers: no layer to decompose; allowed: {', '.join(extractor) or 'none'}")
     return list(layers)
+
+
+def check_head(model, template, head: str) -> str:
+    """The head's key: ``head`` if it is a Dense layer of the model, else the last Dense called."""
+    head = head or last_dense_layer(model)
+    dense = [k for k in lowrank.factorizable_layers(template) if lowrank.get_layer(template, k)["kernel"].ndim == 2]
+    if head not in dense:
+        raise ConfigError(f"head: '{head}' is not a Dense layer of the model; allowed: {', '.join(dense) or 'none'}")
+    return head
 
 
 def lambda_at(round_: jax.Array, lam: float, warmup_rounds: int) -> jax.Array:
@@ -79,16 +125,16 @@ def frobenius_penalty(fe_params) -> jax.Array:
     return total
 
 
-def class_anchors(model, variables, data: ClientData, batch_size: int):
+def class_anchors(model, head: str, variables, data: ClientData, batch_size: int):
     """``(anchors [classes, features], present [classes])``: the mean feature of each class over the
     client's real training examples (``present`` False, anchor 0, for a class it does not hold)."""
-    feature_dim, num_classes = variables["params"][HEAD]["kernel"].shape
+    feature_dim, num_classes = lowrank.get_layer(variables["params"], head)["kernel"].shape
     steps = -(-data.count // batch_size)
 
     def one_batch(b, totals):
         sums, counts = totals
         batch = data.batch(b * batch_size + jnp.arange(batch_size, dtype=jnp.int32))
-        features, _ = model.apply(variables, batch.x, train=False, features=True)
+        (features, _), _ = head_input(model, head, variables, batch.x, train=False)
         members = jax.nn.one_hot(batch.y, num_classes) * batch.mask[:, None]
         return sums + members.T @ features, counts + jnp.sum(members, axis=0)
 
@@ -97,14 +143,13 @@ def class_anchors(model, variables, data: ClientData, batch_size: int):
     return sums / jnp.maximum(counts, 1.0)[:, None], counts > 0
 
 
-def anchored_loss(model, anchors, lam_t, mu_fro, anchor_loss: str = "mean"):
+def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss: str = "mean"):
     """``loss(params, model_state, batch)`` of FedARA's local objective; ``params = {"fe", "head"}``."""
     per_dimension = 1.0 / anchors.shape[-1] if anchor_loss == "mean" else 1.0
 
     def loss(params, model_state, batch: Batch):
-        variables = {"params": {**params["fe"], HEAD: params["head"]}, **model_state}
-        features, new_state = model.apply(variables, batch.x, train=True, mask=batch.mask, features=True)
-        logits = features @ params["head"]["kernel"] + params["head"]["bias"]
+        variables = {"params": lowrank.replace_layer(params["fe"], head, params["head"]), **model_state}
+        (features, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
         weight = batch.mask.astype(jnp.float32)
         drift = jnp.sum((features - anchors[batch.y]) ** 2, axis=-1) * per_dimension
         alignment = jnp.sum(drift * weight) / jnp.maximum(jnp.sum(weight), 1.0)
@@ -114,62 +159,50 @@ def anchored_loss(model, anchors, lam_t, mu_fro, anchor_loss: str = "mean"):
     return loss
 
 
-def fedara(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    tiers=DEFAULT_TIERS,
-    lam: float = 2.0,
-    lambda_warmup_rounds: int = 10,
-    mu_fro: float = 1e-3,
-    anchor_loss: str = "mean",
-    layers: list[str] | None = None,
-    name: str = "fedara",
-) -> FederatedAlgorithm:
-    """FedARA over ``len(tiers)`` client tiers (rank ratios); ``layers`` are decomposed (by name)."""
-    if anchor_loss not in ANCHOR_LOSSES:
-        raise ConfigError(f"anchor_loss: unknown '{anchor_loss}'; allowed: {', '.join(ANCHOR_LOSSES)}")
+def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara", **overrides) -> FederatedAlgorithm:
+    """FedARA over ``len(options.tiers)`` client tiers."""
+    options = resolve(FedARAOptions, options, overrides)
+    optimizer = options.optimizer()
     template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    if HEAD not in template:
-        raise ConfigError(f"fedara: model '{getattr(model, 'name', model)}' has no '{HEAD}' layer to keep private")
-    keys = check_decomposed_layers(template, default_decomposed_layers(model) if layers is None else layers)
-    ranks = tier_ranks(template, keys, tuple(tiers))
+    head = check_head(model, template, options.head)
+    layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
+    ranks = tier_ranks(template, check_decomposed_layers(template, layers, head), options.tiers)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
-        extractor = {k: v for k, v in params.items() if k != HEAD}
-        return {"fe": extractor, "round": jnp.int32(0)}, {"head": params[HEAD], "model_state": model_state}
+        extractor, head_params = lowrank.pop_layer(params, head)
+        return {"fe": extractor, "round": jnp.int32(0)}, {"head": head_params, "model_state": model_state}
 
     def broadcast(server_state, tier):
         return {"fe": lowrank.factorize_layers(server_state["fe"], ranks[tier]), "round": server_state["round"] + 1}
 
     def client_update(message, client_state, data, rng):
-        received = {"params": {**message["fe"], HEAD: client_state["head"]}, **client_state["model_state"]}
+        received = {
+            "params": lowrank.replace_layer(message["fe"], head, client_state["head"]),
+            **client_state["model_state"],
+        }
         with factorized_execution():
-            anchors, _ = class_anchors(model, received, data, batch_size)
-            lam_t = lambda_at(message["round"], lam, lambda_warmup_rounds)
-            step = gradient_step(anchored_loss(model, anchors, lam_t, mu_fro, anchor_loss), optimizer)
+            anchors, _ = class_anchors(model, head, received, data, options.batch_size)
+            lam_t = lambda_at(message["round"], options.lambda_, options.lambda_warmup_rounds)
+            loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss)
             trainable = {"fe": message["fe"], "head": client_state["head"]}
             state = TrainState(trainable, optimizer.init(trainable), client_state["model_state"])
-            state, metrics = run_epochs(
-                step, state, data, rng, epochs=local_epochs, batch_size=batch_size, drop_last=drop_last
-            )
+            state, metrics = run_epochs(gradient_step(loss, optimizer), state, data, rng, **options.batching())
         new_client = {"head": state.params["head"], "model_state": state.model_state}
         return new_client, state.params["fe"], {**metrics, "lambda": lam_t}
 
     def server_update(server_state, messages, weights):
-        fe = reconstruct_and_average(server_state["fe"], messages, weights)
-        return {"fe": fe, "round": server_state["round"] + 1}
+        return {"fe": average_received(server_state["fe"], messages, weights), "round": server_state["round"] + 1}
 
     def eval_server(server_state, tier):
         """The global FE truncated to the tier's rank (as the tier's clients run it), once per tier."""
         return {"fe": lowrank.reconstruct_layers(lowrank.factorize_layers(server_state["fe"], ranks[tier]))}
 
     def eval_params(server_view, client_state):
-        return {"params": {**server_view["fe"], HEAD: client_state["head"]}, **client_state["model_state"]}
+        return {
+            "params": lowrank.replace_layer(server_view["fe"], head, client_state["head"]),
+            **client_state["model_state"],
+        }
 
     return FederatedAlgorithm(
         name=name,
@@ -180,22 +213,6 @@ def fedara(
         eval_params=eval_params,
         global_params=None,  # the heads are private: there is no global model
         num_tiers=len(ranks),
+        receive=reconstruct_upload,
         eval_server=eval_server,
-    )
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    layers = [name.strip() for name in config.decompose_layers.split(",") if name.strip()] or None
-    return fedara(
-        model,
-        client_optimizer(config),
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
-        tiers=config.tier_ratios(DEFAULT_TIERS),
-        lam=config.lambda_,
-        lambda_warmup_rounds=config.lambda_warmup_rounds,
-        mu_fro=config.mu_fro,
-        anchor_loss=config.anchor_loss,
-        layers=layers,
     )

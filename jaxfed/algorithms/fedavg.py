@@ -9,6 +9,7 @@ them, stay with each client.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -16,22 +17,47 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_classifier
+from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import tree_select, weighted_mean
+from jaxfed.options import TrainingOptions, non_negative, one_of, option, positive, resolve
+
+SERVER_OPTIMIZERS = ("none", "sgd", "adam")
+BASELINE = "jaxfed baseline default (kept from earlier releases: the README's digits table)"
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgOptions(TrainingOptions):
+    """FedAvg's options: client SGD and an optional server optimizer."""
+
+    server_optimizer: str = option(
+        "none",
+        "server optimizer on the averaged change: none (plain average), sgd or adam",
+        source="fedjax's FedAvg",
+        check=one_of(*SERVER_OPTIMIZERS),
+    )
+    server_lr: float = option(1.0, "server optimizer learning rate", source="fedjax's FedAvg", check=positive)
+    server_momentum: float = option(0.0, "server SGD momentum", source="fedjax's FedAvg", check=non_negative)
+
+    def server(self) -> optax.GradientTransformation | None:
+        if self.server_optimizer == "none":
+            return None
+        if self.server_optimizer == "sgd":
+            return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
+        return optax.adam(self.server_lr)
 
 
 def fedavg(
     model,
-    optimizer: optax.GradientTransformation,
+    options: FedAvgOptions | None = None,
     *,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    server_optimizer: optax.GradientTransformation | None = None,
-    regularizer: Callable | None = None,
+    penalty: Callable | None = None,
     name: str = "fedavg",
+    **overrides,
 ) -> FederatedAlgorithm:
-    """FedAvg. ``regularizer(params, global_params)`` adds a local loss term (FedProx uses it)."""
+    """FedAvg. ``penalty(params, global_params)`` adds a term to the local loss (FedProx uses it);
+    ``overrides`` set :class:`FedAvgOptions` fields (``fedavg(model, lr=0.1)``)."""
+    options = resolve(type(options) if options is not None else FedAvgOptions, options, overrides)
+    optimizer, server_optimizer = options.optimizer(), options.server()
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -42,17 +68,15 @@ def fedavg(
         return server_state["params"]
 
     def client_update(global_params, client_state, data, rng):
-        local_term = None if regularizer is None else (lambda p: regularizer(p, global_params))
+        regularizer = None if penalty is None else (lambda p: penalty(p, global_params))
         variables, metrics = train_classifier(
             model,
             optimizer,
             {"params": global_params, **client_state["model_state"]},
             data,
             rng,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            regularizer=local_term,
+            regularizer=regularizer,
+            **options.batching(),
         )
         params, model_state = split_variables(variables)
         return {"model_state": model_state}, params, metrics
@@ -89,24 +113,4 @@ def fedavg(
         # A model with BatchNorm has no global statistics: its global model is undefined.
         global_params=None if has_private_stats else global_params,
         evaluates_global=not has_private_stats,
-    )
-
-
-SERVER_OPTIMIZERS = ("none", "sgd", "adam")
-
-
-def server_optimizer_from_config(config) -> optax.GradientTransformation | None:
-    if config.server_optimizer == "none":
-        return None
-    if config.server_optimizer == "sgd":
-        return optax.sgd(config.server_lr, momentum=config.server_momentum or None)
-    return optax.adam(config.server_lr)
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    return fedavg(
-        model,
-        client_optimizer(config),
-        **local_training_options(config),
-        server_optimizer=server_optimizer_from_config(config),
     )

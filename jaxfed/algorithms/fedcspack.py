@@ -19,18 +19,54 @@ The message has a static number of slots (``K``, or every pack for ``all_below``
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, split_variables, train_parameters
+from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import packs as pk
-from jaxfed.errors import ConfigError
+from jaxfed.options import TrainingOptions, at_least, one_of, option, ratio, resolve
 
 MERGES = ("masked", "full")
 SELECTIONS = ("top_k", "all_below")
 INDEX_BYTES = WEIGHT_BYTES = 4
+PAPER = "FedCSPACK paper §5.1"
+CODE = "the authors' code (NigeloYang/FedCSPACK)"
+
+
+@dataclasses.dataclass(frozen=True)
+class FedCSPACKOptions(TrainingOptions):
+    """FedCSPACK's options: packs, their selection, weighting and merge."""
+
+    local_epochs: int = option(5, "local epochs per round (the authors' code: 3)", source=PAPER)
+    batch_size: int = option(16, "local batch size", source=PAPER)
+    lr: float = option(0.05, "client SGD learning rate", source=PAPER)
+    pack_size: int = option(
+        1024, "parameters per pack (the flattened model is zero-padded to packs)", source=PAPER, check=at_least(1)
+    )
+    share_ratio: float = option(
+        0.1, "top_k shares K = ceil(share_ratio * packs) packs, in (0, 1]", source=PAPER, check=ratio
+    )
+    select: str = option(
+        "top_k",
+        "top_k (the K lowest-cosine candidates) or all_below (every pack below the cosine threshold: " + CODE + ")",
+        source="FedCSPACK paper §4.2",
+        check=one_of(*SELECTIONS),
+    )
+    weight: str = option(
+        "cos_kl",
+        "pack weight |cos + KL| (cos_kl), |cos| (cos) or |KL| (kl)",
+        source="FedCSPACK paper Eq. 8",
+        check=one_of(*pk.WEIGHTS),
+    )
+    merge: str = option(
+        "masked",
+        "masked (global packs where the global mask is set, the others local) or full (" + CODE + ")",
+        source="FedCSPACK paper §4.3",
+        check=one_of(*MERGES),
+    )
 
 
 def merge_packs(local_packs, global_packs, global_mask, merge: str = "masked"):
@@ -50,26 +86,16 @@ def score_and_select(local_packs, global_packs, slots: int, weight: str = "cos_k
     return indices, sent, weights
 
 
-def fedcspack(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    pack_size: int = 1024,
-    share_ratio: float = 0.1,
-    select: str = "top_k",
-    weight: str = "cos_kl",
-    merge: str = "masked",
-    name: str = "fedcspack",
-) -> FederatedAlgorithm:
-    if merge not in MERGES:
-        raise ConfigError(f"merge: unknown '{merge}'; allowed: {', '.join(MERGES)}")
-    if select not in SELECTIONS:
-        raise ConfigError(f"select: unknown '{select}'; allowed: {', '.join(SELECTIONS)}")
-    if weight not in pk.WEIGHTS:
-        raise ConfigError(f"weight: unknown '{weight}'; allowed: {', '.join(pk.WEIGHTS)}")
+def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fedcspack", **overrides):
+    options = resolve(FedCSPACKOptions, options, overrides)
+    optimizer = options.optimizer()
+    pack_size, share_ratio, select, weight, merge = (
+        options.pack_size,
+        options.share_ratio,
+        options.select,
+        options.weight,
+        options.merge,
+    )
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     view = pk.pack_view(template, pack_size)
     top_k = pk.num_selected(view.num_packs, share_ratio)
@@ -97,9 +123,7 @@ def fedcspack(
             client_state["model_state"],
             data,
             rng,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
+            **options.batching(),
         )
         local_packs, global_packs = view.to_packs(params), view.to_packs(message["params"])
         indices, sent, weights = score_and_select(local_packs, global_packs, slots, weight)
@@ -133,19 +157,4 @@ def fedcspack(
         eval_params=eval_params,
         global_params=None if private_stats else global_params,
         message_bytes=message_bytes,
-    )
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    return fedcspack(
-        model,
-        client_optimizer(config),
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
-        pack_size=config.pack_size,
-        share_ratio=config.share_ratio,
-        select=config.select,
-        weight=config.weight,
-        merge=config.merge,
     )

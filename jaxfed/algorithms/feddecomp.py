@@ -17,18 +17,76 @@ The server averages the uploads uniformly (the paper) or by sample count (``aggr
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, split_variables, train_parameters
+from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
+from jaxfed.options import TrainingOptions, at_least, non_negative, one_of, option, rank_ratio, resolve, split_keys
 
 LAYOUT = "balanced"
 SCHEDULES = ("alternating", "simultaneous")
 AGGREGATIONS = ("uniform", "samples")
+PAPER = "FedDecomp paper §5.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class FedDecompOptions(TrainingOptions):
+    """FedDecomp's options: the private low-rank part's ranks and the alternating schedule."""
+
+    local_epochs: int = option(5, "local epochs per round (tau first, then sigma)", source=PAPER)
+    batch_size: int = option(100, "local batch size", source=PAPER)
+    lr: float = option(0.1, "client SGD learning rate", source=PAPER + " (the authors' code adds momentum 0.9)")
+    lora_epochs: int = option(
+        -1,
+        "epochs on the private low-rank part before the shared part; -1 = round(0.4 * local_epochs)",
+        source="FedDecomp paper §5.1 (E_lora = 2 of E = 5)",
+        check=at_least(-1),
+    )
+    rank_dense: float = option(
+        0.6,
+        "rank ratio R_l of the private part of Dense kernels, in (0, 1]",
+        source="FedDecomp paper §5.1 (CIFAR-10)",
+        check=rank_ratio,
+    )
+    rank_conv: float = option(
+        0.6,
+        "rank ratio R_c of the private part of Conv kernels, in (0, 1]",
+        source="FedDecomp paper §5.1 (CIFAR-10)",
+        check=rank_ratio,
+    )
+    schedule: str = option(
+        "alternating",
+        "alternating (private part, then shared) or simultaneous (the paper's ablation)",
+        source="FedDecomp paper §4",
+        check=one_of(*SCHEDULES),
+    )
+    aggregation: str = option(
+        "uniform",
+        "server mean over uploads: uniform (paper) or samples (weighted by sample count)",
+        source="FedDecomp paper Eq. 7",
+        check=one_of(*AGGREGATIONS),
+    )
+    lora_alpha: float = option(
+        0.0,
+        "scale of the private part: alpha / rank; 0 = scale 1 (the paper's tau = B A)",
+        source="FedDecomp paper §4 (the authors' code: loralib, alpha 1)",
+        check=non_negative,
+    )
+    layers: tuple[str, ...] = option((), "layers given a private part (comma-separated); empty = every Dense/Conv")
+
+    def check(self):
+        if self.lora_epochs > self.local_epochs:
+            raise ConfigError(
+                f"lora_epochs: must be -1 (auto) or in 0..local_epochs ({self.local_epochs}), got {self.lora_epochs}"
+            )
+
+    def tau_epochs(self) -> int:
+        return auto_lora_epochs(self.local_epochs) if self.lora_epochs < 0 else self.lora_epochs
 
 
 def decomposition_ranks(template, rank_dense: float, rank_conv: float, layers=None) -> dict[str, int]:
@@ -60,33 +118,19 @@ def _combine(first: dict, second: dict) -> dict:
     return {"train_loss": loss, "steps": steps}
 
 
-def feddecomp(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    local_epochs: int,
-    lora_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    rank_dense: float = 0.6,
-    rank_conv: float = 0.6,
-    schedule: str = "alternating",
-    aggregation: str = "uniform",
-    lora_alpha: float = 0.0,
-    layers: list[str] | None = None,
-    name: str = "feddecomp",
-) -> FederatedAlgorithm:
-    """FedDecomp. ``layers`` (default: every Dense and Conv kernel) get a private low-rank part."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"schedule: unknown '{schedule}'; allowed: {', '.join(SCHEDULES)}")
-    if aggregation not in AGGREGATIONS:
-        raise ConfigError(f"decomp_aggregation: unknown '{aggregation}'; allowed: {', '.join(AGGREGATIONS)}")
-    if not 0 <= lora_epochs <= local_epochs:
-        raise ConfigError(f"lora_epochs: must be in 0..local_epochs ({local_epochs}), got {lora_epochs}")
+def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "feddecomp", **overrides):
+    """FedDecomp: every layer of ``options.layers`` (default: every Dense and Conv kernel) gets a
+    private low-rank part."""
+    options = resolve(FedDecompOptions, options, overrides)
+    optimizer = options.optimizer()
+    local_epochs, lora_epochs = options.local_epochs, options.tau_epochs()
+    schedule, aggregation = options.schedule, options.aggregation
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    ranks = decomposition_ranks(template, rank_dense, rank_conv, layers)
-    scales = layer_scales(ranks, lora_alpha)
-    options = {"batch_size": batch_size, "drop_last": drop_last}
+    layers = list(split_keys(options.layers)) or None
+    ranks = decomposition_ranks(template, options.rank_dense, options.rank_conv, layers)
+    if not ranks:
+        raise ConfigError("feddecomp: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to decompose")
+    scales = layer_scales(ranks, options.lora_alpha)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -99,7 +143,16 @@ def feddecomp(
 
     def train(trainable, model_state, to_params, data, rng, epochs):
         return train_parameters(
-            model, optimizer, trainable, model_state, data, rng, epochs=epochs, to_params=to_params, **options
+            model,
+            optimizer,
+            trainable,
+            model_state,
+            data,
+            rng,
+            epochs=epochs,
+            to_params=to_params,
+            batch_size=options.batch_size,
+            drop_last=options.drop_last,
         )
 
     def client_update(sigma, client_state, data, rng):
@@ -146,21 +199,4 @@ def feddecomp(
         server_update=server_update,
         eval_params=eval_params,
         global_params=None if private_stats else global_params,
-    )
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    lora_epochs = auto_lora_epochs(config.local_epochs) if config.lora_epochs < 0 else config.lora_epochs
-    return feddecomp(
-        model,
-        client_optimizer(config),
-        local_epochs=config.local_epochs,
-        lora_epochs=lora_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
-        rank_dense=config.rank_dense,
-        rank_conv=config.rank_conv,
-        schedule=config.schedule,
-        aggregation=config.decomp_aggregation,
-        lora_alpha=config.lora_alpha,
     )

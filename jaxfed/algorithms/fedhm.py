@@ -6,22 +6,43 @@ factorizes each factorized kernel of the global model to the tier's rank
 clients train the factors (and the unfactorized parameters) with cross-entropy, running each
 factorized Conv as a ``kh x 1`` then ``1 x kw`` conv and each Dense as two thin matmuls, so a
 client's compute and upload scale with its rank. The server reconstructs every upload to full
-kernels and averages them with sample weights over all tiers.
+kernels (``receive``) and averages them with sample weights over all tiers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
-import jax.numpy as jnp
-import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_classifier
+from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
-from jaxfed.nn.factorized import factorized_execution, interior_layers
+from jaxfed.nn.factorized import factorized_execution
+from jaxfed.nn.layers import interior_layers
+from jaxfed.options import TrainingOptions, each, option, rank_ratio, resolve, split_keys
 
 DEFAULT_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+FEDARA_SETUP = "FedARA paper §5 (FedHM is its baseline, run in its setup: E=5, B=16, lr 5e-3)"
+
+
+@dataclasses.dataclass(frozen=True)
+class FedHMOptions(TrainingOptions):
+    """FedHM's options: client tiers of rank ratios over the factorized layers."""
+
+    local_epochs: int = option(5, "local epochs per round", source=FEDARA_SETUP)
+    batch_size: int = option(16, "local batch size", source=FEDARA_SETUP)
+    lr: float = option(5e-3, "client SGD learning rate", source=FEDARA_SETUP)
+    tiers: tuple[float, ...] = option(
+        DEFAULT_TIERS,
+        "one rank ratio in (0, 1] per client tier; clients split into equal contiguous id blocks",
+        source="FedARA paper §5 (five heterogeneous tiers of decreasing rank)",
+        check=each(rank_ratio),
+    )
+    layers: tuple[str, ...] = option(
+        (), "layers to factorize (comma-separated); empty = every Dense/Conv but the first called and the last"
+    )
 
 
 def tier_ranks(template, layers: list[str], tiers) -> list[dict[str, int]]:
@@ -35,33 +56,37 @@ def tier_ranks(template, layers: list[str], tiers) -> list[dict[str, int]]:
     ]
 
 
-def reconstruct_and_average(previous, messages, weights):
-    """Every tier's uploads reconstructed to full kernels, then their sample-weighted mean over all
-    tiers (``previous`` when nobody contributed): FedHM's and FedARA's server step."""
-    full = [jax.vmap(lowrank.reconstruct_layers)(tier_messages) for tier_messages in messages]
-    stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *full)
-    all_weights = jnp.concatenate(weights)
-    return tree_select(jnp.sum(all_weights) > 0, weighted_mean(stacked, all_weights), previous)
+def reconstruct_upload(server_state, message, tier):
+    """``receive`` of FedHM and FedARA: a tier's factorized upload as full kernels."""
+    return lowrank.reconstruct_layers(message)
 
 
-def fedhm(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    tiers=DEFAULT_TIERS,
-    layers: list[str] | None = None,
-    name: str = "fedhm",
-) -> FederatedAlgorithm:
-    """FedHM over ``len(tiers)`` client tiers; ``layers`` (default: all kernels but the first
-    layer and the head) are factorized, the rest trains in full."""
-    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    keys = interior_layers(model) if layers is None else list(layers)
+def average_received(previous, messages, weights):
+    """The sample-weighted mean of the received (full-kernel) uploads; ``previous`` when nobody
+    contributed: FedHM's and FedARA's server step."""
+    return tree_select(weights.sum() > 0, weighted_mean(messages, weights), previous)
+
+
+def chosen_layers(model, template, layers, field: str = "layers") -> list[str]:
+    """``layers`` (checked against the model's factorizable layers) or the default interior ones."""
+    available = lowrank.factorizable_layers(template)
+    keys = list(split_keys(layers)) or interior_layers(model)
+    unknown = [k for k in keys if k not in available]
+    if unknown:
+        raise ConfigError(
+            f"{field}: {', '.join(unknown)} not Dense/Conv layers of the model; allowed: {', '.join(available)}"
+        )
     if not keys:
-        raise ConfigError("fedhm: no Dense or Conv layer to factorize in this model")
-    ranks = tier_ranks(template, keys, tuple(tiers))
+        raise ConfigError(f"{field}: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to factorize")
+    return keys
+
+
+def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **overrides) -> FederatedAlgorithm:
+    """FedHM over ``len(options.tiers)`` client tiers."""
+    options = resolve(FedHMOptions, options, overrides)
+    optimizer = options.optimizer()
+    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    ranks = tier_ranks(template, chosen_layers(model, template, options.layers), options.tiers)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -78,15 +103,13 @@ def fedhm(
                 {"params": factorized, **client_state["model_state"]},
                 data,
                 rng,
-                epochs=local_epochs,
-                batch_size=batch_size,
-                drop_last=drop_last,
+                **options.batching(),
             )
         trained, model_state = split_variables(variables)
         return {"model_state": model_state}, trained, metrics
 
     def server_update(server_state, messages, weights):
-        return {"params": reconstruct_and_average(server_state["params"], messages, weights)}
+        return {"params": average_received(server_state["params"], messages, weights)}
 
     def eval_params(server_state, client_state):
         return {"params": server_state["params"], **client_state["model_state"]}
@@ -103,9 +126,5 @@ def fedhm(
         eval_params=eval_params,
         global_params=None if private_stats else global_params,
         num_tiers=len(ranks),
+        receive=reconstruct_upload,
     )
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    tiers = config.tier_ratios(DEFAULT_TIERS)
-    return fedhm(model, client_optimizer(config), **local_training_options(config), tiers=tiers)

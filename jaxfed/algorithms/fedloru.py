@@ -20,20 +20,96 @@ with ``reinit`` the factors restart (``down`` Kaiming, ``up`` 0), otherwise they
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, local_training_options, split_variables, train_parameters
+from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
-from jaxfed.nn.factorized import interior_layers
+from jaxfed.nn.layers import interior_layers
+from jaxfed.options import TrainingOptions, at_least, each, non_negative, option, rank_ratio, resolve, split_keys
 
 LAYOUT = "im2col"
 MFEDLORU_DEFAULT_TIERS = (1.0, 0.5, 0.25)
+SETUP = "FedLoRU paper App. D (image datasets)"
+
+
+@dataclasses.dataclass(frozen=True)
+class FedLoRAOptions(TrainingOptions):
+    """Low-rank client updates of a frozen global model (FedLoRA: never accumulated)."""
+
+    local_epochs: int = option(5, "local epochs per round", source=SETUP)
+    batch_size: int = option(32, "local batch size", source=SETUP)
+    lr: float = option(0.1, "client SGD learning rate (the paper grid-searches 0.01-0.3)", source=SETUP)
+    momentum: float = option(0.9, "client SGD momentum", source=SETUP)
+    lora_rank: int = option(
+        16,
+        "rank r of every LoRA update (at most the layer's matricized min dim); the paper's 128 is for "
+        "ResNet-18 layers, larger than the CNN's (64 at most)",
+        source="jaxfed default (the paper: 128 on ResNet-18)",
+        check=at_least(1),
+    )
+    lora_alpha: float = option(
+        0.0,
+        "LoRA alpha: scale = alpha / r; 0 = alpha r (scale 1)",
+        source="FedLoRU paper §4 (alpha = r)",
+        check=non_negative,
+    )
+    layers: tuple[str, ...] = option(
+        (), "layers to adapt (comma-separated); empty = every Dense/Conv but the first called and the last"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FedLoRUOptions(FedLoRAOptions):
+    """FedLoRA's options plus the accumulation of the updates into the global model."""
+
+    accumulate_every: int = option(
+        50,
+        "fold the LoRA updates into the global model every this many rounds; 0 = never (FedLoRA)",
+        source="FedLoRU paper App. D",
+        check=non_negative,
+    )
+    reinit: bool = option(
+        True,
+        "restart the LoRA factors after accumulating (false: continue them, 'momentum' init)",
+        source="FedLoRU paper App. D (random init)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedLoRUOptions(FedLoRUOptions):
+    """FedLoRU's options plus a private personal LoRA pair."""
+
+    local_epochs: int = option(
+        5,
+        "epochs on the global pair (and the full-rank layers) each round, after the personal pair",
+        source=SETUP,
+        check=non_negative,
+    )
+    personal_rank: int = option(8, "rank of the personal LoRA pair", source="jaxfed default", check=at_least(1))
+    personal_epochs: int = option(
+        1,
+        "epochs on the personal pair each round, first",
+        source="jaxfed default (the paper gives no split)",
+        check=non_negative,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MFedLoRUOptions(FedLoRUOptions):
+    """FedLoRU's options plus client tiers of nested ranks."""
+
+    tiers: tuple[float, ...] = option(
+        MFEDLORU_DEFAULT_TIERS,
+        "one ratio in (0, 1] per client tier: nested rank round(ratio * lora_rank)",
+        source="jaxfed default (the paper's tiers are per experiment)",
+        check=each(rank_ratio),
+    )
 
 
 class _Adapted(NamedTuple):
@@ -59,9 +135,15 @@ class _Adapted(NamedTuple):
 
 def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_rank") -> _Adapted:
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    keys = interior_layers(model) if layers is None else list(layers)
+    keys = list(split_keys(layers or ())) or interior_layers(model)
+    available = lowrank.factorizable_layers(template)
+    unknown = [k for k in keys if k not in available]
+    if unknown:
+        raise ConfigError(
+            f"layers: {', '.join(unknown)} not Dense/Conv layers of the model; allowed: {', '.join(available)}"
+        )
     if not keys:
-        raise ConfigError("lora_layers: no Dense or Conv layer to adapt in this model")
+        raise ConfigError("layers: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to adapt")
     ranks = {}
     for key in keys:
         shape = lowrank.get_layer(template, key)["kernel"].shape
@@ -127,25 +209,19 @@ def _global_model(adapted: _Adapted):
     return global_params
 
 
-def fedloru(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    rank: int = 16,
-    lora_alpha: float = 0.0,
-    accumulate_every: int = 50,
-    reinit: bool = True,
-    layers: list[str] | None = None,
-    name: str = "fedloru",
-) -> FederatedAlgorithm:
-    """``accumulate_every=0`` is FedLoRA. ``lora_alpha=0`` means ``alpha = rank`` (scale 1)."""
-    adapted = _adapted(model, rank, lora_alpha, layers)
-    options = {"batch_size": batch_size, "drop_last": drop_last}
+def _accumulation(options) -> tuple[int, bool]:
+    """``(accumulate_every, reinit)``: FedLoRA's options never accumulate."""
+    if isinstance(options, FedLoRUOptions):
+        return options.accumulate_every, options.reinit
+    return 0, True
+
+
+def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlgorithm:
+    """FedLoRU (or, with :class:`FedLoRAOptions`, FedLoRA): clients train ``free`` and the factors."""
+    optimizer = options.optimizer()
+    adapted = _adapted(model, options.lora_rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, accumulate_every, reinit)
+    aggregate = _aggregate(adapted, *_accumulation(options))
 
     def client_update(message, client_state, data, rng):
         free, frozen = adapted.split(message["params"])
@@ -161,9 +237,8 @@ def fedloru(
             client_state["model_state"],
             data,
             rng,
-            epochs=local_epochs,
             to_params=to_params,
-            **options,
+            **options.batching(),
         )
         return {"model_state": model_state}, trained, metrics
 
@@ -181,29 +256,26 @@ def fedloru(
     )
 
 
-def pfedloru(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    personal_epochs: int,
-    global_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    rank: int = 16,
-    personal_rank: int = 8,
-    lora_alpha: float = 0.0,
-    accumulate_every: int = 50,
-    reinit: bool = True,
-    layers: list[str] | None = None,
-    name: str = "pfedloru",
-) -> FederatedAlgorithm:
+def fedloru(model, options: FedLoRUOptions | None = None, **overrides) -> FederatedAlgorithm:
+    """FedLoRU: low-rank client updates accumulated into W every ``accumulate_every`` rounds."""
+    return _low_rank_updates(model, resolve(FedLoRUOptions, options, overrides), "fedloru")
+
+
+def fedlora(model, options: FedLoRAOptions | None = None, **overrides) -> FederatedAlgorithm:
+    """FedLoRA (FedLoRU's baseline): the same low-rank updates, never accumulated (W stays at its init)."""
+    return _low_rank_updates(model, resolve(FedLoRAOptions, options, overrides), "fedlora")
+
+
+def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> FederatedAlgorithm:
     """pFedLoRU: the model is ``W + s_g down_g up_g + s_p down_p up_p`` (``s = alpha / rank`` of
     each pair; ``lora_alpha=0``: scale 1). The personal pair is client state."""
-    adapted = _adapted(model, rank, lora_alpha, layers)
-    personal = _adapted(model, personal_rank, lora_alpha, list(adapted.ranks), field="personal_rank")
-    options = {"batch_size": batch_size, "drop_last": drop_last}
+    options = resolve(PFedLoRUOptions, options, overrides)
+    optimizer = options.optimizer()
+    adapted = _adapted(model, options.lora_rank, options.lora_alpha, options.layers)
+    personal = _adapted(model, options.personal_rank, options.lora_alpha, list(adapted.ranks), field="personal_rank")
+    batching = {"batch_size": options.batch_size, "drop_last": options.drop_last}
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, accumulate_every, reinit)
+    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit)
     server_init = _server_init(model, adapted)
 
     def init(rng):
@@ -226,9 +298,9 @@ def pfedloru(
             client_state["model_state"],
             data,
             personal_rng,
-            epochs=personal_epochs,
+            epochs=options.personal_epochs,
             to_params=lambda p: model_params(free, message["loras"], p),
-            **options,
+            **batching,
         )
         trained, model_state, metrics = train_parameters(
             model,
@@ -237,9 +309,9 @@ def pfedloru(
             model_state,
             data,
             global_rng,
-            epochs=global_epochs,
+            epochs=options.local_epochs,
             to_params=lambda t: model_params(t["free"], t["loras"], personal_pair),
-            **options,
+            **batching,
         )
         metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
         return {"model_state": model_state, "personal": personal_pair}, trained, metrics
@@ -250,7 +322,7 @@ def pfedloru(
         return {"params": params, **client_state["model_state"]}
 
     return FederatedAlgorithm(
-        name=name,
+        name="pfedloru",
         init=init,
         broadcast=_shared_message,
         client_update=client_update,
@@ -280,27 +352,17 @@ def with_nested(loras, nested):
     return combined
 
 
-def mfedloru(
-    model,
-    optimizer: optax.GradientTransformation,
-    *,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    rank: int = 16,
-    lora_alpha: float = 0.0,
-    accumulate_every: int = 50,
-    reinit: bool = True,
-    tiers=MFEDLORU_DEFAULT_TIERS,
-    layers: list[str] | None = None,
-    name: str = "mfedloru",
-) -> FederatedAlgorithm:
-    """mFedLoRU over ``len(tiers)`` client tiers, tier ``t`` with nested rank ``round(tiers[t] * rank)``."""
-    adapted = _adapted(model, rank, lora_alpha, layers)
-    tier_ranks = [nested_rank(rank, ratio) for ratio in tiers]
-    options = {"batch_size": batch_size, "drop_last": drop_last}
+def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> FederatedAlgorithm:
+    """mFedLoRU over ``len(options.tiers)`` client tiers, tier ``t`` with nested rank
+    ``round(tiers[t] * lora_rank)``."""
+    options = resolve(MFedLoRUOptions, options, overrides)
+    optimizer = options.optimizer()
+    rank = options.lora_rank
+    adapted = _adapted(model, rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, accumulate_every, reinit)
+    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit)
+    tiers = options.tiers
+    tier_ranks = [nested_rank(rank, ratio) for ratio in tiers]
 
     def nested_start(rng, nested: int):
         """Fresh nested pairs of rank ``nested`` per layer: ``D1, U1`` Kaiming, ``D2, U2`` zero."""
@@ -338,25 +400,22 @@ def mfedloru(
             client_state["model_state"],
             data,
             rng,
-            epochs=local_epochs,
             to_params=to_params,
-            **options,
+            **options.batching(),
         )
         return {"model_state": model_state}, trained, metrics
 
-    def server_update(server_state, messages, weights):
-        def rank_r(tier_messages):
-            if "nested" not in tier_messages:
-                return tier_messages["loras"]
-            loras = server_state["loras"]
-            return jax.vmap(lambda nested: with_nested(loras, nested))(tier_messages["nested"])
+    def receive(server_state, message, tier):
+        """A client's upload as its rank-r factors ``(down + D1 D2, up + U1 U2)``."""
+        if "nested" not in message:
+            return message
+        return {"free": message["free"], "loras": with_nested(server_state["loras"], message["nested"])}
 
-        free = _concat([m["free"] for m in messages])
-        loras = _concat([rank_r(m) for m in messages])
-        return aggregate(server_state, free, loras, jnp.concatenate(weights))
+    def server_update(server_state, messages, weights):
+        return aggregate(server_state, messages["free"], messages["loras"], weights)
 
     return FederatedAlgorithm(
-        name=name,
+        name="mfedloru",
         init=_server_init(model, adapted),
         broadcast=broadcast,
         client_update=client_update,
@@ -365,6 +424,7 @@ def mfedloru(
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,
         num_tiers=len(tier_ranks),
+        receive=receive,
     )
 
 
@@ -375,51 +435,3 @@ def _lora_shapes(adapted: _Adapted) -> dict[str, lowrank.LoRA]:
         rows, cols = lowrank.matrix_shape(lowrank.get_layer(adapted.template, key)["kernel"].shape, LAYOUT)
         shapes[key] = lowrank.LoRA(down=(rows, r), up=(r, cols))
     return shapes
-
-
-def _concat(trees):
-    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *trees)
-
-
-# ----- configs ----------------------------------------------------------------------------------
-
-
-def _lora_options(config) -> dict:
-    return {
-        "rank": config.lora_rank,
-        "lora_alpha": config.lora_alpha,
-        "accumulate_every": config.accumulate_every,
-        "reinit": config.reinit,
-    }
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    return fedloru(model, client_optimizer(config), **local_training_options(config), **_lora_options(config))
-
-
-def fedlora_from_config(config, model) -> FederatedAlgorithm:
-    options = {**_lora_options(config), "accumulate_every": 0}
-    return fedloru(model, client_optimizer(config), **local_training_options(config), **options, name="fedlora")
-
-
-def pfedloru_from_config(config, model) -> FederatedAlgorithm:
-    return pfedloru(
-        model,
-        client_optimizer(config),
-        personal_epochs=config.personal_epochs,
-        global_epochs=config.global_epochs,
-        batch_size=config.batch_size,
-        drop_last=config.drop_last,
-        personal_rank=config.personal_rank,
-        **_lora_options(config),
-    )
-
-
-def mfedloru_from_config(config, model) -> FederatedAlgorithm:
-    return mfedloru(
-        model,
-        client_optimizer(config),
-        **local_training_options(config),
-        **_lora_options(config),
-        tiers=config.tier_ratios(MFEDLORU_DEFAULT_TIERS),
-    )

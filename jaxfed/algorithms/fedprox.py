@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms import fedavg as fedavg_module
-from jaxfed.algorithms.training import client_optimizer, local_training_options
+from jaxfed.algorithms.fedavg import FedAvgOptions, fedavg
+from jaxfed.options import non_negative, option, resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProxOptions(FedAvgOptions):
+    """FedAvg's options plus the proximal coefficient."""
+
+    mu: float = option(0.01, "proximal coefficient mu", source="ALGORITHMS.md (FedProx baseline)", check=non_negative)
 
 
 def proximal_term(mu: float):
-    """``regularizer(params, global_params) = mu/2 * ||params - global_params||^2``."""
+    """``penalty(params, global_params) = mu/2 * ||params - global_params||^2``."""
 
-    def regularizer(params, global_params):
+    def penalty(params, global_params):
         diffs = jax.tree.map(lambda p, g: jnp.sum(jnp.square(p - jax.lax.stop_gradient(g))), params, global_params)
         return 0.5 * mu * sum(jax.tree.leaves(diffs))
 
-    return regularizer
+    return penalty
 
 
-def fedprox(model, optimizer, *, mu: float = 0.01, **fedavg_kwargs):
-    return fedavg_module.fedavg(model, optimizer, regularizer=proximal_term(mu), name="fedprox", **fedavg_kwargs)
-
-
-def from_config(config, model):
-    return fedprox(
-        model,
-        client_optimizer(config),
-        **local_training_options(config),
-        mu=config.mu,
-        server_optimizer=fedavg_module.server_optimizer_from_config(config),
-    )
+def fedprox(model, options: FedProxOptions | None = None, **overrides):
+    options = resolve(FedProxOptions, options, overrides)
+    return fedavg(model, options, penalty=proximal_term(options.mu), name="fedprox")

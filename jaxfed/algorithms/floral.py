@@ -19,22 +19,106 @@ federated with sample weights.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import per_key, sgd, split_variables, train_parameters, train_routed
+from jaxfed.algorithms.training import per_key, split_variables, train_parameters, train_routed
 from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
-from jaxfed.core.routing import check_router, mixture_average, mixture_weights, oracle_init
+from jaxfed.core.routing import ROUTERS, check_router, mixture_average, mixture_weights, oracle_init
+from jaxfed.errors import ConfigError
+from jaxfed.options import TrainingOptions, at_least, non_negative, one_of, option, positive, ratio, resolve, sgd
+
+CODE = "the authors' code (zeligism/FLoRAL, conf/task/mnist.yaml)"
 
 
-def _local_optimizer(plan, lr, momentum, weight_decay, precondition, router_lr=None):
+@dataclasses.dataclass(frozen=True)
+class FLoRALTraining(TrainingOptions):
+    """Local training as the FLoRAL authors run it on MNIST."""
+
+    local_epochs: int = option(1, "local epochs per round", source=CODE)
+    batch_size: int = option(32, "local batch size", source=CODE)
+    lr: float = option(0.1, "client SGD learning rate (base and adaptors)", source=CODE)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptorOptions(FLoRALTraining):
+    """Low-rank adaptors on every Dense / Conv kernel, bias and norm layer."""
+
+    rho: float = option(
+        0.01,
+        "adaptor rank from this relative parameter budget per adaptor, in (0, 1]",
+        source="FLoRAL paper §5 ('1%')",
+        check=ratio,
+    )
+    adaptor_rank: int = option(0, "a fixed adaptor rank instead of rho; 0 = from rho", check=non_negative)
+    conv_adaptor: str = option(
+        "balanced_2d",
+        "conv adaptor kind: balanced_2d, channel, in_layer or out_layer",
+        source="FLoRAL paper §3 (balanced 2D)",
+        check=one_of(*ad.CONV_ADAPTORS),
+    )
+    adaptor_alpha: float = option(1.0, "scale alpha of the kernel adaptors", source=CODE, check=non_negative)
+    precondition: bool = option(True, "LoRA gradient preconditioning of the adaptors", source="FLoRAL paper §3.2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterOptions(FLoRALTraining):
+    """A private per-client router mixing C shared components."""
+
+    router_lr: float = option(0.1, "learning rate of the private router logits", source=CODE, check=positive)
+    router_noise: float = option(
+        0.0,
+        "router training noise, softmax((w + noise * U[0,1)) / T), fresh every step (the code: 1)",
+        source="FLoRAL paper §3 (the authors' code uses 1)",
+        check=non_negative,
+    )
+    router_temperature: float = option(1.0, "router softmax temperature T (> 0)", source=CODE, check=positive)
+    stateful: bool = option(
+        True, "clients keep their router between rounds (false: restart at 0)", source="FLoRAL paper §3"
+    )
+    router: str = option(
+        "learned",
+        "learned (private trained logits) or oracle (one-hot on the client's ground-truth cluster)",
+        source="FLoRAL paper §5 (optimal-router baseline)",
+        check=one_of(*ROUTERS),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FLoRALOptions(AdaptorOptions, RouterOptions):
+    """FLoRAL's options: C adaptors per layer, mixed by a private router."""
+
+    num_adaptors: int = option(4, "adaptors C per adapted layer (mixture components)", source=CODE, check=at_least(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAdaptorOptions(AdaptorOptions):
+    """FLoRAL's Local Adaptor baseline: one private adaptor per client."""
+
+
+def oracle_clusters(config) -> int:
+    """The ground-truth cluster count an oracle router may use (0 when the task has none)."""
+    return config.num_clusters if config.clustered() else 0
+
+
+def check_oracle(router: str, num_components: int, num_clusters: int) -> None:
+    if router == "oracle" and not num_clusters:
+        raise ConfigError(
+            "router: oracle needs ground-truth clusters (a cluster_task, partition=label_groups or a synthetic dataset)"
+        )
+    check_router(router, num_components, num_clusters)
+
+
+def _local_optimizer(plan, options: FLoRALTraining, precondition: bool, router_lr=None):
     """SGD on the base and the adaptors (LoRA-preconditioned), and on the router at its own rate."""
-    adaptor_opt = sgd(lr, momentum, weight_decay)
+    adaptor_opt = options.optimizer()
     transforms = {
-        "base": sgd(lr, momentum, weight_decay),
+        "base": options.optimizer(),
         "adaptors": optax.chain(ad.lora_preconditioner(plan), adaptor_opt) if precondition else adaptor_opt,
     }
     if router_lr is not None:
@@ -42,34 +126,31 @@ def _local_optimizer(plan, lr, momentum, weight_decay, precondition, router_lr=N
     return per_key(transforms)
 
 
-def floral(
-    model,
-    *,
-    lr: float,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    num_adaptors: int = 4,
-    rho: float = 0.01,
-    rank: int = 0,
-    conv_adaptor: str = "balanced_2d",
-    alpha: float = 1.0,
-    router_lr: float = 0.1,
-    router_noise: float = 0.0,
-    router_temperature: float = 1.0,
-    precondition: bool = True,
-    stateful: bool = True,
-    router: str = "learned",
-    num_clusters: int = 0,
-    name: str = "floral",
-) -> FederatedAlgorithm:
-    check_router(router, num_adaptors, num_clusters)
-    learned = router == "learned"
+def _plan(model, options: AdaptorOptions, num_adaptors: int):
     template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    plan = ad.adaptor_plan(template, num_adaptors, rho=rho, rank=rank, conv_adaptor=conv_adaptor, alpha=alpha)
-    optimizer = _local_optimizer(plan, lr, momentum, weight_decay, precondition, router_lr if learned else None)
+    plan = ad.adaptor_plan(
+        template,
+        num_adaptors,
+        rho=options.rho,
+        rank=options.adaptor_rank,
+        conv_adaptor=options.conv_adaptor,
+        alpha=options.adaptor_alpha,
+    )
+    if not plan.kernels:
+        raise ConfigError("floral: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to adapt")
+    return template, plan
+
+
+def floral(
+    model, options: FLoRALOptions | None = None, *, num_clusters: int = 0, name: str = "floral", **overrides
+) -> FederatedAlgorithm:
+    """FLoRAL; ``num_clusters`` is the task's ground-truth cluster count (``router="oracle"`` only)."""
+    options = resolve(FLoRALOptions, options, overrides)
+    num_adaptors, router_temperature = options.num_adaptors, options.router_temperature
+    check_oracle(options.router, num_adaptors, num_clusters)
+    learned = options.router == "learned"
+    template, plan = _plan(model, options, num_adaptors)
+    optimizer = _local_optimizer(plan, options, options.precondition, options.router_lr if learned else None)
 
     def init(rng):
         base_rng, adaptor_rng = jax.random.split(rng)
@@ -79,7 +160,7 @@ def floral(
 
     def client_update(message, client_state, data, rng):
         router_logits = client_state["router"]
-        if learned and not stateful:
+        if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
         trained, new_logits, pi, model_state, metrics = train_routed(
@@ -92,11 +173,9 @@ def floral(
             data,
             rng,
             learned=learned,
-            noise=router_noise,
+            noise=options.router_noise,
             temperature=router_temperature,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
+            **options.batching(),
         )
         upload = {"base": trained["base"], "adaptors": trained["adaptors"], "mixture_weights": pi}
         return {"router": new_logits, "model_state": model_state}, upload, metrics
@@ -129,26 +208,11 @@ def floral(
     )
 
 
-def local_adaptor(
-    model,
-    *,
-    lr: float,
-    local_epochs: int,
-    batch_size: int,
-    drop_last: bool = False,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    rho: float = 0.01,
-    rank: int = 0,
-    conv_adaptor: str = "balanced_2d",
-    alpha: float = 1.0,
-    precondition: bool = True,
-    name: str = "local_adaptor",
-) -> FederatedAlgorithm:
+def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides) -> FederatedAlgorithm:
     """FLoRAL's Local Adaptor baseline: the base is FedAvg's, each client's adaptor is its own."""
-    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    plan = ad.adaptor_plan(template, 1, rho=rho, rank=rank, conv_adaptor=conv_adaptor, alpha=alpha)
-    optimizer = _local_optimizer(plan, lr, momentum, weight_decay, precondition)
+    options = resolve(LocalAdaptorOptions, options, overrides)
+    template, plan = _plan(model, options, 1)
+    optimizer = _local_optimizer(plan, options, options.precondition)
     only = jnp.ones((1,), jnp.float32)
 
     def init(rng):
@@ -165,10 +229,8 @@ def local_adaptor(
             client_state["model_state"],
             data,
             rng,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
             to_params=lambda t: ad.mix(t["base"], t["adaptors"], only, plan),
+            **options.batching(),
         )
         return {"adaptors": trained["adaptors"], "model_state": model_state}, trained["base"], metrics
 
@@ -182,45 +244,11 @@ def local_adaptor(
         }
 
     return FederatedAlgorithm(
-        name=name,
+        name="local_adaptor",
         init=init,
         broadcast=lambda server_state, tier=0: {"base": server_state["base"]},
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,
         global_params=None,
-    )
-
-
-def _adaptor_options(config) -> dict:
-    return {
-        "lr": config.lr,
-        "momentum": config.momentum,
-        "weight_decay": config.weight_decay,
-        "local_epochs": config.local_epochs,
-        "batch_size": config.batch_size,
-        "drop_last": config.drop_last,
-        "rho": config.rho,
-        "rank": config.adaptor_rank,
-        "conv_adaptor": config.conv_adaptor,
-        "alpha": config.adaptor_alpha,
-        "precondition": config.precondition,
-    }
-
-
-def local_adaptor_from_config(config, model) -> FederatedAlgorithm:
-    return local_adaptor(model, **_adaptor_options(config))
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    return floral(
-        model,
-        **_adaptor_options(config),
-        num_adaptors=config.num_adaptors,
-        router_lr=config.router_lr,
-        router_noise=config.router_noise,
-        router_temperature=config.router_temperature,
-        stateful=config.stateful,
-        router=config.router,
-        num_clusters=config.num_clusters,
     )

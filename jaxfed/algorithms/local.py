@@ -6,11 +6,22 @@ state never changes and there is no global model.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import client_optimizer, local_training_options, train_classifier
+from jaxfed.algorithms.training import train_classifier
+from jaxfed.options import TrainingOptions, resolve
 
 
-def local(model, optimizer, *, local_epochs: int, batch_size: int, drop_last: bool = False) -> FederatedAlgorithm:
+@dataclasses.dataclass(frozen=True)
+class LocalOptions(TrainingOptions):
+    """Client SGD only (nothing is communicated)."""
+
+
+def local(model, options: LocalOptions | None = None, **overrides) -> FederatedAlgorithm:
+    options = resolve(LocalOptions, options, overrides)
+    optimizer = options.optimizer()
+
     def init(rng):
         return {}, {"variables": model.init(rng)}
 
@@ -19,14 +30,7 @@ def local(model, optimizer, *, local_epochs: int, batch_size: int, drop_last: bo
 
     def client_update(message, client_state, data, rng):
         variables, metrics = train_classifier(
-            model,
-            optimizer,
-            client_state["variables"],
-            data,
-            rng,
-            epochs=local_epochs,
-            batch_size=batch_size,
-            drop_last=drop_last,
+            model, optimizer, client_state["variables"], data, rng, **options.batching()
         )
         return {"variables": variables}, {}, metrics
 
@@ -37,7 +41,3 @@ def local(model, optimizer, *, local_epochs: int, batch_size: int, drop_last: bo
         return client_state["variables"]
 
     return FederatedAlgorithm("local", init, broadcast, client_update, server_update, eval_params, None)
-
-
-def from_config(config, model) -> FederatedAlgorithm:
-    return local(model, client_optimizer(config), **local_training_options(config))

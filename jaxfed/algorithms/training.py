@@ -16,6 +16,7 @@ import optax
 
 from jaxfed.core.routing import mixture_weights
 from jaxfed.data import Batch, ClientData
+from jaxfed.options import sgd  # noqa: F401  (re-exported: the client optimizer every algorithm uses)
 
 STEP_KEY_STREAM = 0x5EED  # the per-step keys are fold_in(rng, this), apart from the shuffling keys
 
@@ -212,12 +213,6 @@ def train_routed(
     return trained_shared, logits, mixture_weights(logits, temperature=temperature), model_state, metrics
 
 
-def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """Client SGD as optax: optional decoupled-into-gradient weight decay, optional momentum."""
-    opt = optax.sgd(lr, momentum=momentum or None)
-    return optax.chain(optax.add_decayed_weights(weight_decay), opt) if weight_decay else opt
-
-
 def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
     """One optax transformation per top-level key of a dict of parameters, each seeing only its
     own subtree. (``optax.multi_transform`` hands every transformation the whole tree with the
@@ -234,15 +229,6 @@ def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.Gradie
         return out, new_state
 
     return optax.GradientTransformation(init, update)
-
-
-def client_optimizer(config) -> optax.GradientTransformation:
-    return sgd(config.lr, config.momentum, config.weight_decay)
-
-
-def local_training_options(config) -> dict:
-    """The keyword arguments every algorithm's local training takes from a config."""
-    return {"local_epochs": config.local_epochs, "batch_size": config.batch_size, "drop_last": config.drop_last}
 
 
 def split_variables(variables: dict):

@@ -77,8 +77,8 @@ def examples_per_round(sim, config: Config, rounds: range) -> float:
     for t in rounds:
         ids = sim.sampled_ids(t)
         n = counts[ids]
-        used = (n // config.batch_size) * config.batch_size if config.drop_last else n
-        per_round.append(float(used.sum()) * config.local_epochs)
+        used = (n // config.options.batch_size) * config.options.batch_size if config.options.drop_last else n
+        per_round.append(float(used.sum()) * config.options.local_epochs)
     return float(np.mean(per_round))
 
 
@@ -90,7 +90,9 @@ def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> 
     real, executed = 0, 0
     for t in rounds:
         n = counts[sim.sampled_ids(t)]
-        steps = np.sort(n // config.batch_size if config.drop_last else -(-n // config.batch_size))[::-1]
+        steps = np.sort(
+            n // config.options.batch_size if config.options.drop_last else -(-n // config.options.batch_size)
+        )[::-1]
         size = chunk or len(steps)
         real += steps.sum()
         executed += sum(group.max() * len(group) for group in np.array_split(steps, range(size, len(steps), size)))
@@ -99,7 +101,7 @@ def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> 
 
 def time_rounds(config: Config, rounds: int) -> dict:
     """Build ``config``'s simulation and time it: compile, steady rounds, evaluation."""
-    from jaxfed.experiment import build
+    from jaxfed.build import build
 
     tick = time.perf_counter()
     sim = build(config).simulation
@@ -152,7 +154,7 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
         require_torch()  # before minutes of timing, not after
     engine = time_rounds(config, rounds)
     sim = engine.pop("sim")
-    flops = training_flops_per_example(sim.model, sim.data.x_train.shape[1:], config.batch_size)
+    flops = training_flops_per_example(sim.model, sim.data.x_train.shape[1:], config.options.batch_size)
     peak = matmul_gflops()
     achieved = flops * engine["examples_per_second"] / 1e9
     result = {

@@ -107,13 +107,13 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
 
     def train_client(k):
         local = copy.deepcopy(global_model)
-        optimizer = torch.optim.SGD(local.parameters(), lr=config.lr, momentum=config.momentum)
+        optimizer = torch.optim.SGD(local.parameters(), lr=config.options.lr, momentum=config.options.momentum)
         own = torch.from_numpy(train_idx[k, : train_count[k]].astype(np.int64))
-        for _ in range(config.local_epochs):
+        for _ in range(config.options.local_epochs):
             order = own[torch.randperm(len(own), generator=generator)]
-            for start in range(0, len(order), config.batch_size):
-                batch = order[start : start + config.batch_size]
-                if config.drop_last and len(batch) < config.batch_size:
+            for start in range(0, len(order), config.options.batch_size):
+                batch = order[start : start + config.options.batch_size]
+                if config.options.drop_last and len(batch) < config.options.batch_size:
                     break
                 optimizer.zero_grad()
                 loss_fn(local(x_train[batch]), y_train[batch]).backward()

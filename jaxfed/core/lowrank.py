@@ -1,6 +1,7 @@
 """Low-rank primitives shared by every low-rank algorithm (FedLoRU family, FedHM, FedDecomp,
 FedARA, FLoRAL): conv-kernel matricization, truncated-SVD factorization, rank rules, LoRA
-factors, and the factorized Dense / Conv computations.
+factors and layer addressing in parameter trees (running a factorized layer is
+:mod:`jaxfed.nn.factorized`'s).
 
 A kernel is a Dense ``[in, out]`` or a Conv ``[kh, kw, cin, cout]`` (Flax layout). A conv kernel
 is matricized as ``M[(kh*cin), (kw*cout)]`` (transpose to ``[kh, cin, kw, cout]``, reshape), the
@@ -18,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.errors import ConfigError
-from jaxfed.nn.conv import conv2d
 
 
 class Factors(NamedTuple):
@@ -159,38 +159,6 @@ def lora_delta(lora: LoRA, kernel_shape: Sequence[int], scale: float = 1.0, layo
     return fold(scale * (lora.down @ lora.up), kernel_shape, layout)
 
 
-# ----- factorized execution ---------------------------------------------------------------------
-
-
-def factorized_dense(x: jax.Array, factors: Factors) -> jax.Array:
-    """``x @ (u v^T)`` as two thin matmuls: ``(x @ u) @ v.T``."""
-    return (x @ factors.u) @ factors.v.T
-
-
-def factorized_conv(
-    x: jax.Array,
-    factors: Factors,
-    kernel_shape: Sequence[int],
-    strides: Sequence[int] = (1, 1),
-    padding="SAME",
-    impl: str = "patches",
-) -> jax.Array:
-    """The conv with kernel ``fold(u v^T)`` as a ``kh x 1`` conv (cin -> r; the row stride and
-    padding) followed by a ``1 x kw`` conv (r -> cout; the column stride and padding)."""
-    kh, kw, cin, cout = kernel_shape
-    rank = factors.u.shape[1]
-    pads = (
-        jax.lax.padtype_to_pads(x.shape[1:3], (kh, kw), tuple(strides), padding)
-        if isinstance(padding, str)
-        else padding
-    )
-    (top, bottom), (left, right) = pads
-    first = factors.u.reshape(kh, 1, cin, rank)  # u rows are (kh, cin)
-    second = factors.v.reshape(1, kw, cout, rank).transpose(0, 1, 3, 2)  # v rows are (kw, cout)
-    h = conv2d(x, first, (strides[0], 1), ((top, bottom), (0, 0)), impl)
-    return conv2d(h, second, (1, strides[1]), ((0, 0), (left, right)), impl)
-
-
 # ----- parameter trees --------------------------------------------------------------------------
 # A layer is addressed by its Flax module path joined with dots ("layer1_0.conv1"). A factorized
 # layer holds ``u`` and ``v`` instead of ``kernel``: Dense ``u [in, r]``, ``v [out, r]``; Conv
@@ -215,6 +183,15 @@ def replace_layer(params, key: str, layer: dict):
     if not rest:
         return {**params, head: layer}
     return {**params, head: replace_layer(params[head], rest, layer)}
+
+
+def pop_layer(params, key: str):
+    """``(params without the layer key, that layer)``."""
+    head, _, rest = key.partition(".")
+    if not rest:
+        return {k: v for k, v in params.items() if k != head}, params[head]
+    inner, layer = pop_layer(params[head], rest)
+    return {**params, head: inner}, layer
 
 
 def get_layer(params, key: str) -> dict:

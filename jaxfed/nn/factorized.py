@@ -1,41 +1,99 @@
-"""Factorized execution for any jaxfed model: a Dense or Conv layer whose parameters hold ``u``
-and ``v`` (see :mod:`jaxfed.core.lowrank`) instead of ``kernel`` runs as two thin matmuls or a
-``kh x 1`` then ``1 x kw`` conv, so its cost scales with its rank.
+"""Factorized execution for any Flax model: a Dense or Conv layer (stock ``nn.Dense`` / ``nn.Conv``
+or jaxfed's :class:`~jaxfed.nn.conv.Conv`) whose parameters hold ``u`` and ``v`` (see
+:mod:`jaxfed.core.lowrank`) instead of ``kernel`` runs as two thin matmuls or a ``kh x 1`` then
+``1 x kw`` conv, so its cost scales with its rank.
 
     with factorized_execution():
         logits, _ = model.apply({"params": factorize_layers(params, ranks)}, x)
 
-Implemented as a Flax method interceptor, so the model definitions need no change. The same
-mechanism gives :func:`layers_in_call_order`, from which :func:`interior_layers` picks the layers
-the low-rank algorithms factorize by default.
+Implemented as a Flax method interceptor, so the model definitions need no change.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 
 from jaxfed.core import lowrank
-from jaxfed.nn.conv import Conv
+from jaxfed.errors import ConfigError
+from jaxfed.nn.conv import Conv, conv2d
+from jaxfed.nn.layers import DENSE_OR_CONV
+
+
+def factorized_dense(x: jax.Array, factors: lowrank.Factors) -> jax.Array:
+    """``x @ (u v^T)`` as two thin matmuls: ``(x @ u) @ v.T``."""
+    return (x @ factors.u) @ factors.v.T
+
+
+def factorized_conv(
+    x: jax.Array,
+    factors: lowrank.Factors,
+    kernel_shape: Sequence[int],
+    strides: Sequence[int] = (1, 1),
+    padding="SAME",
+    impl: str = "patches",
+) -> jax.Array:
+    """The conv with kernel ``fold(u v^T)`` as a ``kh x 1`` conv (cin -> r; the row stride and
+    padding) followed by a ``1 x kw`` conv (r -> cout; the column stride and padding)."""
+    kh, kw, cin, cout = kernel_shape
+    rank = factors.u.shape[1]
+    pads = (
+        jax.lax.padtype_to_pads(x.shape[1:3], (kh, kw), tuple(strides), padding)
+        if isinstance(padding, str)
+        else padding
+    )
+    (top, bottom), (left, right) = pads
+    first = factors.u.reshape(kh, 1, cin, rank)  # u rows are (kh, cin)
+    second = factors.v.reshape(1, kw, cout, rank).transpose(0, 1, 3, 2)  # v rows are (kw, cout)
+    h = conv2d(x, first, (strides[0], 1), ((top, bottom), (0, 0)), impl)
+    return conv2d(h, second, (1, strides[1]), ((0, 0), (left, right)), impl)
+
+
+def _stock_conv_geometry(module: nn.Conv):
+    """``(strides, padding)`` of a stock ``nn.Conv`` in :func:`factorized_conv`'s form; a
+    ConfigError for what a factorized conv cannot express."""
+    name = ".".join(module.path)
+    if len(module.kernel_size) != 2:
+        raise ConfigError(f"layer {name}: only 2-D convolutions can run factorized")
+    for attribute in ("input_dilation", "kernel_dilation"):
+        value = getattr(module, attribute)
+        if value not in (None, 1) and tuple(value) != (1, 1):
+            raise ConfigError(f"layer {name}: {attribute} {value} cannot run factorized (only 1)")
+    if module.feature_group_count != 1:
+        raise ConfigError(f"layer {name}: grouped convolutions cannot run factorized")
+    strides = module.strides or 1
+    strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
+    padding = module.padding
+    if isinstance(padding, str):
+        if padding not in ("SAME", "VALID"):
+            raise ConfigError(f"layer {name}: padding {padding} cannot run factorized (SAME, VALID or explicit)")
+    elif isinstance(padding, int):
+        padding = ((padding, padding), (padding, padding))
+    else:
+        padding = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
+    return strides, padding
 
 
 def _interceptor(next_fun, args, kwargs, context):
     module = context.module
-    if context.method_name != "__call__" or not isinstance(module, (Conv, nn.Dense)):
+    if context.method_name != "__call__" or not isinstance(module, DENSE_OR_CONV):
         return next_fun(*args, **kwargs)
     params = module.variables.get("params", {})
     if "u" not in params:
         return next_fun(*args, **kwargs)
     x = args[0]
     factors = lowrank.layer_factors(params)
+    shape = lowrank.kernel_shape_of(params)
     if isinstance(module, Conv):
-        y = lowrank.factorized_conv(
-            x, factors, lowrank.kernel_shape_of(params), module.strides, module.padding, module.impl
-        )
+        y = factorized_conv(x, factors, shape, module.strides, module.padding, module.impl)
+    elif isinstance(module, nn.Conv):
+        strides, padding = _stock_conv_geometry(module)
+        y = factorized_conv(x, factors, shape, strides, padding, "xla")
     else:
-        y = lowrank.factorized_dense(x, factors)
+        y = factorized_dense(x, factors)
     return y + params["bias"] if "bias" in params else y
 
 
@@ -44,28 +102,3 @@ def factorized_execution():
     """Within this context, factorized layers (``u``, ``v`` params) run factorized."""
     with nn.intercept_methods(_interceptor):
         yield
-
-
-def layers_in_call_order(model) -> list[str]:
-    """Keys (``"a.b"``, as :mod:`jaxfed.core.lowrank` addresses layers) of the model's Dense and
-    Conv layers in the order a forward pass calls them."""
-    order = []
-
-    def record(next_fun, args, kwargs, context):
-        module = context.module
-        if context.method_name == "__call__" and isinstance(module, (Conv, nn.Dense)):
-            key = ".".join(module.path)
-            if key not in order:
-                order.append(key)
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(record):
-        jax.eval_shape(model.init, jax.random.key(0))
-    return order
-
-
-def interior_layers(model) -> list[str]:
-    """The default layers to factorize: every Dense / Conv layer except the first one called and
-    the last (the head), FedLoRU's and FedHM's choice; in a two-layer model, the first layer."""
-    layers = layers_in_call_order(model)
-    return layers[1:-1] or layers[:1]

@@ -1,7 +1,8 @@
 """Flax models by config name, and :class:`Model`: the pure ``init`` / ``apply`` pair algorithms use.
 
-Every module ends in a Dense layer named ``head`` (the classifier) and can return the features
-that feed it (``features=True``), which personalized algorithms split on. Normalization is
+Every module here ends in a Dense layer named ``head`` (the classifier) and can return the
+features that feed it (``features=True``). Algorithms take any Flax module through
+:class:`Model`, which needs none of that. Normalization is
 GroupNorm by default; with ``norm="batch"`` BatchNorm statistics live in the model's
 ``batch_stats`` collection, which algorithms keep as client state. BatchNorm takes the batch
 mask, so padded examples never enter the statistics.
@@ -9,6 +10,8 @@ mask, so padded examples never enter the statistics.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -174,25 +177,49 @@ MODELS: dict[str, Callable[[int, str, str], nn.Module]] = {
 
 
 class Model(NamedTuple):
-    """A Flax module behind two pure functions on Flax variable dicts."""
+    """Any Flax module behind two pure functions on Flax variable dicts.
+
+    The module's ``__call__(x)`` may also take ``train`` (BatchNorm, dropout), ``mask`` (the
+    batch's real examples) and ``features`` (return the head's input): each is passed only when
+    the signature has it. ``Model(name, module, input_shape)``, or ``Model.wrap(module, shape)``.
+    """
 
     name: str
     module: nn.Module
     input_shape: tuple[int, ...]
 
+    @classmethod
+    def wrap(cls, module: nn.Module, input_shape, name: str = "") -> Model:
+        """A :class:`Model` of ``module`` for examples of ``input_shape`` (no batch axis)."""
+        return cls(name or type(module).__name__, module, tuple(input_shape))
+
+    def accepts(self, argument: str) -> bool:
+        """Whether the module's ``__call__`` takes the keyword ``argument``."""
+        return _call_accepts(type(self.module), argument)
+
+    def _keywords(self, **wanted) -> dict:
+        if wanted.get("features") and not self.accepts("features"):
+            raise ValueError(f"model {self.name}: __call__ has no 'features' argument; use jaxfed.nn.layers.head_input")
+        return {k: v for k, v in wanted.items() if self.accepts(k) and (v is not None or k == "mask")}
+
     def init(self, rng) -> dict:
         """Variables ``{"params": ..., ["batch_stats": ...]}`` for one example shape."""
-        return self.module.init(rng, jnp.zeros((1,) + self.input_shape), train=False)
+        return self.module.init(rng, jnp.zeros((1,) + self.input_shape), **self._keywords(train=False))
 
     def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False):
-        """``(outputs, model_state)``: logits (or features) and the updated non-param collections."""
+        """``(outputs, model_state)``: outputs (or features) and the updated non-param collections."""
+        keywords = self._keywords(train=train, mask=mask, features=features)
         state = {k: v for k, v in variables.items() if k != "params"}
         if train and state:
-            out, new_state = self.module.apply(
-                variables, x, train=True, mask=mask, features=features, mutable=list(state)
-            )
+            out, new_state = self.module.apply(variables, x, **keywords, mutable=list(state))
             return out, dict(new_state)
-        return self.module.apply(variables, x, train=train, mask=mask, features=features), state
+        return self.module.apply(variables, x, **keywords), state
+
+
+@functools.cache
+def _call_accepts(module_type: type, argument: str) -> bool:
+    parameters = inspect.signature(module_type.__call__).parameters
+    return argument in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def get_model(

@@ -10,7 +10,8 @@ A client whose returned state, message or metrics hold NaN or inf is caught insi
 :class:`NonFiniteUpdateError` with the last good state; ``nonfinite="skip"`` gives that client
 weight 0, keeps its previous state and counts it in the metrics.
 A tiered algorithm's clients run per tier (each tier's sampled clients padded to a static size,
-its own broadcast and shapes), see :class:`FederatedAlgorithm`.
+its own broadcast and shapes); the server decodes each tier's uploads with ``receive`` and
+``server_update`` gets one stack of every tier's rows, see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered,
@@ -86,6 +87,19 @@ class _Group(NamedTuple):
         )
 
 
+def _concatenate(stacks):
+    """One stack of the tiers' received messages (a ConfigError-like message when their shapes differ)."""
+    if len(stacks) == 1:
+        return stacks[0]
+    shapes = [jax.tree.map(lambda x: x.shape[1:], stack) for stack in stacks]
+    if any(jax.tree.structure(s) != jax.tree.structure(shapes[0]) or s != shapes[0] for s in shapes[1:]):
+        raise ValueError(
+            "tiered algorithm: the tiers' uploads differ in shape; give the algorithm a receive(server_state, "
+            "message, tier) that decodes every tier's upload to one shape"
+        )
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *stacks)
+
+
 @struct.dataclass
 class SimState:
     server: Any
@@ -154,9 +168,9 @@ class Simulation:
         self.client_eval_batch = client_eval_batch(data.test_count, eval_batch_size)
         self.compile_seconds = 0.0
         self._executables: dict[int, Any] = {}
-        self._init_state = jax.jit(self._init)
-        self._run = jax.jit(self._run_rounds, static_argnums=2)
-        self._eval = jax.jit(self._evaluate)
+        self._init_state = jax.jit(self.init_pure)
+        self._run = jax.jit(self.rounds_pure, static_argnums=2)
+        self._eval = jax.jit(self.evaluate_pure)
 
     # ----- state -----------------------------------------------------------------------------
 
@@ -169,7 +183,8 @@ class Simulation:
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def _init(self) -> SimState:
+    def init_pure(self) -> SimState:
+        """The starting state (pure, not jitted: for composing, e.g. vmapped over a sweep's members)."""
         server, client = self.algorithm.init(sampling.init_key(self.root))
         clients = stack_clients(client, self.num_clients)
         if self.algorithm.init_client is not None:
@@ -278,6 +293,13 @@ class Simulation:
         bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
         return _Group(tier, ids, is_real, client_data.count, message_down, new_states, messages_up, client_metrics, bad)
 
+    def _received(self, server, group: _Group):
+        """The group's uploads as the server decodes them (``receive``, per client), in the shape
+        every tier shares."""
+        if self.algorithm.receive is None:
+            return group.messages_up
+        return jax.vmap(lambda message: self.algorithm.receive(server, message, group.tier))(group.messages_up)
+
     def _client_bytes(self, group: _Group) -> jax.Array:
         """``[clients]``: the bytes each client of ``group`` uploads."""
         if self.algorithm.message_bytes is None:
@@ -299,11 +321,8 @@ class Simulation:
             groups = [g._replace(kept=jnp.broadcast_to(round_ok, g.bad.shape)) for g in groups]
 
         weights = [jnp.where(g.is_real & g.kept, g.count, 0).astype(jnp.float32) for g in groups]
-        messages = tuple(g.messages_up for g in groups)
-        if self.tiers is None:
-            server = self.algorithm.server_update(state.server, messages[0], weights[0])
-        else:
-            server = self.algorithm.server_update(state.server, messages, tuple(weights))
+        messages = _concatenate([self._received(state.server, g) for g in groups])
+        server = self.algorithm.server_update(state.server, messages, jnp.concatenate(weights))
         any_weight = jnp.any(jnp.concatenate(weights) > 0)
         server = tree_select(round_ok & any_weight, server, state.server)
         clients = state.clients
@@ -332,22 +351,24 @@ class Simulation:
         next_round = state.round + round_ok.astype(state.round.dtype)
         return SimState(server=server, clients=clients, round=next_round), metrics
 
-    def _run_rounds(self, state, data, num_rounds: int):
+    def rounds_pure(self, state, data, num_rounds: int):
+        """``num_rounds`` rounds on ``data`` (pure, not jitted): ``(state, metrics [rounds, ...])``."""
         return jax.lax.scan(lambda s, _: self.round(s, data), state, None, length=num_rounds)
 
-    def run_rounds(self, state: SimState, num_rounds: int):
+    def run_rounds(self, state: SimState, num_rounds: int, *, raise_nonfinite: bool = True):
         """Run ``num_rounds`` rounds in one compiled call; metrics have a leading round axis.
 
-        Under ``nonfinite="error"`` a round with a non-finite client update raises
-        :class:`NonFiniteUpdateError` carrying the last good state and the good rounds' metrics
-        (the rejected round leaves the state unchanged, so later rounds of the call repeat it).
+        Under ``nonfinite="error"`` a round with a non-finite client update leaves the state
+        unchanged (so later rounds of the call repeat it) and counts the clients in the round's
+        ``nonfinite_clients``; with ``raise_nonfinite`` this raises
+        :class:`NonFiniteUpdateError` carrying the last good state and the good rounds' metrics.
         """
         if num_rounds not in self._executables:
             start = time.perf_counter()
             self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
             self.compile_seconds += time.perf_counter() - start
         new_state, metrics = self._executables[num_rounds](state, self.data)
-        if self.nonfinite == "error":
+        if self.nonfinite == "error" and raise_nonfinite:
             bad = np.asarray(metrics["nonfinite_clients"]) > 0
             if bad.any():
                 first = int(np.argmax(bad))
@@ -358,7 +379,8 @@ class Simulation:
 
     # ----- evaluation ------------------------------------------------------------------------
 
-    def _evaluate(self, state: SimState, data: FederatedData):
+    def evaluate_pure(self, state: SimState, data: FederatedData):
+        """Every client's evaluation on ``data`` (pure, not jitted): metrics as arrays."""
         alg = self.algorithm
         model = alg.eval_model or self.model
         pooled_model = alg.eval_model or self.pooled_eval_model

@@ -1,0 +1,99 @@
+"""The public algorithm registry: a name -> (options class, builder).
+
+Every built-in algorithm is registered here by :mod:`jaxfed.algorithms`; research code registers
+its own the same way and gets the CLI, config files, ``--set``, checkpoints and resume, metrics,
+plots and sweeps with no edit to jaxfed::
+
+    @jaxfed.register("scaffold", ScaffoldOptions)
+    def build(model, options, config):
+        return scaffold(model, options)
+
+A builder takes the model (:class:`jaxfed.nn.Model`), the algorithm's validated options and the
+run's :class:`jaxfed.Config` (for run-level facts such as ``num_clusters``), and returns a
+:class:`~jaxfed.algorithms.base.FederatedAlgorithm`. ``jaxfed run --plugin FILE_OR_MODULE``
+imports a module that registers algorithms before the config is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from jaxfed.errors import ConfigError
+from jaxfed.options import Options
+
+Builder = Callable[[Any, Any, Any], Any]  # (model, options, config) -> FederatedAlgorithm
+
+
+class AlgorithmSpec(NamedTuple):
+    name: str
+    options: type[Options]
+    build: Builder
+    summary: str  # one line: what it is (the builder's or the options' docstring's first line)
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+
+
+def register(name: str, options: type[Options], build: Builder | None = None, *, replace: bool = False):
+    """Register algorithm ``name`` with its ``options`` class and ``build`` function; usable as
+    a decorator (``@register(name, Options)``). ``replace=True`` overrides an existing name."""
+    if build is None:
+        return lambda fn: register(name, options, fn, replace=replace) or fn
+    if not (isinstance(options, type) and issubclass(options, Options) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"register({name!r}): options must be a dataclass subclassing jaxfed.options.Options")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"register: algorithm '{name}' exists already (pass replace=True to override it)")
+    from jaxfed.config import Config  # run-level keys: an option may not shadow one
+
+    clash = sorted(set(options.keys()) & set(Config.run_keys()))
+    if clash:
+        raise ValueError(f"register({name!r}): option(s) {', '.join(clash)} shadow run-level config keys")
+    doc = (build.__doc__ or options.__doc__ or "").strip().splitlines()
+    spec = AlgorithmSpec(name, options, build, doc[0] if doc else "")
+    _REGISTRY[name] = spec
+    return spec
+
+
+def get(name: str) -> AlgorithmSpec:
+    """The spec of ``name``; a one-line ConfigError listing the registered names otherwise."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"algorithm: unknown '{name}'{hint}; allowed: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def options_with(key: str) -> list[str]:
+    """The registered algorithms that have an option ``key`` (for error hints)."""
+    return [name for name, spec in _REGISTRY.items() if spec.options.field_for(key) is not None]
+
+
+def import_plugin(spec: str) -> None:
+    """Import a module by dotted name, or a ``.py`` file by path, so its ``register`` calls run."""
+    path = Path(spec)
+    if spec.endswith(".py"):
+        if not path.is_file():
+            raise ConfigError(f"plugins: no file '{spec}'")
+        module_name = f"jaxfed_plugin_{path.stem}"
+        if module_name in sys.modules:
+            return
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+        return
+    try:
+        importlib.import_module(spec)
+    except ModuleNotFoundError as err:
+        raise ConfigError(f"plugins: cannot import '{spec}' ({err})") from None

@@ -1,0 +1,249 @@
+"""The driver loop: compiled calls of rounds, evaluations, checkpoints, for one run or a sweep.
+
+``run_simulation(sim, out_dir, LoopSettings(rounds=...))`` runs any
+:class:`~jaxfed.simulation.Simulation`, including one research code built itself, into a run
+directory (:mod:`jaxfed.rundir`) with metrics, checkpoints, ``resume=True`` and plots.
+``run(config, out_dir)`` is ``jaxfed run``: :func:`jaxfed.build.build` then the same loop.
+``jaxfed sweep`` runs its members through :func:`drive` too: the loop sees "members", one for a
+run, S for a sweep, each with its own run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from jaxfed.build import build, split_host
+from jaxfed.config import Config
+from jaxfed.data import describe
+from jaxfed.errors import NonFiniteUpdateError
+from jaxfed.rundir import LoopSettings, RunDirectory, RunRecord, check_resumable, headline, human_bytes, summary
+
+
+class Members(Protocol):
+    """What the loop drives: S simulations stepped together (S = 1 for a run)."""
+
+    num_members: int
+    num_devices: int
+    nonfinite: str
+
+    def run_rounds(self, state, num_rounds: int) -> tuple[Any, list[dict]]: ...  # never raises on NaN
+
+    def evaluate(self, state) -> list[dict]: ...
+
+    def member(self, state, index: int): ...  # one member's SimState
+
+
+class OneSimulation:
+    """A :class:`~jaxfed.simulation.Simulation` as the loop's single member."""
+
+    num_members = 1
+
+    def __init__(self, sim):
+        self.sim = sim
+        self.num_devices, self.nonfinite = sim.num_devices, sim.nonfinite
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.sim.compile_seconds
+
+    def run_rounds(self, state, num_rounds):
+        state, metrics = self.sim.run_rounds(state, num_rounds, raise_nonfinite=False)
+        return state, [jax.device_get(metrics)]
+
+    def evaluate(self, state):
+        return [self.sim.evaluate(state)]
+
+    def member(self, state, index):
+        return state
+
+
+def next_multiple(done: int, every: int) -> int:
+    return (done // every + 1) * every
+
+
+def chunk_schedule(start: int, rounds: int, eval_every: int, rounds_per_call: int, checkpoint_every: int = 0):
+    """``(length, evaluate, checkpoint)`` for each compiled call from round ``start`` to ``rounds``.
+
+    A call never crosses an evaluation or checkpoint round (multiples of ``eval_every`` and
+    ``checkpoint_every``, counted from round 0, and the last round), so a run resumed from a
+    checkpoint makes the same calls as the run left alone.
+    """
+    done = start
+    while done < rounds:
+        end = min(rounds, done + rounds_per_call, next_multiple(done, eval_every))
+        if checkpoint_every:
+            end = min(end, next_multiple(done, checkpoint_every))
+        yield (
+            end - done,
+            end % eval_every == 0 or end == rounds,
+            bool(checkpoint_every) and (end % checkpoint_every == 0 or end == rounds),
+        )
+        done = end
+
+
+def _first_failure(nonfinite: str, metrics: list[dict]):
+    """``(member, round within the call)`` of the first non-finite update under
+    ``nonfinite=error``, or None."""
+    if nonfinite != "error":
+        return None
+    for member, m in enumerate(metrics):
+        bad = np.asarray(m["nonfinite_clients"]) > 0
+        if bad.any():
+            return member, int(np.argmax(bad))
+    return None
+
+
+def drive(
+    members: Members,
+    state,
+    dirs: list[RunDirectory],
+    records: list[RunRecord],
+    settings: LoopSettings,
+    *,
+    start: float,
+    progress: bool = True,
+    desc: str = "",
+) -> Any:
+    """Run the rounds still to do; append evaluations to each member's ``metrics.jsonl``, save
+    checkpoints. Returns the final (stacked) state.
+
+    Under ``nonfinite=error`` a member whose client update is non-finite stops the loop after
+    every member's last good state is checkpointed: :class:`NonFiniteUpdateError` names the round
+    and clients, and its ``checkpoint`` attribute where that member's state is.
+    """
+    from tqdm import tqdm
+
+    def save_all(state):
+        wall = time.perf_counter() - start
+        for i, (directory, record) in enumerate(zip(dirs, records)):
+            directory.save(members.member(state, i), record, wall, members.num_devices)
+
+    done = int(members.member(state, 0).round)
+    bar = tqdm(
+        total=settings.rounds,
+        initial=min(done, settings.rounds),
+        desc=desc,
+        unit="round",
+        disable=not progress,
+        file=sys.stderr,
+    )
+    schedule = chunk_schedule(
+        done, settings.rounds, settings.eval_every, settings.rounds_per_call, settings.checkpoint_every
+    )
+    try:
+        for length, evaluate, checkpoint in schedule:
+            compile_before, tick = members.compile_seconds, time.perf_counter()
+            state, metrics = members.run_rounds(state, length)
+            seconds = (time.perf_counter() - tick - (members.compile_seconds - compile_before)) / length
+            failure = _first_failure(members.nonfinite, metrics)
+            for i, (record, m) in enumerate(zip(records, metrics)):
+                good = length if failure is None or failure[0] != i else failure[1]
+                record.add_rounds(jax.tree.map(lambda a: a[:good], m), seconds)
+            if failure is not None:
+                save_all(state)
+                for directory in dirs:
+                    directory.checkpoints.wait()
+                i, first = failure
+                ids = sorted(int(c) for c in metrics[i]["nonfinite_ids"][first] if c >= 0)
+                good_metrics = jax.tree.map(lambda a: a[:first], metrics[i])
+                err = NonFiniteUpdateError(done + first + 1, ids, members.member(state, i), good_metrics)
+                err.checkpoint = dirs[i].checkpoints.directory / str(done + first)
+                raise err
+            done += length
+            bar.update(length)
+            if evaluate:
+                wall = time.perf_counter() - start
+                for directory, record, evaluation in zip(dirs, records, members.evaluate(state)):
+                    row = record.add_row(done, evaluation, wall)
+                    directory.append_row(row)
+                name, value = headline(records[0].rows[-1])
+                bar.set_postfix({name: f"{value:.3f}", "up": human_bytes(records[0].rows[-1]["bytes_up_total"])})
+            if checkpoint:
+                save_all(state)
+        for directory in dirs:
+            directory.checkpoints.wait()
+    finally:
+        bar.close()
+    return state
+
+
+def run_simulation(
+    sim,
+    out_dir: str | Path,
+    settings: LoopSettings | int,
+    *,
+    config: dict | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    log=None,
+    partition: Any = None,
+) -> dict:
+    """Run ``sim`` into the run directory ``out_dir`` (or continue it from its newest checkpoint
+    with ``resume``): metrics, checkpoints, summary, plots. Returns the summary.
+
+    ``settings`` is a :class:`~jaxfed.rundir.LoopSettings` (or just the number of rounds);
+    ``config`` what ``config.json`` records (default: the loop settings and the algorithm's name).
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    start = time.perf_counter()
+    settings = LoopSettings(settings) if isinstance(settings, int) else settings
+    config = config or {"algorithm": sim.algorithm.name, **settings._asdict()}
+    directory = RunDirectory(out_dir, settings.keep_checkpoints)
+    if resume:
+        state, record = directory.restore(sim.init(), log)
+        if record.devices is not None and record.devices != sim.num_devices:
+            log(
+                f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
+                "results match to float tolerance, not bit for bit"
+            )
+        record.config = config
+    else:
+        directory.refuse_existing()
+        state, record = sim.init(), RunRecord(config)
+    directory.start(config, record.rows)
+    members = OneSimulation(sim)
+    drive(members, state, [directory], [record], settings, start=start, progress=progress, desc=sim.algorithm.name)
+    result = summary(sim, record, time.perf_counter() - start, partition=partition)
+    directory.finish(result, record.rows, log)
+    return result
+
+
+def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=None) -> dict:
+    """``jaxfed run``: build ``config`` and run it into ``out_dir`` (``resume``: continue it);
+    return the summary.
+
+    Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
+    state; its ``checkpoint`` attribute says where.
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    config.validate()
+    if config.host_devices:  # before anything below starts JAX's backend (build splits it too, for direct callers)
+        split_host(config.host_devices)
+    directory = RunDirectory(out_dir, config.keep_checkpoints)
+    if resume:  # refuse before anything is built or written
+        check_resumable(Config.from_dict(directory.saved_config(log)), config)
+    else:
+        directory.refuse_existing()
+    built = build(config)
+    log(f"partition: {describe(built.partition_summary)}")
+    return run_simulation(
+        built.simulation,
+        out_dir,
+        LoopSettings.of(config),
+        config=config.to_dict(),
+        resume=resume,
+        progress=progress,
+        log=log,
+        partition=built.partition_summary,
+    )
+
+
+def saved_config(out_dir: str | Path, log=None) -> Config:
+    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from)."""
+    return Config.from_dict(RunDirectory(out_dir).saved_config(log))

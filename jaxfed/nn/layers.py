@@ -1,0 +1,66 @@
+"""Layer discovery on any Flax model, by watching one forward pass (Flax method interception).
+
+A layer is addressed as :mod:`jaxfed.core.lowrank` does, by its module path joined with dots
+(``"layer1_0.conv1"``). Dense and Conv layers are stock ``nn.Dense`` / ``nn.Conv`` and jaxfed's
+:class:`~jaxfed.nn.conv.Conv`. :func:`interior_layers` is the low-rank algorithms' default
+choice; :func:`head_input` gives the features a classifier head receives (FedARA's anchors).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from jaxfed.nn.conv import Conv
+
+DENSE_OR_CONV = (nn.Dense, nn.Conv, Conv)
+
+
+def _calls(model) -> list[tuple[str, nn.Module]]:
+    """``(key, module)`` of the model's Dense and Conv layers in the order a forward pass calls them."""
+    order: dict[str, nn.Module] = {}
+
+    def record(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name == "__call__" and isinstance(module, DENSE_OR_CONV):
+            order.setdefault(".".join(module.path), module)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(model.init, jax.random.key(0))
+    return list(order.items())
+
+
+def layers_in_call_order(model) -> list[str]:
+    """Keys of the model's Dense and Conv layers in the order a forward pass calls them."""
+    return [key for key, _ in _calls(model)]
+
+
+def interior_layers(model) -> list[str]:
+    """The default layers to factorize: every Dense / Conv layer except the first one called and
+    the last (the head), FedLoRU's and FedHM's choice; in a two-layer model, the first layer."""
+    layers = layers_in_call_order(model)
+    return layers[1:-1] or layers[:1]
+
+
+def last_dense_layer(model) -> str:
+    """The key of the last ``nn.Dense`` layer called (a classifier's head), or ``""`` if none."""
+    dense = [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
+    return dense[-1] if dense else ""
+
+
+def head_input(model, head: str, variables, x, *, train: bool = False, mask=None):
+    """``((features, outputs), model_state)``: the input the layer ``head`` receives (the
+    model's features) and the model's outputs, from one forward pass."""
+    captured = []
+
+    def capture(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and ".".join(context.module.path) == head:
+            captured.append(args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(capture):
+        outputs, model_state = model.apply(variables, x, train=train, mask=mask)
+    if not captured:
+        raise ValueError(f"head: the forward pass never called the layer '{head}'")
+    return (captured[-1], outputs), model_state

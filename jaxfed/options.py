@@ -1,0 +1,306 @@
+"""Typed, documented options: the base of every algorithm's options and of the run's settings.
+
+An options class is a frozen dataclass whose fields are declared with :func:`option`: a default,
+a help line, where the default comes from (``source``: a paper's section or table, or the
+authors' code) and a check. Validation is declarative and lives here, once::
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaffoldOptions(TrainingOptions):
+        server_lr: float = option(1.0, "global step size eta_g", source="Karimireddy et al. Alg. 1", check=positive)
+
+``Options.validate()`` runs every field's check (then the class's own ``check()`` for rules
+that span fields) and raises :class:`~jaxfed.errors.ConfigError` naming the field and what it
+allows. Checks skip traced values, so a sweep can trace ``lr`` through the same options.
+``parse(key, text)`` turns a ``--set`` string into the field's type (int, float, bool, str or a
+tuple of them, written comma-separated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from jaxfed.errors import ConfigError
+
+Check = Callable[[Any], "str | None"]  # None when the value is allowed, else what is allowed
+
+
+def option(default, help: str, *, source: str = "", check: Check | None = None):
+    """A documented options field: ``default``, one ``help`` line, the ``source`` of the default
+    and a ``check`` (e.g. :func:`positive`, :func:`one_of`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "source": source, "check": check})
+
+
+# ----- checks ------------------------------------------------------------------------------------
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def positive(value):
+    if not _finite(value):
+        return "must be a finite number > 0"
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value):
+    if not _finite(value):
+        return "must be a finite number >= 0"
+    return None if value >= 0 else "must be >= 0"
+
+
+def at_least(low: int) -> Check:
+    return lambda value: None if value >= low else f"must be >= {low}"
+
+
+def ratio(value):
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def rank_ratio(value):
+    return None if 0 < value <= 1 else "a rank ratio must be in (0, 1]"
+
+
+def unit_interval(value):
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
+def one_of(*allowed: str) -> Check:
+    def check(value):
+        if value in allowed:
+            return None
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"unknown '{value}'{hint}; allowed: {', '.join(allowed)}"
+
+    check.allowed = allowed
+    return check
+
+
+def each(check: Check) -> Check:
+    """A check applied to every element of a tuple (e.g. rank ratios)."""
+
+    def check_all(values):
+        for value in values:
+            problem = check(value)
+            if problem:
+                every = problem[2:] if problem.startswith("a ") else f"element {problem}"
+                shown = _show(float(value) if isinstance(value, int) else value)
+                return f"every {every}, got {shown} in '{_show(values)}'"
+        return None
+
+    return check_all
+
+
+def min_max(low: int, high: int) -> Check:
+    return lambda value: None if low <= value <= high else f"must be in {low}..{high}"
+
+
+# ----- the base class ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Base of every options class (see the module docstring)."""
+
+    def check(self) -> None:
+        """Rules that span several fields; raise :class:`ConfigError`. Override where needed."""
+
+    def validate(self):
+        """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            check = field_check(type(self), field.name)
+            if check is None or _traced(value):
+                continue
+            problem = check(value)
+            if problem:
+                named = f"'{value}'" in problem or ", got " in problem  # the message names the value already
+                raise ConfigError(f"{key_of(field.name)}: {problem}" + ("" if named else f", got {_show(value)}"))
+        self.check()
+        return self
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The keys users write (``--set``): field names without a trailing underscore."""
+        return [key_of(f.name) for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, Any, str, str]]:
+        """``(key, default, help, source)`` of every field."""
+        return [
+            (key_of(f.name), f.default, f.metadata.get("help", ""), f.metadata.get("source", ""))
+            for f in dataclasses.fields(cls)
+        ]
+
+    @classmethod
+    def field_for(cls, key: str) -> dataclasses.Field | None:
+        """The field a user key names (``lambda`` is the field ``lambda_``), or None."""
+        for f in dataclasses.fields(cls):
+            if key in (f.name, key_of(f.name)):
+                return f
+        return None
+
+    @classmethod
+    def parse(cls, key: str, text: str):
+        """``text`` (a ``--set`` value) as the type of the field ``key`` names."""
+        field = cls.field_for(key)
+        return parse_value(key, text, field_types(cls)[field.name])
+
+    def with_values(self, values: dict[str, Any]):
+        """A copy with ``{key: value}`` applied (values already typed, or strings to parse)."""
+        changes = {}
+        for key, value in values.items():
+            field = self.field_for(key)
+            if field is None:
+                raise ConfigError(f"unknown option '{key}' of {type(self).__name__}")
+            changes[field.name] = self.parse(key, value) if isinstance(value, str) else _typed(self, field, value)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{key: value}`` (JSON-ready: tuples become lists)."""
+        return {key_of(f.name): _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        """The inverse of :meth:`to_dict` (unknown keys are an error)."""
+        return cls().with_values(values)
+
+
+@functools.cache
+def field_check(cls, name: str) -> Check | None:
+    """The check of field ``name``: its own, or (a subclass that only changes a default) the
+    nearest base class's."""
+    for klass in cls.__mro__:
+        fields = getattr(klass, "__dataclass_fields__", {})
+        if name in fields and fields[name].metadata.get("check") is not None:
+            return fields[name].metadata["check"]
+    return None
+
+
+def key_of(name: str) -> str:
+    return name.rstrip("_")
+
+
+@functools.cache
+def field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def parse_value(key: str, text: str, kind):
+    """A string as ``kind``: int, float, bool, str, or ``tuple[T, ...]`` written comma-separated."""
+    text = text.strip()
+    if typing.get_origin(kind) is tuple:
+        (element, *_) = typing.get_args(kind)
+        if not text:
+            return ()
+        return tuple(parse_value(key, part, element) for part in text.split(","))
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got '{text}'") from None
+
+
+def _typed(options, field, value):
+    """A JSON value (lists for tuples) as the field's type; other values unchanged."""
+    kind = field_types(type(options))[field.name]
+    if typing.get_origin(kind) is tuple and isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
+def _jsonable(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _traced(value) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _show(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+# ----- local training: the fields every algorithm that trains on clients shares ----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTraining(Options):
+    """Client SGD (each algorithm's options subclass this, overriding the defaults its paper
+    states). ``optimizer()`` is the optax transformation they describe."""
+
+    batch_size: int = option(32, "local batch size", source="jaxfed default", check=at_least(1))
+    lr: float = option(
+        0.05, "client SGD learning rate (0 freezes the model)", source="jaxfed default", check=non_negative
+    )  # 0 is a legitimate experiment (evaluate the initialization); negative or non-finite is not
+    momentum: float = option(0.0, "client SGD momentum", source="jaxfed default", check=non_negative)
+    weight_decay: float = option(
+        0.0, "client weight decay (added to the gradient)", source="jaxfed default", check=non_negative
+    )
+    drop_last: bool = option(False, "drop each client's last partial batch (PFLlib's convention)")
+
+    def optimizer(self, lr=None) -> optax.GradientTransformation:
+        """Client SGD as optax: weight decay added to the gradient, optional momentum."""
+        return sgd(self.lr if lr is None else lr, self.momentum, self.weight_decay)
+
+    def batching(self) -> dict:
+        """The keyword arguments of :func:`jaxfed.algorithms.training.run_epochs` these options set."""
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions(LocalTraining):
+    """:class:`LocalTraining` plus the number of local epochs per round."""
+
+    local_epochs: int = option(2, "local epochs per round", source="jaxfed default", check=at_least(1))
+
+    def batching(self) -> dict:
+        return {"epochs": self.local_epochs, **super().batching()}
+
+
+def sgd(lr, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """Client SGD as optax: optional weight decay added to the gradient, optional momentum."""
+    opt = optax.sgd(lr, momentum=momentum or None)
+    return optax.chain(optax.add_decayed_weights(weight_decay), opt) if weight_decay else opt
+
+
+def split_keys(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"a, b"`` or ``("a", "b")`` -> ``("a", "b")`` (empty entries dropped)."""
+    parts = text.split(",") if isinstance(text, str) else text
+    return tuple(p.strip() for p in parts if p.strip())
+
+
+def resolve(cls: type[Options], options: Options | None = None, overrides: dict[str, Any] | None = None):
+    """``options`` (default ``cls()``) with ``overrides`` (``{key: value}``) applied, validated:
+    what every algorithm constructor does with its ``(options=None, **overrides)`` arguments."""
+    options = cls() if options is None else options
+    if not isinstance(options, cls):
+        raise TypeError(f"options: expected {cls.__name__}, got {type(options).__name__}")
+    if overrides:
+        unknown = [k for k in overrides if cls.field_for(k) is None]
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no option(s) {', '.join(unknown)}; options: {', '.join(cls.keys())}")
+        options = dataclasses.replace(options, **{cls.field_for(k).name: v for k, v in overrides.items()})
+    return options.validate()

@@ -1,0 +1,273 @@
+"""The run directory: what a run has logged, and the files that make it resumable and readable.
+
+A run directory holds ``config.json``, ``metrics.jsonl`` (one row per evaluated round),
+``summary.json``, ``accuracy.png`` (and ``global_accuracy.png``) and ``checkpoints/<round>``
+(orbax: the whole simulation state plus the :class:`RunRecord`). :class:`RunDirectory` writes
+them; ``--resume`` reads the newest readable checkpoint back. Any run writes one: a
+:class:`~jaxfed.Config` run (``jaxfed run``) or a simulation that research code built itself
+(:func:`jaxfed.driver.run_simulation`), whose ``config.json`` then records the loop settings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxfed.config import Config
+from jaxfed.errors import ConfigError
+from jaxfed.simulation.checkpoint import RunCheckpoints
+
+# Keys a resumed run may change: they decide how long it runs, what it logs, where it reads data
+# from and what happens on a NaN, never the numbers a round computes (rounds run bit-identically
+# whatever the chunking of rounds into compiled calls).
+RESUMABLE_KEYS = frozenset(
+    {
+        "rounds",
+        "eval_every",
+        "rounds_per_call",
+        "member_chunk",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "nonfinite",
+        "data_dir",
+        "download",
+    }
+)
+TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
+
+
+class LoopSettings(NamedTuple):
+    """How long a run goes and what it records: the driver loop's settings."""
+
+    rounds: int
+    eval_every: int = 5
+    rounds_per_call: int = 5
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+
+    @classmethod
+    def of(cls, config: Config) -> LoopSettings:
+        return cls(*(getattr(config, key) for key in cls._fields))
+
+
+class RunRecord:
+    """Everything a run has logged so far, as JSON: stored in each checkpoint.
+
+    ``pending`` holds the per-round metrics since the last evaluation (floats), ``rows`` the
+    evaluated metrics rows, ``totals`` the running sums, ``round_times`` each round's seconds;
+    ``config`` is the run's config as a dict (:meth:`Config.to_dict`, or the loop settings).
+    """
+
+    def __init__(self, config: dict, record: dict | None = None):
+        record = record or {}
+        self.config = config
+        self.rows: list[dict] = record.get("rows", [])
+        self.pending: dict[str, list[float]] = record.get("pending", {})
+        self.totals: dict[str, float] = record.get("totals", {"bytes_up": 0.0, "bytes_down": 0.0, "nonfinite": 0.0})
+        self.round_times: list[float] = record.get("round_times", [])
+        self.wall_before = float(record.get("wall_seconds", 0.0))
+        self.devices = record.get("devices")
+
+    def add_rounds(self, metrics: dict, seconds_per_round: float) -> None:
+        """Per-round metrics of one call (arrays with a leading round axis)."""
+        count = len(metrics["bytes_up"])
+        for key, values in metrics.items():
+            if key == "nonfinite_ids":
+                continue
+            self.pending.setdefault(key, []).extend(float(v) for v in np.asarray(values).reshape(count))
+        for total, key in (("bytes_up", "bytes_up"), ("bytes_down", "bytes_down"), ("nonfinite", "nonfinite_clients")):
+            self.totals[total] += float(np.sum(np.asarray(metrics[key], np.float64)))
+        self.round_times += [seconds_per_round] * count
+
+    def add_row(self, round_: int, evaluation: dict, wall: float) -> dict:
+        window = len(self.pending.get("bytes_up", []))
+        global_key = "global_mse" if is_regression_row(evaluation) else "global_acc"
+        row = {"round": round_, **evaluation, global_key: evaluation.get(global_key)}
+        for key, values in self.pending.items():
+            if key not in ("bytes_up", "bytes_down", "nonfinite_clients"):
+                row[key] = float(np.mean(values)) if values else None
+        row.update(
+            bytes_up_round=self.pending["bytes_up"][-1] if window else 0.0,
+            bytes_down_round=self.pending["bytes_down"][-1] if window else 0.0,
+            bytes_up_total=self.totals["bytes_up"],
+            bytes_down_total=self.totals["bytes_down"],
+            nonfinite_skipped=float(sum(self.pending.get("nonfinite_clients", []))),
+            round_seconds=float(np.mean(self.round_times[-window:])) if window else None,
+            wall_seconds=self.wall_before + wall,
+        )
+        self.rows.append(row)
+        self.pending = {}
+        return row
+
+    def to_json(self, round_: int, wall: float, devices: int) -> dict:
+        return {
+            "config": self.config,
+            "round": round_,
+            "rows": self.rows,
+            "pending": self.pending,
+            "totals": self.totals,
+            "round_times": self.round_times,
+            "wall_seconds": self.wall_before + wall,
+            "devices": devices,
+        }
+
+
+class RunDirectory:
+    """The files of one run directory (see the module docstring)."""
+
+    def __init__(self, path: str | Path, keep_checkpoints: int = 3):
+        self.path = Path(path)
+        self.checkpoints = RunCheckpoints(self.path / "checkpoints", keep=keep_checkpoints)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    def holds_run(self) -> bool:
+        return bool(self.checkpoints.rounds()) or self.metrics_path.exists()
+
+    def refuse_existing(self) -> None:
+        """A ConfigError if a run is here already (a new run must not overwrite it)."""
+        if self.holds_run():
+            raise ConfigError(
+                f"--out {self.path}: already holds a run; pass --resume to continue it, or choose another --out"
+            )
+
+    def newest_record(self, log=None):
+        """``(round, record)`` of the newest checkpoint whose record reads, or None."""
+        return self.checkpoints.newest(self.checkpoints.read_record, warn=log)
+
+    def saved_config(self, log=None) -> dict:
+        """The config (as a dict) of the newest readable checkpoint: what ``--resume`` starts from."""
+        found = self.newest_record(log)
+        if found is None:
+            raise ConfigError(f"--resume: no checkpoint in {self.checkpoints.directory}")
+        return found[1]["config"]
+
+    def restore(self, like, log):
+        """``(state, RunRecord)`` of the newest readable checkpoint (unreadable newer ones are set aside)."""
+        restored = self.checkpoints.newest(lambda r: self.checkpoints.restore(r, like=like), warn=log)
+        if restored is None:
+            raise ConfigError(f"--resume: no readable checkpoint in {self.checkpoints.directory}")
+        round_, (state, saved) = restored
+        for newer in [r for r in self.checkpoints.rounds() if r > round_]:
+            log(f"moved the unreadable checkpoint to {self.checkpoints.set_aside(newer)}")
+        log(f"resuming from round {round_} ({self.checkpoints.directory / str(round_)})")
+        return state, RunRecord(saved["config"], saved)
+
+    def start(self, config: dict, rows: list[dict]) -> None:
+        """Create the directory, write ``config.json`` and ``metrics.jsonl`` (the rows so far)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_rows(self.metrics_path, rows)
+
+    def append_row(self, row: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def save(self, state, record: RunRecord, wall: float, devices: int) -> None:
+        round_ = int(state.round)
+        self.checkpoints.save(round_, state, record.to_json(round_, wall, devices))
+
+    def finish(self, summary: dict, rows: list[dict], log) -> None:
+        """Write ``summary.json`` and the plots."""
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_plots(self.path, rows, log)
+
+
+def check_resumable(saved: Config, config: Config) -> None:
+    """Refuse (ConfigError) a resume whose config changes what a round computes."""
+    changed = [
+        f"{key} ({getattr(saved, key)!r} -> {getattr(config, key)!r})"
+        for key in Config.run_keys()
+        if key not in RESUMABLE_KEYS and getattr(saved, key) != getattr(config, key)
+    ]
+    if saved.options != config.options:
+        old, new = saved.options.to_dict(), config.options.to_dict()
+        changed += [f"{key} ({old[key]!r} -> {new.get(key)!r})" for key in old if old[key] != new.get(key)]
+    if changed:
+        raise ConfigError(
+            "--resume: the config differs from the checkpoint's in "
+            + ", ".join(changed)
+            + f"; only {', '.join(sorted(RESUMABLE_KEYS))} may change"
+        )
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Replace ``path`` atomically with ``rows`` as JSON lines."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def write_plots(out: Path, rows: list[dict], log) -> None:
+    """``accuracy.png`` (personalized) and, where there is a global model, ``global_accuracy.png``."""
+    from jaxfed.plots import plot_runs
+
+    kind = "mse" if rows and is_regression_row(rows[0]) else "acc"
+    plots = {"accuracy.png": f"personalized_{kind}_mean"}
+    if any(r.get(f"global_{kind}") is not None for r in rows):
+        plots["global_accuracy.png"] = f"global_{kind}"
+    for name, metric in plots.items():
+        try:
+            plot_runs([out], out / name, metric)
+        except Exception as err:  # a plot must never cost the run its results
+            log(f"warning: could not write {out / name}: {err}")
+
+
+def is_regression_row(row: dict) -> bool:
+    """Whether an evaluation row is a regression task's (MSE metrics instead of accuracies)."""
+    return "personalized_mse_mean" in row
+
+
+def headline(row: dict) -> tuple[str, float]:
+    """The metric a run is judged by: personalized accuracy, or MSE for a regression task."""
+    return ("mse", row["personalized_mse_mean"]) if is_regression_row(row) else ("acc", row["personalized_acc_mean"])
+
+
+def task_summary(rows: list[dict]) -> dict:
+    """Last and best personalized / global metrics: accuracy (best = max), or MSE (best = min)."""
+    final = rows[-1]
+    kind, best = ("mse", min) if is_regression_row(final) else ("acc", max)
+    global_values = [r[f"global_{kind}"] for r in rows if r.get(f"global_{kind}") is not None]
+    return {
+        "task": "regression" if kind == "mse" else "classification",
+        **{f"personalized_{kind}_{s}": final[f"personalized_{kind}_{s}"] for s in ("mean", "weighted", "std")},
+        f"global_{kind}": final.get(f"global_{kind}"),
+        f"best_personalized_{kind}": best(r[f"personalized_{kind}_mean"] for r in rows),
+        f"best_global_{kind}": best(global_values) if global_values else None,
+    }
+
+
+def summary(sim, record: RunRecord, wall: float, *, partition: Any = None) -> dict:
+    """``summary.json``: what ran, the final and best metrics, traffic, timing."""
+    config, rows = record.config, record.rows
+    final = rows[-1]
+    return {
+        "algorithm": config.get("algorithm", sim.algorithm.name),
+        "dataset": config.get("dataset"),
+        "model": getattr(sim.model, "name", type(sim.model).__name__),
+        "num_clients": sim.num_clients,
+        "clients_per_round": sim.num_sampled,
+        "rounds": int(final["round"]),
+        **task_summary(rows),
+        "bytes_up_total": final["bytes_up_total"],
+        "bytes_down_total": final["bytes_down_total"],
+        "nonfinite_skipped_total": record.totals["nonfinite"],
+        "round_seconds_median": float(np.median(record.round_times)),
+        "compile_seconds": sim.compile_seconds,
+        "wall_seconds": record.wall_before + wall,
+        "devices": sim.num_devices,
+        "partition": partition,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,133 @@
+"""Algorithm-owned options: declared checks, parsing, the registry, config sections and scoped keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from jaxfed.algorithms import registry
+from jaxfed.algorithms.fedcspack import FedCSPACKOptions
+from jaxfed.algorithms.feddecomp import FedDecompOptions
+from jaxfed.cli import _parser, config_from_args, main
+from jaxfed.config import Config, read_config_file
+from jaxfed.errors import ConfigError
+from jaxfed.options import TrainingOptions, option, positive
+
+
+def test_every_algorithm_owns_a_documented_options_class_whose_defaults_validate():
+    for name in registry.names():
+        options = registry.get(name).options
+        assert issubclass(options, TrainingOptions) or name == "local"  # every built-in trains locally
+        options().validate()
+        for key, default, help_, source in options.describe():
+            assert help_, f"{name}.{key} has no help"
+        assert not set(options.keys()) & set(Config.run_keys()), name
+
+
+def test_paper_defaults_differ_per_algorithm_and_the_baselines_keep_theirs():
+    defaults = {name: registry.get(name).options() for name in ("fedavg", "feddecomp", "fedara", "fedloru")}
+    assert (defaults["fedavg"].lr, defaults["fedavg"].local_epochs, defaults["fedavg"].batch_size) == (0.05, 2, 32)
+    assert (defaults["feddecomp"].lr, defaults["feddecomp"].batch_size, defaults["feddecomp"].local_epochs) == (
+        0.1,
+        100,
+        5,
+    )  # FedDecomp §5.1
+    assert (defaults["fedara"].lr, defaults["fedara"].batch_size) == (5e-3, 16)  # FedARA §5
+    assert defaults["fedloru"].momentum == 0.9  # FedLoRU App. D
+    assert "FedDecomp paper" in dict((k, s) for k, _, _, s in FedDecompOptions.describe())["batch_size"]
+
+
+def test_values_parse_to_the_field_types_and_checks_name_the_field():
+    options = FedCSPACKOptions().with_values({"pack_size": "512", "select": "all_below", "drop_last": "yes"})
+    assert (options.pack_size, options.select, options.drop_last) == (512, "all_below", True)
+    with pytest.raises(ConfigError, match=r"^pack_size: expected int, got 'big'$"):
+        FedCSPACKOptions().with_values({"pack_size": "big"})
+    with pytest.raises(ConfigError, match=r"^share_ratio: must be in \(0, 1\], got 1.5$"):
+        FedCSPACKOptions(share_ratio=1.5).validate()
+    with pytest.raises(ConfigError, match=r"^lr: must be a finite number >= 0, got inf$"):
+        FedCSPACKOptions(lr=float("inf")).validate()
+    with pytest.raises(
+        ConfigError, match=r"^select: unknown 'best' \(did you mean 'top_k'\?\)|^select: unknown 'best'"
+    ):
+        FedCSPACKOptions(select="best").validate()
+
+
+def test_config_round_trips_through_its_dict():
+    config = Config(algorithm="fedara").with_overrides(["tiers=0.5,0.25", "lambda=5", "rounds=7"])
+    again = Config.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.options.tiers == (0.5, 0.25)
+
+
+def test_set_takes_several_pairs_and_algorithm_applies_first_wherever_it_stands():
+    args = _parser().parse_args(
+        ["run", "--set", "rounds=1", "num_clients=5", "select=all_below", "algorithm=fedcspack"]
+    )
+    config = config_from_args(args)
+    assert (config.rounds, config.num_clients, config.algorithm, config.options.select) == (
+        1,
+        5,
+        "fedcspack",
+        "all_below",
+    )
+
+
+def test_an_other_algorithms_key_says_whose_it_is(capsys, tmp_path):
+    assert main(["run", "fedavg", "--set", "pack_size=64", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxfed: error: pack_size: an option of fedcspack, not of fedavg; see `jaxfed list fedavg`"
+    assert not (tmp_path / "r").exists()
+
+
+def test_scoped_keys_and_config_file_sections_apply_only_to_their_algorithm(tmp_path):
+    conf = tmp_path / "study.conf"
+    conf.write_text(
+        "rounds = 4\nlr = 0.02   # every algorithm\n\n[fedcspack]\npack_size = 256\nselect = all_below\n"
+        "\n[fedhm]\ntiers = 1.0,0.5\n\n[run]\nnum_clients = 6\n"
+    )
+    pairs = read_config_file(conf)
+    assert pairs == [
+        "rounds=4",
+        "lr=0.02",
+        "fedcspack.pack_size=256",
+        "fedcspack.select=all_below",
+        "fedhm.tiers=1.0,0.5",
+        "num_clients=6",
+    ]
+    for name in ("fedavg", "fedcspack", "fedhm"):
+        config = Config().with_overrides([*pairs, f"algorithm={name}"]).validate()
+        assert (config.rounds, config.num_clients, config.options.lr) == (4, 6, 0.02)
+        assert getattr(config.options, "pack_size", 256) == 256 and getattr(config.options, "tiers", (1.0, 0.5)) == (
+            1.0,
+            0.5,
+        )
+    with pytest.raises(ConfigError, match="algorithm: unknown 'fedcspak'"):
+        Config().with_overrides(["fedcspak.pack_size=1"])
+
+
+def test_list_prints_an_algorithms_options_with_defaults_and_sources(capsys):
+    assert main(["list", "feddecomp"]) == 0
+    out = capsys.readouterr().out
+    assert "  batch_size = 100\n" in out and "FedDecomp paper" in out and "  aggregation = uniform\n" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert main(["list"]) == 0
+    assert "  rounds = 30\n" in capsys.readouterr().out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Toy(TrainingOptions):
+    step: float = option(1.0, "a step", source="nowhere", check=positive)
+
+
+def test_register_refuses_clashes_and_duplicates():
+    with pytest.raises(ValueError, match="exists already"):
+        registry.register("fedavg", _Toy, lambda model, options, config: None)
+
+    @dataclasses.dataclass(frozen=True)
+    class Clash(TrainingOptions):
+        rounds: int = option(3, "shadows the run key")
+
+    with pytest.raises(ValueError, match="rounds shadow run-level config keys"):
+        registry.register("clash", Clash, lambda model, options, config: None)
+    assert "clash" not in registry.names()
