@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from jaxfed.config import Config, read_config_file
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
@@ -119,9 +120,10 @@ def config_from_args(args, base: Config | None = None) -> Config:
     """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
     files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set``."""
     pairs = [pair for path in args.config for pair in read_config_file(path)]
-    if args.plugin:
+    if args.plugin:  # a .py file is recorded by its absolute path, so --resume finds it from anywhere
         known = base.plugins if base is not None else ()
-        pairs.append("plugins=" + ",".join(dict.fromkeys([*known, *args.plugin])))
+        given = [str(Path(p).absolute()) if p.endswith(".py") else p for p in args.plugin]
+        pairs.append("plugins=" + ",".join(dict.fromkeys([*known, *given])))
     for key, value in (("algorithm", args.algorithm), ("dataset", args.dataset), ("data_dir", args.data_dir)):
         if value is not None:
             pairs.append(f"{key}={value}")

@@ -35,7 +35,7 @@ from jaxfed.core import lowrank
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
-from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order
+from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order, no_adaptable_layers
 from jaxfed.options import TrainingOptions, each, non_negative, one_of, option, rank_ratio, resolve, split_keys
 
 ANCHOR_LOSSES = ("mean", "sum")
@@ -88,8 +88,9 @@ def default_decomposed_layers(model, head: str) -> list[str]:
     return extractor[1:] or extractor
 
 
-def check_decomposed_layers(template, layers, head: str) -> list[str]:
-    extractor = [key for key in lowrank.factorizable_layers(template) if key != head]
+def check_decomposed_layers(model, layers, head: str) -> list[str]:
+    """``layers`` if each is a Dense / Conv layer of the feature extractor (they run factorized)."""
+    extractor = [key for key in layers_in_call_order(model) if key != head]
     for key in layers:
         if key not in extractor:
             raise ConfigError(
@@ -104,6 +105,8 @@ def check_head(model, template, head: str) -> str:
     """The head's key: ``head`` if it is a Dense layer of the model, else the last Dense called."""
     head = head or last_dense_layer(model)
     dense = [k for k in lowrank.factorizable_layers(template) if lowrank.get_layer(template, k)["kernel"].ndim == 2]
+    if not dense:
+        raise no_adaptable_layers("fedara", model)
     if head not in dense:
         raise ConfigError(f"head: '{head}' is not a Dense layer of the model; allowed: {', '.join(dense) or 'none'}")
     return head
@@ -166,7 +169,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
     template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     head = check_head(model, template, options.head)
     layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
-    ranks = tier_ranks(template, check_decomposed_layers(template, layers, head), options.tiers)
+    ranks = tier_ranks(template, check_decomposed_layers(model, layers, head), options.tiers)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))

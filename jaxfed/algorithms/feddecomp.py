@@ -26,6 +26,7 @@ from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
+from jaxfed.nn.layers import no_adaptable_layers
 from jaxfed.options import TrainingOptions, at_least, non_negative, one_of, option, rank_ratio, resolve, split_keys
 
 LAYOUT = "balanced"
@@ -129,7 +130,7 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     layers = list(split_keys(options.layers)) or None
     ranks = decomposition_ranks(template, options.rank_dense, options.rank_conv, layers)
     if not ranks:
-        raise ConfigError("feddecomp: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to decompose")
+        raise no_adaptable_layers("feddecomp", model)
     scales = layer_scales(ranks, options.lora_alpha)
 
     def init(rng):

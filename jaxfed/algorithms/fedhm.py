@@ -18,10 +18,9 @@ import jax
 from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import lowrank, tree_select, weighted_mean
-from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
-from jaxfed.nn.layers import interior_layers
-from jaxfed.options import TrainingOptions, each, option, rank_ratio, resolve, split_keys
+from jaxfed.nn.layers import choose_layers
+from jaxfed.options import TrainingOptions, each, option, rank_ratio, resolve
 
 DEFAULT_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 FEDARA_SETUP = "FedARA paper §5 (FedHM is its baseline, run in its setup: E=5, B=16, lr 5e-3)"
@@ -67,26 +66,12 @@ def average_received(previous, messages, weights):
     return tree_select(weights.sum() > 0, weighted_mean(messages, weights), previous)
 
 
-def chosen_layers(model, template, layers, field: str = "layers") -> list[str]:
-    """``layers`` (checked against the model's factorizable layers) or the default interior ones."""
-    available = lowrank.factorizable_layers(template)
-    keys = list(split_keys(layers)) or interior_layers(model)
-    unknown = [k for k in keys if k not in available]
-    if unknown:
-        raise ConfigError(
-            f"{field}: {', '.join(unknown)} not Dense/Conv layers of the model; allowed: {', '.join(available)}"
-        )
-    if not keys:
-        raise ConfigError(f"{field}: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to factorize")
-    return keys
-
-
 def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **overrides) -> FederatedAlgorithm:
     """FedHM over ``len(options.tiers)`` client tiers."""
     options = resolve(FedHMOptions, options, overrides)
     optimizer = options.optimizer()
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    ranks = tier_ranks(template, chosen_layers(model, template, options.layers), options.tiers)
+    ranks = tier_ranks(template, choose_layers(model, options.layers, "fedhm"), options.tiers)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))

@@ -29,9 +29,8 @@ import jax.numpy as jnp
 from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
-from jaxfed.errors import ConfigError
-from jaxfed.nn.layers import interior_layers
-from jaxfed.options import TrainingOptions, at_least, each, non_negative, option, rank_ratio, resolve, split_keys
+from jaxfed.nn.layers import choose_layers
+from jaxfed.options import TrainingOptions, at_least, each, non_negative, option, rank_ratio, resolve
 
 LAYOUT = "im2col"
 MFEDLORU_DEFAULT_TIERS = (1.0, 0.5, 0.25)
@@ -135,15 +134,7 @@ class _Adapted(NamedTuple):
 
 def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_rank") -> _Adapted:
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    keys = list(split_keys(layers or ())) or interior_layers(model)
-    available = lowrank.factorizable_layers(template)
-    unknown = [k for k in keys if k not in available]
-    if unknown:
-        raise ConfigError(
-            f"layers: {', '.join(unknown)} not Dense/Conv layers of the model; allowed: {', '.join(available)}"
-        )
-    if not keys:
-        raise ConfigError("layers: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to adapt")
+    keys = choose_layers(model, layers or (), "the FedLoRU family")
     ranks = {}
     for key in keys:
         shape = lowrank.get_layer(template, key)["kernel"].shape

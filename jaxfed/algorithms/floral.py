@@ -31,6 +31,7 @@ from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
 from jaxfed.core.routing import ROUTERS, check_router, mixture_average, mixture_weights, oracle_init
 from jaxfed.errors import ConfigError
+from jaxfed.nn.layers import no_adaptable_layers
 from jaxfed.options import TrainingOptions, at_least, non_negative, one_of, option, positive, ratio, resolve, sgd
 
 CODE = "the authors' code (zeligism/FLoRAL, conf/task/mnist.yaml)"
@@ -137,7 +138,7 @@ def _plan(model, options: AdaptorOptions, num_adaptors: int):
         alpha=options.adaptor_alpha,
     )
     if not plan.kernels:
-        raise ConfigError("floral: the model has no Dense or Conv layer (nn.Dense / nn.Conv) to adapt")
+        raise no_adaptable_layers("floral", model)
     return template, plan
 
 

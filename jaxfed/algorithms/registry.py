@@ -45,7 +45,12 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
     """Register algorithm ``name`` with its ``options`` class and ``build`` function; usable as
     a decorator (``@register(name, Options)``). ``replace=True`` overrides an existing name."""
     if build is None:
-        return lambda fn: register(name, options, fn, replace=replace) or fn
+
+        def decorator(fn):
+            register(name, options, fn, replace=replace)
+            return fn
+
+        return decorator
     if not (isinstance(options, type) and issubclass(options, Options) and dataclasses.is_dataclass(options)):
         raise TypeError(f"register({name!r}): options must be a dataclass subclassing jaxfed.options.Options")
     if name in _REGISTRY and not replace:

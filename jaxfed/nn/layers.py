@@ -64,3 +64,45 @@ def head_input(model, head: str, variables, x, *, train: bool = False, mask=None
     if not captured:
         raise ValueError(f"head: the forward pass never called the layer '{head}'")
     return (captured[-1], outputs), model_state
+
+
+def all_layers(model) -> list[tuple[str, str]]:
+    """``(key, module type)`` of every submodule a forward pass calls (for error messages)."""
+    seen: dict[str, str] = {}
+
+    def record(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and context.module.path:
+            seen.setdefault(".".join(context.module.path), type(context.module).__name__)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(model.init, jax.random.key(0))
+    return list(seen.items())
+
+
+def no_adaptable_layers(algorithm: str, model):
+    """The one-line ConfigError of a low-rank algorithm that finds no layer to adapt: it names the
+    model's layers, so the user sees what was there."""
+    from jaxfed.errors import ConfigError
+
+    found = ", ".join(f"{key} ({kind})" for key, kind in all_layers(model)) or "none"
+    return ConfigError(
+        f"{algorithm}: the model has no nn.Dense / nn.Conv layer to adapt (2-D kernels only); its layers: {found}"
+    )
+
+
+def choose_layers(model, layers, algorithm: str, field: str = "layers") -> list[str]:
+    """The layers a low-rank algorithm adapts: ``layers`` (keys; each must be a Dense / Conv layer
+    the forward pass calls) or, when empty, :func:`interior_layers`; one-line ConfigErrors."""
+    from jaxfed.errors import ConfigError
+
+    available = layers_in_call_order(model)
+    keys = [key.strip() for key in layers if key.strip()] or interior_layers(model)
+    if not keys:
+        raise no_adaptable_layers(algorithm, model)
+    unknown = [key for key in keys if key not in available]
+    if unknown:
+        raise ConfigError(
+            f"{field}: {', '.join(unknown)} not Dense/Conv layers of the model; allowed: {', '.join(available)}"
+        )
+    return keys

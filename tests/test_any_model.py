@@ -1,0 +1,106 @@
+"""Any Flax module is a model: stock nn.Dense / nn.Conv layers and a plain ``__call__(x)``."""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_federation
+
+from jaxfed.algorithms import fedara, feddecomp, fedhm, fedloru, floral
+from jaxfed.core import lowrank
+from jaxfed.errors import ConfigError
+from jaxfed.nn import Model
+from jaxfed.nn.factorized import factorized_execution
+from jaxfed.nn.layers import interior_layers, last_dense_layer
+from jaxfed.simulation import Simulation
+
+
+class UserNet(nn.Module):
+    """What a researcher writes: stock layers, auto-named, no train / mask / features arguments."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(6, (3, 3))(x))
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2, padding=((1, 0), (0, 1)))(x))
+        x = nn.relu(nn.Dense(24)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(10)(x)
+
+
+class NoKernels(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Embed(16, 10)(jnp.zeros(x.shape[0], jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def user_model(digits):
+    return Model.wrap(UserNet(), digits.input_shape)
+
+
+def test_stock_layers_are_found_in_call_order(user_model):
+    assert interior_layers(user_model) == ["Conv_1", "Dense_0"]
+    assert last_dense_layer(user_model) == "Dense_1"
+
+
+def test_a_stock_conv_runs_factorized_as_its_reconstructed_kernel(user_model):
+    params = user_model.init(jax.random.key(0))["params"]
+    factorized = lowrank.factorize_layers(params, {"Conv_1": 3, "Dense_0": 5})
+    x = jax.random.normal(jax.random.key(1), (4, *user_model.input_shape))
+    with factorized_execution():
+        got, _ = user_model.apply({"params": factorized}, x)
+    reference = lowrank.reconstruct_layers(factorized)  # full kernels, run by the stock layers themselves
+    expected, _ = user_model.apply({"params": reference}, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert "kernel" not in factorized["Conv_1"]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda m: fedhm.fedhm(m, tiers=(1.0, 0.5), local_epochs=1, batch_size=32, lr=0.05),
+        lambda m: fedara.fedara(m, tiers=(1.0, 0.5), local_epochs=1, batch_size=32, lr=0.05),
+        lambda m: feddecomp.feddecomp(m, local_epochs=2, batch_size=32),
+        lambda m: floral.floral(m, local_epochs=1, num_adaptors=2),
+        lambda m: fedloru.fedloru(m, lora_rank=2, local_epochs=1),
+    ],
+    ids=["fedhm", "fedara", "feddecomp", "floral", "fedloru"],
+)
+def test_low_rank_algorithms_train_a_user_module(build, user_model, digits):
+    fed = make_federation(digits, num_clients=4, alpha=1.0)
+    alg = build(user_model)
+    sim = Simulation(alg, user_model, fed, participation=1.0)
+    start = sim.init()
+    state, metrics = sim.run_rounds(start, 2)
+    assert np.all(np.isfinite(np.asarray(metrics["train_loss"])))
+    result = sim.evaluate(state)
+    assert 0.0 <= result["personalized_acc_mean"] <= 1.0
+    chex.assert_trees_all_equal_structs(state.server, start.server)  # the server's shapes never change
+    with pytest.raises(AssertionError):  # and it moved
+        chex.assert_trees_all_close(state.server, start.server)
+
+
+def test_fedhm_factorizes_the_stock_conv(user_model):
+    alg = fedhm.fedhm(user_model, tiers=(0.5,))
+    server, _ = alg.init(jax.random.key(0))
+    message = alg.broadcast(server, 0)
+    assert set(message["Conv_1"]) == {"u", "v", "bias"} and "kernel" in message["Conv_0"]
+
+
+def test_fedara_private_head_defaults_to_the_last_dense_and_is_configurable(user_model):
+    alg = fedara.fedara(user_model, tiers=(1.0,))
+    server, client = alg.init(jax.random.key(0))
+    assert "Dense_1" not in server["fe"] and client["head"]["kernel"].shape == (24, 10)
+    expected = "head: 'Conv_1' is not a Dense layer of the model; allowed: Dense_0, Dense_1"
+    with pytest.raises(ConfigError, match=expected):
+        fedara.fedara(user_model, head="Conv_1")
+
+
+@pytest.mark.parametrize("build", [fedhm.fedhm, fedara.fedara, feddecomp.feddecomp, floral.floral, fedloru.fedloru])
+def test_a_model_without_dense_or_conv_layers_is_a_one_line_error(build):
+    model = Model.wrap(NoKernels(), (4,))
+    with pytest.raises(ConfigError, match=r"no nn.Dense / nn.Conv layer to adapt .*its layers: Embed_0 \(Embed\)$"):
+        build(model)
