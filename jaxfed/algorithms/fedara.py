@@ -29,32 +29,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.fedhm import DEFAULT_TIERS, average_received, reconstruct_upload, tier_ranks
+from jaxfed.algorithms.fedhm import TieredOptions, average_received, reconstruct_upload, tier_ranks
 from jaxfed.algorithms.training import TrainState, gradient_step, masked_loss, run_epochs, split_variables
 from jaxfed.core import lowrank
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order, no_adaptable_layers
-from jaxfed.options import TrainingOptions, each, non_negative, one_of, option, rank_ratio, resolve, split_keys
+from jaxfed.options import non_negative, one_of, option, resolve, split_keys
 
 ANCHOR_LOSSES = ("mean", "sum")
 PAPER = "FedARA paper §5 settings"
 
 
 @dataclasses.dataclass(frozen=True)
-class FedARAOptions(TrainingOptions):
+class FedARAOptions(TieredOptions):
     """FedARA's options: tiers, the anchor alignment and the private head."""
 
-    local_epochs: int = option(5, "local epochs per round", source=PAPER)
-    batch_size: int = option(16, "local batch size", source=PAPER)
-    lr: float = option(5e-3, "client SGD learning rate", source=PAPER)
-    tiers: tuple[float, ...] = option(
-        DEFAULT_TIERS,
-        "one rank ratio in (0, 1] per client tier; clients split into equal contiguous id blocks",
-        source="FedARA paper §5 (five heterogeneous tiers of decreasing rank)",
-        check=each(rank_ratio),
-    )
     lambda_: float = option(
         2.0,
         "anchor alignment weight lambda (key 'lambda'); 10 in the homogeneous setting",

@@ -27,8 +27,8 @@ FEDARA_SETUP = "FedARA paper §5 (FedHM is its baseline, run in its setup: E=5, 
 
 
 @dataclasses.dataclass(frozen=True)
-class FedHMOptions(TrainingOptions):
-    """FedHM's options: client tiers of rank ratios over the factorized layers."""
+class TieredOptions(TrainingOptions):
+    """Client tiers of rank ratios, trained in FedARA's setup (FedHM is its baseline)."""
 
     local_epochs: int = option(5, "local epochs per round", source=FEDARA_SETUP)
     batch_size: int = option(16, "local batch size", source=FEDARA_SETUP)
@@ -39,6 +39,12 @@ class FedHMOptions(TrainingOptions):
         source="FedARA paper §5 (five heterogeneous tiers of decreasing rank)",
         check=each(rank_ratio),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class FedHMOptions(TieredOptions):
+    """FedHM's options: client tiers of rank ratios over the factorized layers."""
+
     layers: tuple[str, ...] = option(
         (), "layers to factorize (comma-separated); empty = every Dense/Conv but the first called and the last"
     )
