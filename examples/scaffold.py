@@ -69,7 +69,6 @@ def _mean(stacked, weights):
 
 def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int, **overrides) -> FederatedAlgorithm:
     options = resolve(ScaffoldOptions, options, overrides)
-    optimizer = options.optimizer()
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -79,6 +78,7 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
         return server
 
     def client_update(server: ServerState, client: ClientState, data, rng):
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         correction = jax.tree.map(jnp.subtract, server.control, client.control)  # c - c_i
 
         def drift_correction(params):  # its gradient is c - c_i at every step
@@ -95,7 +95,7 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
             **options.batching(),
         )
         params, model_state = split_variables(variables)
-        scale = 1.0 / (jnp.maximum(metrics["steps"], 1.0) * options.lr)
+        scale = 1.0 / (jnp.maximum(metrics["steps"], 1.0) * options.learning_rate(data.round))
         new_control = jax.tree.map(
             lambda ci, c, x, y: ci - c + (x - y) * scale, client.control, server.control, server.params, params
         )

@@ -31,6 +31,7 @@ import optax
 from jaxfed.errors import ConfigError
 
 Check = Callable[[Any], "str | None"]  # None when the value is allowed, else what is allowed
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def option(default, help: str, *, source: str = "", check: Check | None = None):
@@ -260,10 +261,27 @@ class LocalTraining(Options):
         0.0, "client weight decay (added to the gradient)", source="jaxfed default", check=non_negative
     )
     drop_last: bool = option(False, "drop each client's last partial batch (PFLlib's convention)")
+    lr_schedule: str = option(
+        "constant",
+        "learning rate over rounds: constant, or cosine (optax.cosine_decay_schedule from lr at round 0 to "
+        "lr_min at round lr_decay_rounds, lr_min after)",
+        source="jaxfed default",
+        check=one_of(*LR_SCHEDULES),
+    )
+    lr_min: float = option(0.0, "cosine: the learning rate it decays to", source="jaxfed default", check=non_negative)
+    lr_decay_rounds: int = option(100, "cosine: rounds from lr to lr_min", source="jaxfed default", check=at_least(1))
 
-    def optimizer(self, lr=None) -> optax.GradientTransformation:
-        """Client SGD as optax: weight decay added to the gradient, optional momentum."""
-        return sgd(self.lr if lr is None else lr, self.momentum, self.weight_decay)
+    def learning_rate(self, round_=None):
+        """The client learning rate of round ``round_`` (0-based; None: round 0), from an optax schedule."""
+        if self.lr_schedule == "constant" or round_ is None:
+            return self.lr
+        decay = optax.cosine_decay_schedule(self.lr - self.lr_min, self.lr_decay_rounds)
+        return self.lr_min + decay(round_)
+
+    def optimizer(self, round_=None) -> optax.GradientTransformation:
+        """Client SGD at round ``round_``'s learning rate: weight decay added to the gradient,
+        optional momentum (re-created every round, as local optimizers are)."""
+        return sgd(self.learning_rate(round_), self.momentum, self.weight_decay)
 
     def batching(self) -> dict:
         """The keyword arguments of :func:`jaxfed.algorithms.training.run_epochs` these options set."""

@@ -81,7 +81,7 @@ def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
     for alg in (plain, with_opt):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
         state, _ = sim.run_rounds(sim.init(), 2)
-        results.append(jax.tree.leaves(state.server["params"]))
+        results.append(jax.tree.leaves(state.server.params))
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 

@@ -7,6 +7,7 @@ import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
+from jaxfed.algorithms.records import ClientStats
 from jaxfed.data import ClientData
 from jaxfed.simulation import Simulation, sampling
 
@@ -90,9 +91,9 @@ def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation
     rngs = sampling.client_keys(key, jnp.asarray(ids))
     message = alg.broadcast(state.server, 0)
     one = jax.jit(alg.client_update)
-    uploads = [one(message, {"model_state": {}}, _client_view(fed, k), rngs[i])[1] for i, k in enumerate(ids)]
+    uploads = [one(message, ClientStats({}), _client_view(fed, k), rngs[i])[1] for i, k in enumerate(ids)]
     counts = np.asarray(fed.train_count)[ids].astype(np.float64)
-    for leaf_new, *leaves in zip(jax.tree.leaves(new_state.server["params"]), *map(jax.tree.leaves, uploads)):
+    for leaf_new, *leaves in zip(jax.tree.leaves(new_state.server.params), *map(jax.tree.leaves, uploads)):
         expected = sum(c * np.asarray(leaf, np.float64) for c, leaf in zip(counts, leaves)) / counts.sum()
         np.testing.assert_allclose(leaf_new, expected, rtol=1e-4, atol=1e-5)
 
@@ -131,7 +132,7 @@ def test_same_seed_same_numbers(mlp, digits_federation):
         alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
         sim = Simulation(alg, mlp, digits_federation, participation=0.5, seed=seed)
         state, metrics = sim.run_rounds(sim.init(), 3)
-        return jax.tree.leaves(state.server["params"]), metrics["train_loss"]
+        return jax.tree.leaves(state.server.params), metrics["train_loss"]
 
     (p1, l1), (p2, l2), (p3, _) = once(7), once(7), once(8)
     for a, b in zip(p1, p2):
@@ -160,7 +161,7 @@ def test_client_strategies_agree(mlp, digits_federation, chunk):
         alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=16)
         sim = Simulation(alg, mlp, digits_federation, participation=0.7, client_chunk=client_chunk)
         state, metrics = sim.run_rounds(sim.init(), 2)
-        return jax.tree.leaves(state.server["params"]) + [metrics["train_loss"]]
+        return jax.tree.leaves(state.server.params) + [metrics["train_loss"]]
 
     for a, b in zip(run(0), run(chunk)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

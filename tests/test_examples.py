@@ -16,6 +16,7 @@ import pytest
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.records import ClientStats
 from jaxfed.cli import main
 from jaxfed.data import ClientData
 from jaxfed.rundir import TIMING_KEYS
@@ -64,7 +65,7 @@ def test_scaffold_client_step_matches_fedavg_then_the_control_formula(scaffold_m
     new_client, upload, metrics = jax.jit(alg.client_update)(server, client, data, rng)
 
     plain = fedavg(mlp, lr=0.05, local_epochs=1, batch_size=16)
-    _, y, plain_metrics = jax.jit(plain.client_update)(server.params, {"model_state": {}}, data, rng)
+    _, y, plain_metrics = jax.jit(plain.client_update)(server.params, ClientStats({}), data, rng)
     chex.assert_trees_all_close(jax.tree.map(jnp.add, server.params, upload.delta_params), y, rtol=1e-5, atol=1e-6)
     steps = float(plain_metrics["steps"])
     assert float(metrics["steps"]) == steps > 0

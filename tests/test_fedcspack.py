@@ -37,22 +37,22 @@ def test_upload_is_the_selected_packs_of_a_numpy_reference(mlp, digits_federatio
     alg = _fedcspack(mlp, select=select, weight=weight, share_ratio=0.1)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     new_client, upload, metrics = _client_update(alg, digits_federation, server, client)
-    local, reference = _packs(new_client["params"]), _packs(server["params"])
+    local, reference = _packs(new_client.params), _packs(server.params)
     theta_a, theta, beta = _np_scores(local, reference)
     candidates = np.flatnonzero(theta < theta_a)
     candidates = candidates[np.argsort(theta[candidates], kind="stable")]
     k = int(np.ceil(0.1 * len(theta))) if select == "top_k" else len(theta)
     expected = candidates[:k]
-    assert 0 < len(expected) and upload["indices"].shape == (k,)
-    sent = np.asarray(upload["indices"])[np.asarray(upload["sent"])]
+    assert 0 < len(expected) and upload.indices.shape == (k,)
+    sent = np.asarray(upload.indices)[np.asarray(upload.sent)]
     np.testing.assert_array_equal(sent, expected)
     term = {"cos_kl": theta + beta, "kl": beta}[weight]
     np.testing.assert_allclose(
-        np.asarray(upload["weights"])[np.asarray(upload["sent"])], np.abs(term[expected]), rtol=1e-4, atol=1e-6
+        np.asarray(upload.weights)[np.asarray(upload.sent)], np.abs(term[expected]), rtol=1e-4, atol=1e-6
     )
-    assert np.all(np.asarray(upload["weights"])[~np.asarray(upload["sent"])] == 0)
+    assert np.all(np.asarray(upload.weights)[~np.asarray(upload.sent)] == 0)
     np.testing.assert_allclose(
-        np.asarray(upload["deltas"])[np.asarray(upload["sent"])],
+        np.asarray(upload.deltas)[np.asarray(upload.sent)],
         local[expected] - reference[expected],
         rtol=1e-5,
         atol=1e-6,
@@ -64,13 +64,13 @@ def test_upload_is_the_selected_packs_of_a_numpy_reference(mlp, digits_federatio
 def test_masked_merge_keeps_the_packs_the_global_mask_does_not_flag(mlp, merge):
     alg = _fedcspack(mlp, merge=merge)
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    other = jax.tree.map(lambda x: x + 1.0, client["params"])  # the client's own, different model
-    num_packs = _packs(server["params"]).shape[0]
+    other = jax.tree.map(lambda x: x + 1.0, client.params)  # the client's own, different model
+    num_packs = _packs(server.params).shape[0]
     mask = jnp.asarray(np.arange(num_packs) % 3 == 0, jnp.float32) * 0.4
-    merged = _packs(alg.eval_params({**server, "mask": mask}, {**client, "params": other})["params"])
+    merged = _packs(alg.eval_params(server._replace(mask=mask), client._replace(params=other))["params"])
     flagged = np.asarray(mask) > 0
-    np.testing.assert_array_equal(merged[flagged], _packs(server["params"])[flagged])
-    keep = _packs(other)[~flagged] if merge == "masked" else _packs(server["params"])[~flagged]
+    np.testing.assert_array_equal(merged[flagged], _packs(server.params)[flagged])
+    keep = _packs(other)[~flagged] if merge == "masked" else _packs(server.params)[~flagged]
     np.testing.assert_array_equal(merged[~flagged], keep)
 
 
@@ -80,12 +80,12 @@ def test_server_moves_only_sent_packs_and_the_new_mask_sums_the_weights(mlp, dig
     uploads = [_client_update(alg, digits_federation, server, client, client=c, seed=c)[1] for c in (1, 4)]
     stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *uploads)
     new = alg.server_update(server, stacked, jnp.array([50.0, 80.0]))
-    before, after = _packs(server["params"]), _packs(new["params"])
+    before, after = _packs(server.params), _packs(new.params)
     mask = np.zeros(before.shape[0])
     for u in uploads:
-        for i, s, w in zip(np.asarray(u["indices"]), np.asarray(u["sent"]), np.asarray(u["weights"])):
+        for i, s, w in zip(np.asarray(u.indices), np.asarray(u.sent), np.asarray(u.weights)):
             mask[i] += w if s else 0.0
-    np.testing.assert_allclose(new["mask"], mask, rtol=1e-6)
+    np.testing.assert_allclose(new.mask, mask, rtol=1e-6)
     unsent = mask == 0
     assert unsent.any() and (~unsent).any()
     np.testing.assert_array_equal(after[unsent], before[unsent])
@@ -95,7 +95,7 @@ def test_server_moves_only_sent_packs_and_the_new_mask_sums_the_weights(mlp, dig
 def test_bytes_up_count_the_sent_packs_and_it_learns(mlp, digits_federation):
     alg = _fedcspack(mlp, share_ratio=0.1)
     sim = Simulation(alg, mlp, digits_federation, participation=0.5)
-    k = pk.num_selected(_packs(sim.init().server["params"]).shape[0], 0.1)
+    k = pk.num_selected(_packs(sim.init().server.params).shape[0], 0.1)
     state, metrics = sim.run_rounds(sim.init(), 1)
     # every client had k candidates: their sample-weighted mean is k up to float32 rounding of the sum
     assert float(metrics["packs_sent"][0]) == pytest.approx(k, rel=1e-6)

@@ -58,10 +58,10 @@ def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_
     alg = _feddecomp(small_cnn, lora_alpha=lora_alpha)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     rng = np.random.default_rng(0)
-    tau = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), client["tau"])
-    params = alg.eval_params(server, {**client, "tau": tau})["params"]
+    tau = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), client.tau)
+    params = alg.eval_params(server, client._replace(tau=tau))["params"]
     for key, lora in tau.items():
-        layer, sigma = params, server["params"]
+        layer, sigma = params, server.params
         for part in key.split("."):
             layer, sigma = layer[part], sigma[part]
         rank = lora.down.shape[1]
@@ -78,7 +78,7 @@ def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_
 def test_each_phase_trains_only_its_part(mlp, digits_federation, phase):
     epochs = {"local_epochs": 1, "lora_epochs": 1 if phase == "tau" else 0}
     message, before, after, upload, metrics = _one_client_update(_feddecomp(mlp, **epochs), digits_federation)
-    assert (_changed(before["tau"], after["tau"]), _changed(message, upload)) == (
+    assert (_changed(before.tau, after.tau), _changed(message, upload)) == (
         (True, False) if phase == "tau" else (False, True)
     )
     assert float(metrics["steps"]) > 0
@@ -88,7 +88,7 @@ def test_alternating_is_the_tau_phase_then_the_sigma_phase_with_tau_fixed(mlp, d
     both = _one_client_update(_feddecomp(mlp, local_epochs=2, lora_epochs=1), digits_federation)
     tau_only = _one_client_update(_feddecomp(mlp, local_epochs=1, lora_epochs=1), digits_federation)
     # The sigma phase does not touch tau: tau is what the tau phase alone gives.
-    for a, b in zip(jax.tree.leaves(both[2]["tau"]), jax.tree.leaves(tau_only[2]["tau"])):
+    for a, b in zip(jax.tree.leaves(both[2].tau), jax.tree.leaves(tau_only[2].tau)):
         np.testing.assert_array_equal(a, b)
     assert _changed(both[0], both[3])  # and sigma trained afterwards
 
@@ -96,14 +96,14 @@ def test_alternating_is_the_tau_phase_then_the_sigma_phase_with_tau_fixed(mlp, d
 def test_simultaneous_trains_both_parts(mlp, digits_federation):
     alg = _feddecomp(mlp, local_epochs=1, lora_epochs=1, schedule="simultaneous")
     message, before, after, upload, _ = _one_client_update(alg, digits_federation)
-    assert _changed(before["tau"], after["tau"]) and _changed(message, upload)
+    assert _changed(before.tau, after.tau) and _changed(message, upload)
 
 
 def test_the_low_rank_part_never_leaves_the_client(mlp, digits_federation):
     message, _, after, upload, _ = _one_client_update(_feddecomp(mlp, local_epochs=2, lora_epochs=1), digits_federation)
     assert jax.tree.structure(upload) == jax.tree.structure(message)  # sigma's tree: the model's params
     assert tree_bytes(upload) == tree_bytes(message)
-    tau_leaves = [np.asarray(x) for x in jax.tree.leaves(after["tau"])]
+    tau_leaves = [np.asarray(x) for x in jax.tree.leaves(after.tau)]
     for leaf in jax.tree.leaves(upload):
         assert not any(t.shape == np.shape(leaf) and np.array_equal(t, leaf) for t in tau_leaves)
 
@@ -113,11 +113,11 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
     alg = _feddecomp(mlp, aggregation=aggregation)
     server, _ = alg.init(jax.random.key(0))
     rng = np.random.default_rng(0)
-    uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server["params"])
+    uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server.params)
     counts = np.array([10.0, 30.0, 0.0])  # the third is padding
     new = alg.server_update(server, uploads, jnp.asarray(counts))
     p = counts / counts.sum() if aggregation == "samples" else np.array([0.5, 0.5, 0.0])
-    for got, stacked in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(uploads)):
+    for got, stacked in zip(jax.tree.leaves(new.params), jax.tree.leaves(uploads)):
         expected = np.tensordot(p, np.asarray(stacked, np.float64), axes=1)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -129,7 +129,7 @@ def test_no_lora_epochs_with_sample_weights_follows_fedavg(mlp, digits_federatio
         fedavg(mlp, lr=0.05, local_epochs=1, batch_size=32),
     ):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
-        servers.append(sim.run_rounds(sim.init(), 3)[0].server["params"])
+        servers.append(sim.run_rounds(sim.init(), 3)[0].server.params)
     for a, b in zip(jax.tree.leaves(servers[0]), jax.tree.leaves(servers[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -140,7 +140,7 @@ def test_all_epochs_on_the_low_rank_part_never_change_the_global_model(mlp, digi
     state, _ = sim.run_rounds(start, 2)
     for a, b in zip(jax.tree.leaves(start.server), jax.tree.leaves(state.server)):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)  # the mean of equal uploads, up to rounding
-    assert _changed(start.clients["tau"], state.clients["tau"])
+    assert _changed(start.clients.tau, state.clients.tau)
 
 
 def test_runs_from_a_config_file_with_the_per_client_dirichlet_partition(tmp_path, capsys):

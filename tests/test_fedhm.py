@@ -35,7 +35,7 @@ def test_full_rank_factors_reproduce_the_global_model(digits, model_name, reques
 
     factorized = broadcast(server, 0)
     assert all("kernel" not in lowrank.get_layer(factorized, k) for k in interior_layers(model))
-    expected = logits(server["params"])
+    expected = logits(server.params)
     np.testing.assert_allclose(logits(factorized), expected, rtol=1e-4, atol=1e-4)
     truncated = logits(broadcast(server, 1))  # the rank-0.25 tier is a different model
     assert float(jnp.abs(truncated - expected).max()) > 1e-3
@@ -66,10 +66,10 @@ def test_server_reconstructs_each_upload_then_averages_with_sample_weights(mlp):
     uploads = [jax.tree.map(lambda a, i=i: np.float64(a[i]), m) for m, n in zip(messages, (2, 1)) for i in range(n)]
     fc2 = [m["fc2"]["u"] @ m["fc2"]["v"].T for m in uploads]  # each client's kernel, then the mean
     expected = (10 * fc2[0] + 30 * fc2[1] + 60 * fc2[2]) / 100
-    np.testing.assert_allclose(new["params"]["fc2"]["kernel"], expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new.params["fc2"]["kernel"], expected, rtol=1e-4, atol=1e-4)
     head = [m["head"]["kernel"] for m in uploads]
     expected = (10 * head[0] + 30 * head[1] + 60 * head[2]) / 100
-    np.testing.assert_allclose(new["params"]["head"]["kernel"], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.params["head"]["kernel"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_fedhm_learns_with_upload_bytes_falling_with_the_tier_ratio(mlp, digits):

@@ -10,6 +10,7 @@ import pytest
 from jaxfed import NonFiniteUpdateError
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
+from jaxfed.algorithms.records import ClientStats
 from jaxfed.cli import main
 from jaxfed.data import ClientData
 from jaxfed.simulation import Simulation, sampling
@@ -44,13 +45,13 @@ def test_skip_drops_the_client_from_the_mean(mlp, digits_federation):
     one = jax.jit(alg.client_update)
     uploads, counts = [], []
     for i, k in enumerate(ids):
-        upload = one(message, {"model_state": {}}, _view(fed, k), rngs[i])[1]
+        upload = one(message, ClientStats({}), _view(fed, k), rngs[i])[1]
         finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(upload))
         assert finite == (k != bad)
         if finite:
             uploads.append(upload)
             counts.append(float(fed.train_count[k]))
-    for new_leaf, *leaves in zip(jax.tree.leaves(new_state.server["params"]), *map(jax.tree.leaves, uploads)):
+    for new_leaf, *leaves in zip(jax.tree.leaves(new_state.server.params), *map(jax.tree.leaves, uploads)):
         expected = sum(c * np.asarray(x, np.float64) for c, x in zip(counts, leaves)) / sum(counts)
         np.testing.assert_allclose(new_leaf, expected, rtol=1e-4, atol=1e-5)
 

@@ -5,15 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import chex
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxfed.algorithms import registry
+from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.fedcspack import FedCSPACKOptions
 from jaxfed.algorithms.feddecomp import FedDecompOptions
 from jaxfed.cli import _parser, config_from_args, main
 from jaxfed.config import Config, read_config_file
 from jaxfed.errors import ConfigError
 from jaxfed.options import TrainingOptions, option, positive
+from jaxfed.simulation import Simulation
 
 
 def test_every_algorithm_owns_a_documented_options_class_whose_defaults_validate():
@@ -131,3 +136,32 @@ def test_register_refuses_clashes_and_duplicates():
     with pytest.raises(ValueError, match="rounds shadow run-level config keys"):
         registry.register("clash", Clash, lambda model, options, config: None)
     assert "clash" not in registry.names()
+
+
+def test_cosine_schedule_is_the_formula_written_out():
+    options = TrainingOptions(lr=0.1, lr_schedule="cosine", lr_min=1e-3, lr_decay_rounds=50)
+    for t in (0, 1, 17, 49, 50, 80):
+        expected = 1e-3 + (0.1 - 1e-3) * 0.5 * (1 + np.cos(np.pi * min(t, 50) / 50))
+        np.testing.assert_allclose(float(options.learning_rate(jnp.int32(t))), expected, rtol=1e-6)
+    assert TrainingOptions(lr=0.1).learning_rate(jnp.int32(30)) == 0.1  # constant
+    assert registry.get("fedloru").options().lr_schedule == "cosine"  # FedLoRU App. D
+
+
+def test_the_engine_hands_each_round_its_index_so_schedules_apply(mlp, digits_federation):
+    """Two rounds under a cosine schedule = round 0 at constant lr(0), then round 1 at constant lr(1)."""
+    scheduled = TrainingOptions(lr=0.2, lr_schedule="cosine", lr_min=0.01, lr_decay_rounds=2)
+    rates = [float(scheduled.learning_rate(jnp.int32(t))) for t in (0, 1)]
+    assert rates[0] > rates[1] > 0.01
+
+    def sim_with(**options):
+        return Simulation(fedavg(mlp, local_epochs=1, **options), mlp, digits_federation, participation=1.0)
+
+    cosine = sim_with(lr=0.2, lr_schedule="cosine", lr_min=0.01, lr_decay_rounds=2)
+    start = cosine.init()
+    both, _ = cosine.run_rounds(start, 2)
+    first, _ = sim_with(lr=rates[0]).run_rounds(start, 1)
+    by_hand, _ = sim_with(lr=rates[1]).run_rounds(first, 1)
+    chex.assert_trees_all_close(both.server, by_hand.server, rtol=1e-5, atol=1e-6)
+    unscheduled, _ = sim_with(lr=rates[0]).run_rounds(start, 2)
+    with pytest.raises(AssertionError):
+        chex.assert_trees_all_close(both.server, unscheduled.server, rtol=1e-5, atol=1e-6)

@@ -40,16 +40,16 @@ def ensemble(
     check_oracle(options.router, num_members, num_clusters)
     learned = options.router == "learned"
     mixture = Mixture(model)
-    transforms = {"members": options.optimizer()}
-    if learned:
-        transforms["router"] = sgd(options.router_lr)
-    optimizer = per_key(transforms)
 
     def init(rng):
         members, member_state = split_variables(jax.vmap(model.init)(jax.random.split(rng, num_members)))
         return {"members": members}, {"router": jnp.zeros((num_members,), jnp.float32), "model_state": member_state}
 
     def client_update(message, client_state, data, rng):
+        transforms = {"members": options.optimizer(data.round)}  # this round's learning rate
+        if learned:
+            transforms["router"] = sgd(options.router_lr)
+        optimizer = per_key(transforms)
         router_logits = client_state["router"]
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)

@@ -156,7 +156,6 @@ def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss: str = "
 def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara", **overrides) -> FederatedAlgorithm:
     """FedARA over ``len(options.tiers)`` client tiers."""
     options = resolve(FedARAOptions, options, overrides)
-    optimizer = options.optimizer()
     template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     head = check_head(model, template, options.head)
     layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
@@ -171,6 +170,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         return {"fe": lowrank.factorize_layers(server_state["fe"], ranks[tier]), "round": server_state["round"] + 1}
 
     def client_update(message, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         received = {
             "params": lowrank.replace_layer(message["fe"], head, client_state["head"]),
             **client_state["model_state"],

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import tree_select, weighted_mean
 from jaxfed.options import TrainingOptions, non_negative, one_of, option, positive, resolve
@@ -46,6 +48,11 @@ class FedAvgOptions(TrainingOptions):
         return optax.adam(self.server_lr)
 
 
+class ServerState(NamedTuple):
+    params: Any  # the global model's parameters
+    opt_state: Any  # the server optimizer's state (() without one)
+
+
 def fedavg(
     model,
     options: FedAvgOptions | None = None,
@@ -57,50 +64,51 @@ def fedavg(
     """FedAvg. ``penalty(params, global_params)`` adds a term to the local loss (FedProx uses it);
     ``overrides`` set :class:`FedAvgOptions` fields (``fedavg(model, lr=0.1)``)."""
     options = resolve(type(options) if options is not None else FedAvgOptions, options, overrides)
-    optimizer, server_optimizer = options.optimizer(), options.server()
+    server_optimizer = options.server()
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         opt_state = server_optimizer.init(params) if server_optimizer else ()
-        return {"params": params, "opt_state": opt_state}, {"model_state": model_state}
+        return ServerState(params, opt_state), ClientStats(model_state)
 
     def broadcast(server_state, tier=0):
-        return server_state["params"]
+        return server_state.params
 
     def client_update(global_params, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         regularizer = None if penalty is None else (lambda p: penalty(p, global_params))
         variables, metrics = train_classifier(
             model,
             optimizer,
-            {"params": global_params, **client_state["model_state"]},
+            {"params": global_params, **client_state.model_state},
             data,
             rng,
             regularizer=regularizer,
             **options.batching(),
         )
         params, model_state = split_variables(variables)
-        return {"model_state": model_state}, params, metrics
+        return ClientStats(model_state), params, metrics
 
     def server_update(server_state, messages, weights):
-        params = server_state["params"]
+        params = server_state.params
         average = weighted_mean(messages, weights)
         if server_optimizer is None:
-            new_params, opt_state = average, server_state["opt_state"]
+            new_params, opt_state = average, server_state.opt_state
         else:
             pseudo_grad = jax.tree.map(jnp.subtract, params, average)
-            updates, opt_state = server_optimizer.update(pseudo_grad, server_state["opt_state"], params)
+            updates, opt_state = server_optimizer.update(pseudo_grad, server_state.opt_state, params)
             new_params = optax.apply_updates(params, updates)
         received = jnp.sum(weights) > 0
-        return {
-            "params": tree_select(received, new_params, params),
-            "opt_state": tree_select(received, opt_state, server_state["opt_state"]),
-        }
+        return ServerState(
+            params=tree_select(received, new_params, params),
+            opt_state=tree_select(received, opt_state, server_state.opt_state),
+        )
 
     def eval_params(server_state, client_state):
-        return {"params": server_state["params"], **client_state["model_state"]}
+        return {"params": server_state.params, **client_state.model_state}
 
     def global_params(server_state):
-        return {"params": server_state["params"]}
+        return {"params": server_state.params}
 
     has_private_stats = bool(split_variables(jax.eval_shape(model.init, jax.random.key(0)))[1])
     return FederatedAlgorithm(

@@ -20,6 +20,7 @@ The message has a static number of slots (``K``, or every pack for ``all_below``
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,25 @@ class FedCSPACKOptions(TrainingOptions):
     )
 
 
+class ServerState(NamedTuple):
+    params: Any  # the global model
+    mask: jax.Array  # [packs]: the global mask M, the summed weights of the last round's senders
+
+
+class ClientState(NamedTuple):
+    params: Any  # the client's own model (its unshared packs are personal)
+    model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
+
+
+class Upload(NamedTuple):
+    """The selected packs, in ``slots`` static slots: only the ``sent`` ones are really sent."""
+
+    indices: jax.Array  # [slots] pack indices
+    sent: jax.Array  # [slots] bool
+    deltas: jax.Array  # [slots, pack_size] local minus global pack
+    weights: jax.Array  # [slots] double weights m_kj
+
+
 def merge_packs(local_packs, global_packs, global_mask, merge: str = "masked"):
     """The client's starting packs: global where the mask is non-zero (``masked``) or everywhere."""
     if merge == "full":
@@ -88,7 +108,6 @@ def score_and_select(local_packs, global_packs, slots: int, weight: str = "cos_k
 
 def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fedcspack", **overrides):
     options = resolve(FedCSPACKOptions, options, overrides)
-    optimizer = options.optimizer()
     pack_size, share_ratio, select, weight, merge = (
         options.pack_size,
         options.share_ratio,
@@ -104,49 +123,50 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
-        server = {"params": params, "mask": jnp.ones((view.num_packs,), jnp.float32)}  # round 1: all global
-        return server, {"params": params, "model_state": model_state}
+        server = ServerState(params, jnp.ones((view.num_packs,), jnp.float32))  # round 1: all global
+        return server, ClientState(params, model_state)
 
     def personalized_params(server_state, client_state):
         """The client's model after receiving the global model and mask."""
         merged = merge_packs(
-            view.to_packs(client_state["params"]), view.to_packs(server_state["params"]), server_state["mask"], merge
+            view.to_packs(client_state.params), view.to_packs(server_state.params), server_state.mask, merge
         )
         return view.to_tree(merged)
 
     def client_update(message, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         start = personalized_params(message, client_state)
         params, model_state, metrics = train_parameters(
             model,
             optimizer,
             start,
-            client_state["model_state"],
+            client_state.model_state,
             data,
             rng,
             **options.batching(),
         )
-        local_packs, global_packs = view.to_packs(params), view.to_packs(message["params"])
+        local_packs, global_packs = view.to_packs(params), view.to_packs(message.params)
         indices, sent, weights = score_and_select(local_packs, global_packs, slots, weight)
         deltas = jnp.where(sent[:, None], local_packs[indices] - global_packs[indices], 0.0)
-        upload = {"indices": indices, "sent": sent, "deltas": deltas, "weights": weights}
+        upload = Upload(indices, sent, deltas, weights)
         metrics = {**metrics, "packs_sent": jnp.sum(sent).astype(jnp.float32)}
-        return {"params": params, "model_state": model_state}, upload, metrics
+        return ClientState(params, model_state), upload, metrics
 
     def server_update(server_state, messages, weights):
         participating = (weights > 0)[:, None]  # padding and skipped clients send nothing
-        pack_weights = jnp.where(participating & messages["sent"], messages["weights"], 0.0)
-        global_packs = view.to_packs(server_state["params"])
-        new_packs, mask = pk.aggregate_packs(global_packs, messages["indices"], messages["deltas"], pack_weights)
-        return {"params": view.to_tree(new_packs), "mask": mask}
+        pack_weights = jnp.where(participating & messages.sent, messages.weights, 0.0)
+        global_packs = view.to_packs(server_state.params)
+        new_packs, mask = pk.aggregate_packs(global_packs, messages.indices, messages.deltas, pack_weights)
+        return ServerState(view.to_tree(new_packs), mask)
 
     def eval_params(server_state, client_state):
-        return {"params": personalized_params(server_state, client_state), **client_state["model_state"]}
+        return {"params": personalized_params(server_state, client_state), **client_state.model_state}
 
     def global_params(server_state):
-        return {"params": server_state["params"]}
+        return {"params": server_state.params}
 
     def message_bytes(message):
-        return jnp.sum(message["sent"]) * pack_bytes
+        return jnp.sum(message.sent) * pack_bytes
 
     return FederatedAlgorithm(
         name=name,

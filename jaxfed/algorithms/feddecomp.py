@@ -18,11 +18,13 @@ The server averages the uploads uniformly (the paper) or by sample count (``aggr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
@@ -90,6 +92,11 @@ class FedDecompOptions(TrainingOptions):
         return auto_lora_epochs(self.local_epochs) if self.lora_epochs < 0 else self.lora_epochs
 
 
+class ClientState(NamedTuple):
+    tau: Any  # {layer: LoRA}: the private low-rank part of each decomposed kernel
+    model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
+
+
 def decomposition_ranks(template, rank_dense: float, rank_conv: float, layers=None) -> dict[str, int]:
     """``{layer: rank}`` of the private part of every Dense and Conv kernel (or of ``layers``)."""
     lowrank.check_ratio("rank_dense", rank_dense)
@@ -123,7 +130,6 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     """FedDecomp: every layer of ``options.layers`` (default: every Dense and Conv kernel) gets a
     private low-rank part."""
     options = resolve(FedDecompOptions, options, overrides)
-    optimizer = options.optimizer()
     local_epochs, lora_epochs = options.local_epochs, options.tau_epochs()
     schedule, aggregation = options.schedule, options.aggregation
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
@@ -136,13 +142,13 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         tau = lowrank.init_loras(jax.random.fold_in(rng, 1), template, ranks, LAYOUT)
-        return {"params": params}, {"tau": tau, "model_state": model_state}
+        return GlobalParams(params), ClientState(tau, model_state)
 
     def personalized(sigma, tau):
         """A client's model parameters: ``sigma`` plus each decomposed kernel's scaled ``fold(down @ up)``."""
         return lowrank.add_loras(sigma, tau, scales, LAYOUT)
 
-    def train(trainable, model_state, to_params, data, rng, epochs):
+    def train(optimizer, trainable, model_state, to_params, data, rng, epochs):
         return train_parameters(
             model,
             optimizer,
@@ -157,11 +163,13 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
         )
 
     def client_update(sigma, client_state, data, rng):
-        tau, model_state = client_state["tau"], client_state["model_state"]
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
+        tau, model_state = client_state.tau, client_state.model_state
         # The sigma phase shuffles with ``rng`` itself, as FedAvg does: lora_epochs=0 is FedAvg.
         tau_rng = jax.random.fold_in(rng, 1)
         if schedule == "simultaneous":
             both, model_state, metrics = train(
+                optimizer,
                 {"sigma": sigma, "tau": tau},
                 model_state,
                 lambda t: personalized(t["sigma"], t["tau"]),
@@ -172,30 +180,30 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
             sigma, tau = both["sigma"], both["tau"]
         else:
             tau, model_state, tau_metrics = train(
-                tau, model_state, lambda t: personalized(sigma, t), data, tau_rng, lora_epochs
+                optimizer, tau, model_state, lambda t: personalized(sigma, t), data, tau_rng, lora_epochs
             )
             sigma, model_state, sigma_metrics = train(
-                sigma, model_state, lambda s: personalized(s, tau), data, rng, local_epochs - lora_epochs
+                optimizer, sigma, model_state, lambda s: personalized(s, tau), data, rng, local_epochs - lora_epochs
             )
             metrics = _combine(tau_metrics, sigma_metrics)
-        return {"tau": tau, "model_state": model_state}, sigma, metrics
+        return ClientState(tau, model_state), sigma, metrics
 
     def server_update(server_state, messages, weights):
         if aggregation == "uniform":
             weights = (weights > 0).astype(jnp.float32)  # padding and skipped clients keep weight 0
         average = weighted_mean(messages, weights)
-        return {"params": tree_select(jnp.sum(weights) > 0, average, server_state["params"])}
+        return GlobalParams(tree_select(jnp.sum(weights) > 0, average, server_state.params))
 
     def eval_params(server_state, client_state):
-        return {"params": personalized(server_state["params"], client_state["tau"]), **client_state["model_state"]}
+        return {"params": personalized(server_state.params, client_state.tau), **client_state.model_state}
 
     def global_params(server_state):
-        return {"params": server_state["params"]}
+        return {"params": server_state.params}
 
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=lambda server_state, tier=0: server_state["params"],
+        broadcast=lambda server_state, tier=0: server_state.params,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.records import ClientStats, GlobalParams
 from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.nn.factorized import factorized_execution
@@ -75,38 +76,38 @@ def average_received(previous, messages, weights):
 def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **overrides) -> FederatedAlgorithm:
     """FedHM over ``len(options.tiers)`` client tiers."""
     options = resolve(FedHMOptions, options, overrides)
-    optimizer = options.optimizer()
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     ranks = tier_ranks(template, choose_layers(model, options.layers, "fedhm"), options.tiers)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
-        return {"params": params}, {"model_state": model_state}
+        return GlobalParams(params), ClientStats(model_state)
 
     def broadcast(server_state, tier):
-        return lowrank.factorize_layers(server_state["params"], ranks[tier])
+        return lowrank.factorize_layers(server_state.params, ranks[tier])
 
     def client_update(factorized, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         with factorized_execution():
             variables, metrics = train_classifier(
                 model,
                 optimizer,
-                {"params": factorized, **client_state["model_state"]},
+                {"params": factorized, **client_state.model_state},
                 data,
                 rng,
                 **options.batching(),
             )
         trained, model_state = split_variables(variables)
-        return {"model_state": model_state}, trained, metrics
+        return ClientStats(model_state), trained, metrics
 
     def server_update(server_state, messages, weights):
-        return {"params": average_received(server_state["params"], messages, weights)}
+        return GlobalParams(average_received(server_state.params, messages, weights))
 
     def eval_params(server_state, client_state):
-        return {"params": server_state["params"], **client_state["model_state"]}
+        return {"params": server_state.params, **client_state.model_state}
 
     def global_params(server_state):
-        return {"params": server_state["params"]}
+        return {"params": server_state.params}
 
     return FederatedAlgorithm(
         name=name,

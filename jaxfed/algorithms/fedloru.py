@@ -45,6 +45,16 @@ class FedLoRAOptions(TrainingOptions):
     batch_size: int = option(32, "local batch size", source=SETUP)
     lr: float = option(0.1, "client SGD learning rate (the paper grid-searches 0.01-0.3)", source=SETUP)
     momentum: float = option(0.9, "client SGD momentum", source=SETUP)
+    lr_schedule: str = option(
+        "cosine",
+        "learning rate over rounds: constant, or cosine from lr to lr_min over lr_decay_rounds (then lr_min; "
+        "torch's CosineAnnealingLR, which the authors use, rises again after its cycle)",
+        source=SETUP + ": cosine annealing",
+    )
+    lr_min: float = option(1e-3, "cosine: the learning rate it decays to", source=SETUP)
+    lr_decay_rounds: int = option(
+        50, "cosine: rounds from lr to lr_min (the paper: 50 or the total rounds)", source=SETUP
+    )
     lora_rank: int = option(
         16,
         "rank r of every LoRA update (at most the layer's matricized min dim); the paper's 128 is for "
@@ -209,12 +219,12 @@ def _accumulation(options) -> tuple[int, bool]:
 
 def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlgorithm:
     """FedLoRU (or, with :class:`FedLoRAOptions`, FedLoRA): clients train ``free`` and the factors."""
-    optimizer = options.optimizer()
     adapted = _adapted(model, options.lora_rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
     aggregate = _aggregate(adapted, *_accumulation(options))
 
     def client_update(message, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         free, frozen = adapted.split(message["params"])
 
         def to_params(t):
@@ -261,7 +271,6 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     """pFedLoRU: the model is ``W + s_g down_g up_g + s_p down_p up_p`` (``s = alpha / rank`` of
     each pair; ``lora_alpha=0``: scale 1). The personal pair is client state."""
     options = resolve(PFedLoRUOptions, options, overrides)
-    optimizer = options.optimizer()
     adapted = _adapted(model, options.lora_rank, options.lora_alpha, options.layers)
     personal = _adapted(model, options.personal_rank, options.lora_alpha, list(adapted.ranks), field="personal_rank")
     batching = {"batch_size": options.batch_size, "drop_last": options.drop_last}
@@ -275,6 +284,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
         return server, {**client, "personal": personal.fresh(personal_rng)}
 
     def client_update(message, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         personal_rng, global_rng = jax.random.split(rng)
         free, frozen = adapted.split(message["params"])
 
@@ -347,7 +357,6 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     """mFedLoRU over ``len(options.tiers)`` client tiers, tier ``t`` with nested rank
     ``round(tiers[t] * lora_rank)``."""
     options = resolve(MFedLoRUOptions, options, overrides)
-    optimizer = options.optimizer()
     rank = options.lora_rank
     adapted = _adapted(model, rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
@@ -376,6 +385,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         return {**message, "nested": nested_start(jax.random.fold_in(rng, tier + 1), tier_ranks[tier])}
 
     def client_update(message, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         free, frozen = adapted.split(message["params"])
         nested = "nested" in message
         key = "nested" if nested else "loras"

@@ -115,11 +115,12 @@ def check_oracle(router: str, num_components: int, num_clusters: int) -> None:
     check_router(router, num_components, num_clusters)
 
 
-def _local_optimizer(plan, options: FLoRALTraining, precondition: bool, router_lr=None):
-    """SGD on the base and the adaptors (LoRA-preconditioned), and on the router at its own rate."""
-    adaptor_opt = options.optimizer()
+def _local_optimizer(plan, options: FLoRALTraining, precondition: bool, round_, router_lr=None):
+    """SGD on the base and the adaptors (LoRA-preconditioned) at round ``round_``'s learning rate,
+    and on the router at its own rate."""
+    adaptor_opt = options.optimizer(round_)
     transforms = {
-        "base": options.optimizer(),
+        "base": options.optimizer(round_),
         "adaptors": optax.chain(ad.lora_preconditioner(plan), adaptor_opt) if precondition else adaptor_opt,
     }
     if router_lr is not None:
@@ -151,7 +152,6 @@ def floral(
     check_oracle(options.router, num_adaptors, num_clusters)
     learned = options.router == "learned"
     template, plan = _plan(model, options, num_adaptors)
-    optimizer = _local_optimizer(plan, options, options.precondition, options.router_lr if learned else None)
 
     def init(rng):
         base_rng, adaptor_rng = jax.random.split(rng)
@@ -160,6 +160,8 @@ def floral(
         return server, {"router": jnp.zeros((num_adaptors,), jnp.float32), "model_state": model_state}
 
     def client_update(message, client_state, data, rng):
+        router_lr = options.router_lr if learned else None
+        optimizer = _local_optimizer(plan, options, options.precondition, data.round, router_lr)
         router_logits = client_state["router"]
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
@@ -213,7 +215,6 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
     """FLoRAL's Local Adaptor baseline: the base is FedAvg's, each client's adaptor is its own."""
     options = resolve(LocalAdaptorOptions, options, overrides)
     template, plan = _plan(model, options, 1)
-    optimizer = _local_optimizer(plan, options, options.precondition)
     only = jnp.ones((1,), jnp.float32)
 
     def init(rng):
@@ -222,6 +223,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         return {"base": params}, {"adaptors": ad.init_adaptors(adaptor_rng, template, plan), "model_state": model_state}
 
     def client_update(message, client_state, data, rng):
+        optimizer = _local_optimizer(plan, options, options.precondition, data.round)
         trainable = {"base": message["base"], "adaptors": client_state["adaptors"]}
         trained, model_state, metrics = train_parameters(
             model,

@@ -7,6 +7,7 @@ state never changes and there is no global model.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import train_classifier
@@ -18,26 +19,30 @@ class LocalOptions(TrainingOptions):
     """Client SGD only (nothing is communicated)."""
 
 
+class ClientState(NamedTuple):
+    variables: Any  # the client's own Flax variables
+
+
 def local(model, options: LocalOptions | None = None, **overrides) -> FederatedAlgorithm:
     options = resolve(LocalOptions, options, overrides)
-    optimizer = options.optimizer()
 
     def init(rng):
-        return {}, {"variables": model.init(rng)}
+        return (), ClientState(model.init(rng))
 
     def broadcast(server_state, tier=0):
-        return {}
+        return ()
 
     def client_update(message, client_state, data, rng):
+        optimizer = options.optimizer(data.round)  # this round\'s learning rate
         variables, metrics = train_classifier(
-            model, optimizer, client_state["variables"], data, rng, **options.batching()
+            model, optimizer, client_state.variables, data, rng, **options.batching()
         )
-        return {"variables": variables}, {}, metrics
+        return ClientState(variables), (), metrics
 
     def server_update(server_state, messages, weights):
         return server_state
 
     def eval_params(server_state, client_state):
-        return client_state["variables"]
+        return client_state.variables
 
     return FederatedAlgorithm("local", init, broadcast, client_update, server_update, eval_params, None)

@@ -277,9 +277,9 @@ class Simulation:
         message_down = alg.broadcast(state.server, tier)
 
         def update(shared, args):
-            message_down, x, y = shared
+            message_down, x, y, round_ = shared
             client_state, indices, count, rng = args
-            return alg.client_update(message_down, client_state, ClientData(x, y, indices, count), rng)
+            return alg.client_update(message_down, client_state, ClientData(x, y, indices, count, round_), rng)
 
         per_client = (
             gather_clients(state.clients, ids),
@@ -287,7 +287,7 @@ class Simulation:
             client_data.count,
             sampling.client_keys(key, ids),
         )
-        shared = (message_down, client_data.x, client_data.y)
+        shared = (message_down, client_data.x, client_data.y, state.round)
         new_states, messages_up, client_metrics = self._map_clients(update, shared, per_client)
         is_real = ids < self.num_clients
         bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
