@@ -62,7 +62,5 @@ def shared_data_dir():
 def with_random_lora_updates(server, seed):
     """A FedLoRU-family server state whose global LoRA factors are not at their init."""
     keys = iter(jax.random.split(jax.random.key(seed), 16))
-    loras = {
-        k: lowrank.LoRA(f.down, 0.3 * jax.random.normal(next(keys), f.up.shape)) for k, f in server["loras"].items()
-    }
-    return {**server, "loras": loras}
+    loras = {k: lowrank.LoRA(f.down, 0.3 * jax.random.normal(next(keys), f.up.shape)) for k, f in server.loras.items()}
+    return server._replace(loras=loras)

@@ -93,7 +93,7 @@ def test_fedhm_factorizes_the_stock_conv(user_model):
 def test_fedara_private_head_defaults_to_the_last_dense_and_is_configurable(user_model):
     alg = fedara.fedara(user_model, tiers=(1.0,))
     server, client = alg.init(jax.random.key(0))
-    assert "Dense_1" not in server["fe"] and client["head"]["kernel"].shape == (24, 10)
+    assert "Dense_1" not in server.fe and client.head["kernel"].shape == (24, 10)
     expected = "head: 'Conv_1' is not a Dense layer of the model; allowed: Dense_0, Dense_1"
     with pytest.raises(ConfigError, match=expected):
         fedara.fedara(user_model, head="Conv_1")

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.algorithms.ensemble import ensemble
+from jaxfed.algorithms.ensemble import Upload, ensemble
 from jaxfed.data import ClientData
 from jaxfed.nn.models import Mixture
 
@@ -29,21 +29,21 @@ def test_members_are_averaged_with_p_k_given_c_and_routers_stay_private(mlp, dig
     alg = _ensemble(mlp, num_members=2)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     rng = np.random.default_rng(1)
-    stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server["members"])
+    stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server.members)
     pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
     weights = np.array([20.0, 50.0, 30.0])
-    new = alg.server_update(server, {"members": stacked, "mixture_weights": pi}, jnp.asarray(weights))
+    new = alg.server_update(server, Upload(stacked, pi), jnp.asarray(weights))
     w = weights[:, None] * np.asarray(pi, np.float64)
     w = w / w.sum(0)
-    for got, rows in zip(jax.tree.leaves(new["members"]), jax.tree.leaves(stacked)):
+    for got, rows in zip(jax.tree.leaves(new.members), jax.tree.leaves(stacked)):
         rows = np.asarray(rows, np.float64)
         expected = np.stack([np.tensordot(w[:, c], rows[:, c], axes=1) for c in range(2)])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    client = {**client, "router": jnp.array([0.3, -0.3])}
+    client = client._replace(router=jnp.array([0.3, -0.3]))
     new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
-    assert set(upload) == {"members", "mixture_weights"}
-    assert not np.array_equal(new_client["router"], [0.3, -0.3])  # trained, kept on the client
-    np.testing.assert_allclose(upload["mixture_weights"], jax.nn.softmax(new_client["router"]), rtol=1e-6)
+    assert set(upload._fields) == {"members", "mixture_weights"}
+    assert not np.array_equal(new_client.router, [0.3, -0.3])  # trained, kept on the client
+    np.testing.assert_allclose(upload.mixture_weights, jax.nn.softmax(new_client.router), rtol=1e-6)

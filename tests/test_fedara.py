@@ -30,7 +30,7 @@ def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federa
     alg = _fedara(mlp, tiers=(0.5,))
     server, client = jax.jit(alg.init)(jax.random.key(0))
     message = alg.broadcast(server, 0)
-    variables = {"params": {**message["fe"], "head": client["head"]}}
+    variables = {"params": {**message.fe, "head": client.head}}
     data = _client(digits_federation)
     with factorized_execution():
         anchors, present = jax.jit(lambda v: class_anchors(mlp, "head", v, data, batch_size=16))(variables)
@@ -71,8 +71,8 @@ def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_ancho
         align = jnp.mean((f - anchors[y]) ** 2)  # torch's MSELoss: over examples and dimensions
         return masked_loss(logits, y, jnp.ones_like(y, bool)) + lam * align + mu * fro
 
-    params = {"fe": message["fe"], "head": head}
-    received_anchors = anchors_of(message["fe"], head)
+    params = {"fe": message.fe, "head": head}
+    received_anchors = anchors_of(message.fe, head)
     gradient = jax.jit(jax.grad(loss))
     for _ in range(steps):
         anchors = received_anchors if fixed_anchors else anchors_of(params["fe"], params["head"])
@@ -87,19 +87,19 @@ def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_feder
         mlp, lr=lr, tiers=(0.5,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512
     )  # one full batch per epoch: three plain gradient steps
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    server = {**server, "round": jnp.int32(4)}  # past round 1: lambda is on
+    server = server._replace(round=jnp.int32(4))  # past round 1: lambda is on
     message = alg.broadcast(server, 0)
     data = _client(digits_federation)
     new_client, upload, metrics = jax.jit(alg.client_update)(message, client, data, jax.random.key(1))
     assert float(metrics["lambda"]) == lam and float(metrics["steps"]) == 3
-    expected = _reference_steps(mlp, message, client["head"], data, 3, lam, mu, lr)
-    moving = _reference_steps(mlp, message, client["head"], data, 3, lam, mu, lr, fixed_anchors=False)
+    expected = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr)
+    moving = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr, fixed_anchors=False)
     for got, want, other in zip(
         jax.tree.leaves(upload), jax.tree.leaves(expected["fe"]), jax.tree.leaves(moving["fe"])
     ):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(moving))) > 1e-4
-    for got, want in zip(jax.tree.leaves(new_client["head"]), jax.tree.leaves(expected["head"])):
+    for got, want in zip(jax.tree.leaves(new_client.head), jax.tree.leaves(expected["head"])):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
@@ -114,9 +114,9 @@ def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_c
     server, client = jax.jit(alg.init)(jax.random.key(0))
     message = jax.jit(alg.broadcast, static_argnums=1)(server, 0)
     x = digits_federation.x_test[:16]
-    full = small_cnn.apply({"params": {**server["fe"], "head": client["head"]}}, x, features=True)[0]
+    full = small_cnn.apply({"params": {**server.fe, "head": client.head}}, x, features=True)[0]
     with factorized_execution():
-        factored = small_cnn.apply({"params": {**message["fe"], "head": client["head"]}}, x, features=True)[0]
+        factored = small_cnn.apply({"params": {**message.fe, "head": client.head}}, x, features=True)[0]
     np.testing.assert_allclose(factored, full, rtol=1e-4, atol=1e-4)
     # decompose -> train with lr 0 -> reconstruct -> aggregate gives the global FE back
     _, upload, metrics = jax.jit(alg.client_update)(message, client, _client(digits_federation), jax.random.key(1))
@@ -124,7 +124,7 @@ def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_c
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), upload)
     received = jax.vmap(lambda m: alg.receive(server, m, 0))(stacked)  # the server decodes each upload
     new = alg.server_update(server, received, jnp.array([30.0, 50.0]))
-    for before, after in zip(jax.tree.leaves(server["fe"]), jax.tree.leaves(new["fe"])):
+    for before, after in zip(jax.tree.leaves(server.fe), jax.tree.leaves(new.fe)):
         np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
 
 
@@ -135,13 +135,13 @@ def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
     sim = Simulation(alg, mlp, fed, participation=1.0)
     start = sim.init()
     for t in range(3):
-        assert "head" not in alg.broadcast(start.server, t)["fe"]
+        assert "head" not in alg.broadcast(start.server, t).fe
     state, metrics = sim.run_rounds(start, 3)
     sent = [float(metrics[f"bytes_up_client_tier{t}"][0]) for t in range(3)]
-    expected = [tree_bytes(alg.broadcast(start.server, t)["fe"]) for t in range(3)]  # the upload has the FE's shapes
+    expected = [tree_bytes(alg.broadcast(start.server, t).fe) for t in range(3)]  # the upload has the FE's shapes
     assert sent == expected and sent[0] > sent[1] > sent[2]
-    assert "head" not in state.server["fe"]
-    heads = np.asarray(state.clients["head"]["kernel"])
+    assert "head" not in state.server.fe
+    heads = np.asarray(state.clients.head["kernel"])
     assert not np.allclose(heads[0], heads[3])  # personal heads
     result = sim.evaluate(state)
     assert result["personalized_acc_mean"] > 0.6 and "global_acc" not in result

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import make_federation, with_random_lora_updates
 
-from jaxfed.algorithms.fedloru import fedloru
+from jaxfed.algorithms.fedloru import Upload, fedloru
 from jaxfed.cli import main
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
@@ -23,32 +23,32 @@ def _logits(alg, mlp, server, x):
 
 def _message(alg, server):
     """What a client that did not move would upload: the broadcast trainable tree."""
-    free, _ = lowrank.split_kernels(server["params"], list(server["loras"]))
-    return {"free": free, "loras": server["loras"]}
+    free, _ = lowrank.split_kernels(server.params, list(server.loras))
+    return Upload(free=free, loras=server.loras)
 
 
 @pytest.mark.parametrize("reinit", [True, False])
 def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
     alg = _algorithm(mlp, accumulate_every=3, reinit=reinit)
     server, _ = alg.init(jax.random.key(0))
-    server = with_random_lora_updates({**server, "round": jnp.int32(2)}, seed=1)  # the next round accumulates
+    server = with_random_lora_updates(server._replace(round=jnp.int32(2)), seed=1)  # the next round accumulates
     x = jnp.asarray(digits.x_test[:64])
     before = _logits(alg, mlp, server, x)
     stacked = jax.tree.map(lambda a: a[None], _message(alg, server))
     after_state = alg.server_update(server, stacked, jnp.ones(1))
     np.testing.assert_allclose(_logits(alg, mlp, after_state, x), before, rtol=1e-5, atol=1e-5)
-    key = next(iter(server["loras"]))
-    kernel_before = lowrank.get_layer(server["params"], key)["kernel"]
-    kernel_after = lowrank.get_layer(after_state["params"], key)["kernel"]
+    key = next(iter(server.loras))
+    kernel_before = lowrank.get_layer(server.params, key)["kernel"]
+    kernel_after = lowrank.get_layer(after_state.params, key)["kernel"]
     assert float(jnp.abs(kernel_after - kernel_before).max()) > 1e-3  # the update moved into W
     if reinit:
-        np.testing.assert_array_equal(after_state["loras"][key].up, 0)
-        assert not np.array_equal(after_state["loras"][key].down, server["loras"][key].down)
+        np.testing.assert_array_equal(after_state.loras[key].up, 0)
+        assert not np.array_equal(after_state.loras[key].down, server.loras[key].down)
     else:  # continued factors: W holds them once, the model subtracts what W already holds
-        np.testing.assert_array_equal(after_state["loras"][key].up, server["loras"][key].up)
-        np.testing.assert_array_equal(after_state["merged"][key].up, server["loras"][key].up)
+        np.testing.assert_array_equal(after_state.loras[key].up, server.loras[key].up)
+        np.testing.assert_array_equal(after_state.merged[key].up, server.loras[key].up)
         again = alg.server_update(
-            {**after_state, "round": jnp.int32(5)},
+            after_state._replace(round=jnp.int32(5)),
             jax.tree.map(lambda a: a[None], _message(alg, after_state)),
             jnp.ones(1),
         )
@@ -59,20 +59,20 @@ def test_factors_are_averaged_separately(mlp):
     alg = _algorithm(mlp, accumulate_every=0)  # fedlora: never accumulates
     server, _ = alg.init(jax.random.key(0))
     one, two = with_random_lora_updates(server, 1), with_random_lora_updates(server, 2)
-    two = {**two, "loras": {k: lowrank.LoRA(2 * f.down, f.up) for k, f in two["loras"].items()}}
+    two = two._replace(loras={k: lowrank.LoRA(2 * f.down, f.up) for k, f in two.loras.items()})
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), _message(alg, one), _message(alg, two))
     weights = jnp.array([1.0, 3.0])
     new = alg.server_update(server, stacked, weights)
-    for key in server["loras"]:
-        a, b = one["loras"][key], two["loras"][key]
-        np.testing.assert_allclose(new["loras"][key].down, (np.asarray(a.down) + 3 * np.asarray(b.down)) / 4, rtol=1e-6)
-        np.testing.assert_allclose(new["loras"][key].up, (np.asarray(a.up) + 3 * np.asarray(b.up)) / 4, rtol=1e-5)
+    for key in server.loras:
+        a, b = one.loras[key], two.loras[key]
+        np.testing.assert_allclose(new.loras[key].down, (np.asarray(a.down) + 3 * np.asarray(b.down)) / 4, rtol=1e-6)
+        np.testing.assert_allclose(new.loras[key].up, (np.asarray(a.up) + 3 * np.asarray(b.up)) / 4, rtol=1e-5)
         product_mean = (np.asarray(a.down @ a.up) + 3 * np.asarray(b.down @ b.up)) / 4
-        assert not np.allclose(new["loras"][key].down @ new["loras"][key].up, product_mean, atol=1e-4)
+        assert not np.allclose(new.loras[key].down @ new.loras[key].up, product_mean, atol=1e-4)
     # frozen W: fedlora's adapted kernels never change
-    for key in server["loras"]:
+    for key in server.loras:
         np.testing.assert_array_equal(
-            lowrank.get_layer(new["params"], key)["kernel"], lowrank.get_layer(server["params"], key)["kernel"]
+            lowrank.get_layer(new.params, key)["kernel"], lowrank.get_layer(server.params, key)["kernel"]
         )
 
 
@@ -80,9 +80,9 @@ def test_clients_upload_only_factors_of_the_adapted_layers(mlp):
     alg = _algorithm(mlp)
     server, client = alg.init(jax.random.key(0))
     message = _message(alg, server)
-    assert list(server["loras"]) == ["fc2"]  # not the first layer, not the head
-    assert "kernel" not in message["free"]["fc2"] and "kernel" in message["free"]["fc1"]
-    assert message["loras"]["fc2"].down.shape == (200, 4) and message["loras"]["fc2"].up.shape == (4, 200)
+    assert list(server.loras) == ["fc2"]  # not the first layer, not the head
+    assert "kernel" not in message.free["fc2"] and "kernel" in message.free["fc1"]
+    assert message.loras["fc2"].down.shape == (200, 4) and message.loras["fc2"].up.shape == (4, 200)
 
 
 def test_fedloru_learns_digits(mlp, digits):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import make_federation, with_random_lora_updates
 
-from jaxfed.algorithms.fedloru import fedloru, mfedloru, pfedloru, with_nested
+from jaxfed.algorithms.fedloru import Upload, fedloru, mfedloru, pfedloru, with_nested
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
@@ -31,13 +31,13 @@ def _pfedloru(mlp, **options):
 def test_pfedloru_personal_pair_stays_on_the_client(mlp, digits_federation):
     alg = _pfedloru(mlp, personal_epochs=1, local_epochs=1)
     server, before, message, after, upload = _one_client_update(alg, digits_federation)
-    personal = after["personal"]["fc2"]
+    personal = after.personal["fc2"]
     assert personal.down.shape == (200, 4) and personal.up.shape == (4, 200)
     assert float(jnp.abs(personal.up).max()) > 0  # trained (it starts at zero)
-    free, _ = lowrank.split_kernels(message["params"], ["fc2"])
-    assert jax.tree.structure(upload) == jax.tree.structure({"free": free, "loras": message["loras"]})
-    assert upload["loras"]["fc2"].down.shape == (200, 8)  # the global pair, rank 8
-    personal_leaves = [np.asarray(x) for x in jax.tree.leaves(after["personal"])]
+    free, _ = lowrank.split_kernels(message.params, ["fc2"])
+    assert jax.tree.structure(upload) == jax.tree.structure(Upload(free=free, loras=message.loras))
+    assert upload.loras["fc2"].down.shape == (200, 8)  # the global pair, rank 8
+    personal_leaves = [np.asarray(x) for x in jax.tree.leaves(after.personal)]
     for leaf in jax.tree.leaves(upload):
         assert not any(p.shape == np.shape(leaf) and np.array_equal(p, leaf) for p in personal_leaves)
 
@@ -48,9 +48,9 @@ def test_pfedloru_each_phase_trains_only_its_pair(mlp, digits_federation, phase)
         {"personal_epochs": 1, "local_epochs": 0} if phase == "personal" else {"personal_epochs": 0, "local_epochs": 1}
     )
     server, before, message, after, upload = _one_client_update(_pfedloru(mlp, **epochs), digits_federation)
-    personal_changed = not np.array_equal(after["personal"]["fc2"].up, before["personal"]["fc2"].up)
-    global_changed = not np.array_equal(upload["loras"]["fc2"].up, message["loras"]["fc2"].up)
-    free_changed = not np.array_equal(upload["free"]["head"]["kernel"], message["params"]["head"]["kernel"])
+    personal_changed = not np.array_equal(after.personal["fc2"].up, before.personal["fc2"].up)
+    global_changed = not np.array_equal(upload.loras["fc2"].up, message.loras["fc2"].up)
+    free_changed = not np.array_equal(upload.free["head"]["kernel"], message.params["head"]["kernel"])
     assert (personal_changed, global_changed, free_changed) == (
         (True, False, False) if phase == "personal" else (False, True, True)
     )
@@ -86,37 +86,36 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
     server, _ = jax.jit(alg.init)(jax.random.key(0))
     server = with_random_lora_updates(server, 3)
     message = alg.broadcast(server, 0)
-    d, u = message["nested"]["fc2"]
+    d, u = message.nested["fc2"]
     assert (d.down.shape, d.up.shape, u.down.shape, u.up.shape) == ((200, 8), (8, 16), (16, 8), (8, 200))
-    start = with_nested(server["loras"], message["nested"])
-    np.testing.assert_array_equal(start["fc2"].down, server["loras"]["fc2"].down)  # D2 = U2 = 0
-    np.testing.assert_array_equal(start["fc2"].up, server["loras"]["fc2"].up)
+    start = with_nested(server.loras, message.nested)
+    np.testing.assert_array_equal(start["fc2"].down, server.loras["fc2"].down)  # D2 = U2 = 0
+    np.testing.assert_array_equal(start["fc2"].up, server.loras["fc2"].up)
 
     rng = np.random.default_rng(0)
-    free, _ = lowrank.split_kernels(server["params"], ["fc2"])
+    free, _ = lowrank.split_kernels(server.params, ["fc2"])
     uploads = [
-        {
-            "free": free,
-            "nested": jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), message["nested"]),
-        }
+        Upload(
+            free=free, nested=jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), message.nested)
+        )
         for _ in range(2)
     ]
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), *uploads)
     received = jax.vmap(lambda m: alg.receive(server, m, 0))(stacked)  # the server decodes each upload
     new = alg.server_update(server, received, jnp.array([1.0, 3.0]))
-    base = server["loras"]["fc2"]
-    (d0, u0), (d1, u1) = (u["nested"]["fc2"] for u in uploads)
+    base = server.loras["fc2"]
+    (d0, u0), (d1, u1) = (u.nested["fc2"] for u in uploads)
     down = [np.float64(base.down) + np.float64(d.down) @ np.float64(d.up) for d in (d0, d1)]
     up = [np.float64(base.up) + np.float64(u.down) @ np.float64(u.up) for u in (u0, u1)]
-    np.testing.assert_allclose(new["loras"]["fc2"].down, (down[0] + 3 * down[1]) / 4, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(new["loras"]["fc2"].up, (up[0] + 3 * up[1]) / 4, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new.loras["fc2"].down, (down[0] + 3 * down[1]) / 4, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new.loras["fc2"].up, (up[0] + 3 * up[1]) / 4, rtol=1e-4, atol=1e-5)
 
 
 def test_mfedloru_tiers_upload_less_than_fedloru_at_rank_r(mlp, digits):
     plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16)
     server, _ = jax.eval_shape(plain.init, jax.random.key(0))
-    free, _ = lowrank.split_kernels(server["params"], ["fc2"])
-    fedloru_per_client = tree_bytes({"free": free, "loras": server["loras"]})  # what the engine counts per client
+    free, _ = lowrank.split_kernels(server.params, ["fc2"])
+    fedloru_per_client = tree_bytes(Upload(free=free, loras=server.loras))  # what the engine counts per client
 
     fed = make_federation(digits, num_clients=6, alpha=0.5)
     sim = Simulation(_mfedloru(mlp, (1.0, 0.5, 0.25)), mlp, fed, participation=1.0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
-from jaxfed.algorithms.floral import floral, local_adaptor
+from jaxfed.algorithms.floral import Upload, floral, local_adaptor
 from jaxfed.cli import main
 from jaxfed.core.routing import component_weights
 from jaxfed.data import ClientData
@@ -35,13 +35,13 @@ def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
     stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(n,) + a.shape), jnp.float32), server)
     pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
     weights = np.array([20.0, 50.0, 30.0])
-    new = alg.server_update(server, {**stacked, "mixture_weights": pi}, jnp.asarray(weights))
+    new = alg.server_update(server, Upload(stacked.base, stacked.adaptors, pi), jnp.asarray(weights))
     p = weights / weights.sum()
-    for got, rows in zip(jax.tree.leaves(new["base"]), jax.tree.leaves(stacked["base"])):
+    for got, rows in zip(jax.tree.leaves(new.base), jax.tree.leaves(stacked.base)):
         np.testing.assert_allclose(got, np.tensordot(p, np.asarray(rows, np.float64), axes=1), rtol=1e-5, atol=1e-6)
     w = np.asarray(weights)[:, None] * np.asarray(pi, np.float64)
     w = w / w.sum(0)
-    for got, rows in zip(jax.tree.leaves(new["adaptors"]), jax.tree.leaves(stacked["adaptors"])):
+    for got, rows in zip(jax.tree.leaves(new.adaptors), jax.tree.leaves(stacked.adaptors)):
         rows = np.asarray(rows, np.float64)  # [n, C, ...]
         expected = np.stack([np.tensordot(w[:, c], rows[:, c], axes=1) for c in range(2)])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -51,21 +51,21 @@ def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
 def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
     alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, stateful=stateful)
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    client = {**client, "router": jnp.array([0.5, -0.5, 2.0])}
+    client = client._replace(router=jnp.array([0.5, -0.5, 2.0]))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
-    assert set(upload) == {"base", "adaptors", "mixture_weights"}
-    router = np.asarray(new_client["router"])
+    assert set(upload._fields) == {"base", "adaptors", "mixture_weights"}
+    router = np.asarray(new_client.router)
     assert not np.array_equal(router, [0.5, -0.5, 2.0])  # the router trained
     for leaf in jax.tree.leaves(upload):
         assert not (np.shape(leaf) == router.shape and np.array_equal(leaf, router))
-    np.testing.assert_allclose(upload["mixture_weights"], jax.nn.softmax(new_client["router"]), rtol=1e-6)
+    np.testing.assert_allclose(upload.mixture_weights, jax.nn.softmax(new_client.router), rtol=1e-6)
     if not stateful:  # a stateless client started from zero logits
         alg_from_zero = _floral(mlp, num_adaptors=3, adaptor_rank=4)
-        zero = {**client, "router": jnp.zeros(3)}
+        zero = client._replace(router=jnp.zeros(3))
         again, _, _ = jax.jit(alg_from_zero.client_update)(alg.broadcast(server, 0), zero, view, jax.random.key(2))
-        np.testing.assert_allclose(new_client["router"], again["router"], rtol=1e-6)
+        np.testing.assert_allclose(new_client.router, again.router, rtol=1e-6)
 
 
 def test_floral_learns_digits(mlp, digits):
@@ -102,12 +102,12 @@ def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_f
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
-    assert jax.tree.structure(upload) == jax.tree.structure(server["base"])
-    ups = [np.asarray(a["up"]) for a in new_client["adaptors"]["kernels"].values()]
+    assert jax.tree.structure(upload) == jax.tree.structure(server.params)
+    ups = [np.asarray(a["up"]) for a in new_client.adaptors["kernels"].values()]
     assert all(float(np.abs(u).max()) > 0 for u in ups)  # trained (they start at zero)
     for leaf in jax.tree.leaves(upload):
         assert not any(u.shape == np.shape(leaf) and np.array_equal(u, leaf) for u in ups)
-    assert jax.tree.structure(new_client["adaptors"]) == jax.tree.structure(client["adaptors"])
+    assert jax.tree.structure(new_client.adaptors) == jax.tree.structure(client.adaptors)
 
 
 def test_oracle_router_is_one_hot_on_the_cluster_and_never_trains(mlp, digits):
@@ -115,12 +115,12 @@ def test_oracle_router_is_one_hot_on_the_cluster_and_never_trains(mlp, digits):
     alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, router="oracle", num_clusters=2)
     sim = Simulation(alg, mlp, fed, participation=1.0)
     start = sim.init()
-    pi = np.asarray(jax.nn.softmax(start.clients["router"]))
+    pi = np.asarray(jax.nn.softmax(start.clients.router))
     np.testing.assert_allclose(pi, np.eye(3)[[0, 1, 0, 1]], atol=1e-30)
     state, _ = sim.run_rounds(start, 1)
-    np.testing.assert_array_equal(state.clients["router"], start.clients["router"])
-    assert not np.allclose(state.server["adaptors"]["kernels"]["head"]["up"][0], 0)  # cluster 0's adaptor trained
-    np.testing.assert_array_equal(state.server["adaptors"]["kernels"]["head"]["up"][2], 0)  # nobody's: unchanged
+    np.testing.assert_array_equal(state.clients.router, start.clients.router)
+    assert not np.allclose(state.server.adaptors["kernels"]["head"]["up"][0], 0)  # cluster 0's adaptor trained
+    np.testing.assert_array_equal(state.server.adaptors["kernels"]["head"]["up"][2], 0)  # nobody's: unchanged
 
 
 def test_router_noise_is_drawn_afresh_at_every_step():

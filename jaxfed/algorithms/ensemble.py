@@ -11,12 +11,13 @@ trained by clustered FedAvg.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.floral import CODE, RouterOptions, check_oracle
+from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle
 from jaxfed.algorithms.training import per_key, split_variables, train_routed
 from jaxfed.core import tree_select
 from jaxfed.core.routing import mixture_average, mixture_weights, oracle_init
@@ -31,6 +32,15 @@ class EnsembleOptions(RouterOptions):
     num_members: int = option(4, "full models C mixed by each client's router", source=CODE, check=at_least(1))
 
 
+class ServerState(NamedTuple):
+    members: Any  # the C members' parameters, stacked on a leading C axis
+
+
+class Upload(NamedTuple):
+    members: Any
+    mixture_weights: jax.Array  # [C]: pi_k, which the server weighs member c by
+
+
 def ensemble(
     model, options: EnsembleOptions | None = None, *, num_clusters: int = 0, name: str = "ensemble", **overrides
 ) -> FederatedAlgorithm:
@@ -43,24 +53,24 @@ def ensemble(
 
     def init(rng):
         members, member_state = split_variables(jax.vmap(model.init)(jax.random.split(rng, num_members)))
-        return {"members": members}, {"router": jnp.zeros((num_members,), jnp.float32), "model_state": member_state}
+        return ServerState(members), RoutedClient(jnp.zeros((num_members,), jnp.float32), member_state)
 
     def client_update(message, client_state, data, rng):
         transforms = {"members": options.optimizer(data.round)}  # this round's learning rate
         if learned:
             transforms["router"] = sgd(options.router_lr)
         optimizer = per_key(transforms)
-        router_logits = client_state["router"]
+        router_logits = client_state.router
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
         members, new_logits, pi, model_state, metrics = train_routed(
             mixture,
             optimizer,
-            {"members": message["members"]},
+            {"members": message.members},
             router_logits,
             lambda shared, weights: {"members": shared["members"], "weights": weights},
-            client_state["model_state"],
+            client_state.model_state,
             data,
             rng,
             learned=learned,
@@ -68,16 +78,15 @@ def ensemble(
             temperature=router_temperature,
             **options.batching(),
         )
-        upload = {"members": members["members"], "mixture_weights": pi}
-        return {"router": new_logits, "model_state": model_state}, upload, metrics
+        return RoutedClient(new_logits, model_state), Upload(members["members"], pi), metrics
 
     def server_update(server_state, messages, weights):
-        members = mixture_average(messages["members"], messages["mixture_weights"], weights, server_state["members"])
-        return tree_select(jnp.sum(weights) > 0, {"members": members}, server_state)
+        members = mixture_average(messages.members, messages.mixture_weights, weights, server_state.members)
+        return tree_select(jnp.sum(weights) > 0, ServerState(members), server_state)
 
     def eval_params(server_state, client_state):
-        pi = mixture_weights(client_state["router"], temperature=router_temperature)
-        return {"params": {"members": server_state["members"], "weights": pi}, **client_state["model_state"]}
+        pi = mixture_weights(client_state.router, temperature=router_temperature)
+        return {"params": {"members": server_state.members, "weights": pi}, **client_state.model_state}
 
     return FederatedAlgorithm(
         name=name,

@@ -24,6 +24,7 @@ A client's personalized model is the global FE truncated to its tier's rank plus
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,18 @@ class FedARAOptions(TieredOptions):
         (), "feature-extractor layers to decompose (comma-separated); empty = all but the first"
     )
     head: str = option("", "the private classifier layer (a Dense layer's key); empty = the last Dense called")
+
+
+class ServerState(NamedTuple):
+    """The server's state, and what it broadcasts (the extractor factorized to the tier's rank)."""
+
+    fe: Any  # the feature extractor's parameters (every layer but the head)
+    round: jax.Array  # rounds completed (broadcast: the 1-based round being run)
+
+
+class ClientState(NamedTuple):
+    head: Any  # the private classifier layer's parameters
+    model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
 
 
 def default_decomposed_layers(model, head: str) -> list[str]:
@@ -164,38 +177,39 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         extractor, head_params = lowrank.pop_layer(params, head)
-        return {"fe": extractor, "round": jnp.int32(0)}, {"head": head_params, "model_state": model_state}
+        return ServerState(extractor, jnp.int32(0)), ClientState(head_params, model_state)
 
     def broadcast(server_state, tier):
-        return {"fe": lowrank.factorize_layers(server_state["fe"], ranks[tier]), "round": server_state["round"] + 1}
+        return ServerState(lowrank.factorize_layers(server_state.fe, ranks[tier]), server_state.round + 1)
 
     def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         received = {
-            "params": lowrank.replace_layer(message["fe"], head, client_state["head"]),
-            **client_state["model_state"],
+            "params": lowrank.replace_layer(message.fe, head, client_state.head),
+            **client_state.model_state,
         }
         with factorized_execution():
             anchors, _ = class_anchors(model, head, received, data, options.batch_size)
-            lam_t = lambda_at(message["round"], options.lambda_, options.lambda_warmup_rounds)
+            lam_t = lambda_at(message.round, options.lambda_, options.lambda_warmup_rounds)
             loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss)
-            trainable = {"fe": message["fe"], "head": client_state["head"]}
-            state = TrainState(trainable, optimizer.init(trainable), client_state["model_state"])
+            trainable = {"fe": message.fe, "head": client_state.head}
+            state = TrainState(trainable, optimizer.init(trainable), client_state.model_state)
             state, metrics = run_epochs(gradient_step(loss, optimizer), state, data, rng, **options.batching())
-        new_client = {"head": state.params["head"], "model_state": state.model_state}
+        new_client = ClientState(state.params["head"], state.model_state)
         return new_client, state.params["fe"], {**metrics, "lambda": lam_t}
 
     def server_update(server_state, messages, weights):
-        return {"fe": average_received(server_state["fe"], messages, weights), "round": server_state["round"] + 1}
+        return ServerState(average_received(server_state.fe, messages, weights), server_state.round + 1)
 
     def eval_server(server_state, tier):
         """The global FE truncated to the tier's rank (as the tier's clients run it), once per tier."""
-        return {"fe": lowrank.reconstruct_layers(lowrank.factorize_layers(server_state["fe"], ranks[tier]))}
+        truncated = lowrank.reconstruct_layers(lowrank.factorize_layers(server_state.fe, ranks[tier]))
+        return server_state._replace(fe=truncated)
 
     def eval_params(server_view, client_state):
         return {
-            "params": lowrank.replace_layer(server_view["fe"], head, client_state["head"]),
-            **client_state["model_state"],
+            "params": lowrank.replace_layer(server_view.fe, head, client_state.head),
+            **client_state.model_state,
         }
 
     return FederatedAlgorithm(

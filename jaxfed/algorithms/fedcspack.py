@@ -134,7 +134,7 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         return view.to_tree(merged)
 
     def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         start = personalized_params(message, client_state)
         params, model_state, metrics = train_parameters(
             model,

@@ -163,7 +163,7 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
         )
 
     def client_update(sigma, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         tau, model_state = client_state.tau, client_state.model_state
         # The sigma phase shuffles with ``rng`` itself, as FedAvg does: lora_epochs=0 is FedAvg.
         tau_rng = jax.random.fold_in(rng, 1)

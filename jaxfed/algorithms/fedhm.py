@@ -87,7 +87,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         return lowrank.factorize_layers(server_state.params, ranks[tier])
 
     def client_update(factorized, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         with factorized_execution():
             variables, metrics = train_classifier(
                 model,

@@ -21,12 +21,13 @@ with ``reinit`` the factors restart (``down`` Kaiming, ``up`` 0), otherwise they
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.nn.layers import choose_layers
@@ -152,9 +153,47 @@ def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_ran
     return _Adapted(template, bool(private_stats), ranks, (lora_alpha or rank) / rank)
 
 
-def _shared_message(server_state, tier=0):
+class ServerState(NamedTuple):
+    params: Any  # W: the global model (adapted kernels frozen during a round)
+    loras: Any  # {layer: LoRA}: the global factors (down, up)
+    merged: Any  # {layer: LoRA}: what W already holds of the factors (zeros with reinit)
+    round: jax.Array  # rounds completed
+    key_data: jax.Array  # raw PRNG bits (checkpointable), folded with the round for re-initialization
+
+
+class Broadcast(NamedTuple):
+    """What a FedLoRU-family client receives: W, the global factors and what W already holds
+    (mFedLoRU's nested tiers: also the nested pairs' start)."""
+
+    params: Any
+    loras: Any
+    merged: Any
+    nested: Any = None
+
+
+class Upload(NamedTuple):
+    """The trained full-rank parameters and either the rank-r factors or (mFedLoRU's nested
+    tiers) the nested pairs ``(D1 D2, U1 U2)`` per layer."""
+
+    free: Any
+    loras: Any = None
+    nested: Any = None
+
+
+class PersonalClient(NamedTuple):
+    """pFedLoRU's client: model statistics and the private personal pair."""
+
+    model_state: Any
+    personal: Any  # {layer: LoRA}
+
+
+def _shared_message(server_state, tier=0) -> Broadcast:
     """What every FedLoRU-family client receives: W, the global factors and what W already holds."""
-    return {k: server_state[k] for k in ("params", "loras", "merged")}
+    return Broadcast(server_state.params, server_state.loras, server_state.merged)
+
+
+def _upload(trained: dict) -> Upload:
+    return Upload(free=trained["free"], loras=trained.get("loras"), nested=trained.get("nested"))
 
 
 def _zeros_like(tree):
@@ -168,14 +207,8 @@ def _server_init(model, adapted: _Adapted):
         init_rng, lora_rng, server_rng = jax.random.split(rng, 3)
         params, model_state = split_variables(model.init(init_rng))
         loras = adapted.fresh(lora_rng)
-        server = {
-            "params": params,
-            "loras": loras,
-            "merged": _zeros_like(loras),
-            "round": jnp.int32(0),
-            "key_data": jax.random.key_data(server_rng),  # raw bits (checkpointable); folded with the round
-        }
-        return server, {"model_state": model_state}
+        server = ServerState(params, loras, _zeros_like(loras), jnp.int32(0), jax.random.key_data(server_rng))
+        return server, ClientStats(model_state)
 
     return init
 
@@ -186,18 +219,18 @@ def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
     accumulation every ``accumulate_every`` rounds."""
 
     def update(server_state, free, loras, weights):
-        params = lowrank.merge_kernels(weighted_mean(free, weights), adapted.split(server_state["params"])[1])
-        loras, merged = weighted_mean(loras, weights), server_state["merged"]
-        round_ = server_state["round"] + 1
+        params = lowrank.merge_kernels(weighted_mean(free, weights), adapted.split(server_state.params)[1])
+        loras, merged = weighted_mean(loras, weights), server_state.merged
+        round_ = server_state.round + 1
         if accumulate_every:
-            lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state["key_data"]), round_)
+            lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), round_)
             accumulated = adapted.effective(params, loras, merged)
             restarted = adapted.fresh(lora_rng) if reinit else loras
             now = round_ % accumulate_every == 0
             params = tree_select(now, accumulated, params)
             merged = tree_select(now, _zeros_like(loras) if reinit else loras, merged)
             loras = tree_select(now, restarted, loras)
-        new = {**server_state, "params": params, "loras": loras, "merged": merged, "round": round_}
+        new = server_state._replace(params=params, loras=loras, merged=merged, round=round_)
         return tree_select(jnp.sum(weights) > 0, new, server_state)
 
     return update
@@ -205,7 +238,7 @@ def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
 
 def _global_model(adapted: _Adapted):
     def global_params(server_state):
-        return {"params": adapted.effective(server_state["params"], server_state["loras"], server_state["merged"])}
+        return {"params": adapted.effective(server_state.params, server_state.loras, server_state.merged)}
 
     return global_params
 
@@ -224,24 +257,24 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     aggregate = _aggregate(adapted, *_accumulation(options))
 
     def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
-        free, frozen = adapted.split(message["params"])
+        optimizer = options.optimizer(data.round)  # this round's learning rate
+        free, frozen = adapted.split(message.params)
 
         def to_params(t):
-            return adapted.effective(lowrank.merge_kernels(t["free"], frozen), t["loras"], message["merged"])
+            return adapted.effective(lowrank.merge_kernels(t["free"], frozen), t["loras"], message.merged)
 
-        trainable = {"free": free, "loras": message["loras"]}
+        trainable = {"free": free, "loras": message.loras}
         trained, model_state, metrics = train_parameters(
             model,
             optimizer,
             trainable,
-            client_state["model_state"],
+            client_state.model_state,
             data,
             rng,
             to_params=to_params,
             **options.batching(),
         )
-        return {"model_state": model_state}, trained, metrics
+        return ClientStats(model_state), _upload(trained), metrics
 
     return FederatedAlgorithm(
         name=name,
@@ -249,9 +282,9 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
         broadcast=_shared_message,
         client_update=client_update,
         server_update=lambda server_state, messages, weights: aggregate(
-            server_state, messages["free"], messages["loras"], weights
+            server_state, messages.free, messages.loras, weights
         ),
-        eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
+        eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,
     )
@@ -281,32 +314,32 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     def init(rng):
         server_rng, personal_rng = jax.random.split(rng)
         server, client = server_init(server_rng)
-        return server, {**client, "personal": personal.fresh(personal_rng)}
+        return server, PersonalClient(client.model_state, personal.fresh(personal_rng))
 
     def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
+        optimizer = options.optimizer(data.round)  # this round's learning rate
         personal_rng, global_rng = jax.random.split(rng)
-        free, frozen = adapted.split(message["params"])
+        free, frozen = adapted.split(message.params)
 
         def model_params(free, global_pair, personal_pair):
-            shared = adapted.effective(lowrank.merge_kernels(free, frozen), global_pair, message["merged"])
+            shared = adapted.effective(lowrank.merge_kernels(free, frozen), global_pair, message.merged)
             return lowrank.add_loras(shared, personal_pair, personal.scale, LAYOUT)
 
         personal_pair, model_state, personal_metrics = train_parameters(
             model,
             optimizer,
-            client_state["personal"],
-            client_state["model_state"],
+            client_state.personal,
+            client_state.model_state,
             data,
             personal_rng,
             epochs=options.personal_epochs,
-            to_params=lambda p: model_params(free, message["loras"], p),
+            to_params=lambda p: model_params(free, message.loras, p),
             **batching,
         )
         trained, model_state, metrics = train_parameters(
             model,
             optimizer,
-            {"free": free, "loras": message["loras"]},
+            {"free": free, "loras": message.loras},
             model_state,
             data,
             global_rng,
@@ -315,12 +348,12 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
             **batching,
         )
         metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
-        return {"model_state": model_state, "personal": personal_pair}, trained, metrics
+        return PersonalClient(model_state, personal_pair), _upload(trained), metrics
 
     def eval_params(server_state, client_state):
         shared = global_params(server_state)["params"]
-        params = lowrank.add_loras(shared, client_state["personal"], personal.scale, LAYOUT)
-        return {"params": params, **client_state["model_state"]}
+        params = lowrank.add_loras(shared, client_state.personal, personal.scale, LAYOUT)
+        return {"params": params, **client_state.model_state}
 
     return FederatedAlgorithm(
         name="pfedloru",
@@ -328,7 +361,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
         broadcast=_shared_message,
         client_update=client_update,
         server_update=lambda server_state, messages, weights: aggregate(
-            server_state, messages["free"], messages["loras"], weights
+            server_state, messages.free, messages.loras, weights
         ),
         eval_params=eval_params,
         global_params=None if adapted.has_private_stats else global_params,
@@ -381,39 +414,39 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         if tier_ranks[tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
             return message
         # The nested pairs' start (a real deployment would send its seed; counted as sent here).
-        rng = jax.random.fold_in(jax.random.wrap_key_data(server_state["key_data"]), server_state["round"])
-        return {**message, "nested": nested_start(jax.random.fold_in(rng, tier + 1), tier_ranks[tier])}
+        rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), server_state.round)
+        return message._replace(nested=nested_start(jax.random.fold_in(rng, tier + 1), tier_ranks[tier]))
 
     def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
-        free, frozen = adapted.split(message["params"])
-        nested = "nested" in message
+        optimizer = options.optimizer(data.round)  # this round's learning rate
+        free, frozen = adapted.split(message.params)
+        nested = message.nested is not None
         key = "nested" if nested else "loras"
 
         def to_params(t):
-            loras = with_nested(message["loras"], t["nested"]) if nested else t["loras"]
-            return adapted.effective(lowrank.merge_kernels(t["free"], frozen), loras, message["merged"])
+            loras = with_nested(message.loras, t["nested"]) if nested else t["loras"]
+            return adapted.effective(lowrank.merge_kernels(t["free"], frozen), loras, message.merged)
 
         trained, model_state, metrics = train_parameters(
             model,
             optimizer,
-            {"free": free, key: message[key]},
-            client_state["model_state"],
+            {"free": free, key: getattr(message, key)},
+            client_state.model_state,
             data,
             rng,
             to_params=to_params,
             **options.batching(),
         )
-        return {"model_state": model_state}, trained, metrics
+        return ClientStats(model_state), _upload(trained), metrics
 
     def receive(server_state, message, tier):
         """A client's upload as its rank-r factors ``(down + D1 D2, up + U1 U2)``."""
-        if "nested" not in message:
+        if message.nested is None:
             return message
-        return {"free": message["free"], "loras": with_nested(server_state["loras"], message["nested"])}
+        return Upload(free=message.free, loras=with_nested(server_state.loras, message.nested))
 
     def server_update(server_state, messages, weights):
-        return aggregate(server_state, messages["free"], messages["loras"], weights)
+        return aggregate(server_state, messages.free, messages.loras, weights)
 
     return FederatedAlgorithm(
         name="mfedloru",
@@ -421,7 +454,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         broadcast=broadcast,
         client_update=client_update,
         server_update=server_update,
-        eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state["model_state"]},
+        eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,
         num_tiers=len(tier_ranks),

@@ -20,12 +20,14 @@ federated with sample weights.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.training import per_key, split_variables, train_parameters, train_routed
 from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
@@ -102,6 +104,31 @@ class LocalAdaptorOptions(AdaptorOptions):
     """FLoRAL's Local Adaptor baseline: one private adaptor per client."""
 
 
+class ServerState(NamedTuple):
+    base: Any  # the shared base model's parameters
+    adaptors: Any  # the C adaptors of every adapted layer (stacked on a leading C axis)
+
+
+class RoutedClient(NamedTuple):
+    """A client with a private router (FLoRAL, the ensemble)."""
+
+    router: jax.Array  # [C] logits
+    model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
+
+
+class Upload(NamedTuple):
+    base: Any
+    adaptors: Any
+    mixture_weights: jax.Array  # [C]: pi_k, which the server weighs adaptor c's factors by
+
+
+class AdaptorClient(NamedTuple):
+    """A Local Adaptor client: its own adaptor, never uploaded."""
+
+    adaptors: Any
+    model_state: Any
+
+
 def oracle_clusters(config) -> int:
     """The ground-truth cluster count an oracle router may use (0 when the task has none)."""
     return config.num_clusters if config.clustered() else 0
@@ -156,23 +183,23 @@ def floral(
     def init(rng):
         base_rng, adaptor_rng = jax.random.split(rng)
         params, model_state = split_variables(model.init(base_rng))
-        server = {"base": params, "adaptors": ad.init_adaptors(adaptor_rng, template, plan)}
-        return server, {"router": jnp.zeros((num_adaptors,), jnp.float32), "model_state": model_state}
+        server = ServerState(params, ad.init_adaptors(adaptor_rng, template, plan))
+        return server, RoutedClient(jnp.zeros((num_adaptors,), jnp.float32), model_state)
 
     def client_update(message, client_state, data, rng):
         router_lr = options.router_lr if learned else None
         optimizer = _local_optimizer(plan, options, options.precondition, data.round, router_lr)
-        router_logits = client_state["router"]
+        router_logits = client_state.router
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
         trained, new_logits, pi, model_state, metrics = train_routed(
             model,
             optimizer,
-            {"base": message["base"], "adaptors": message["adaptors"]},
+            {"base": message.base, "adaptors": message.adaptors},
             router_logits,
             lambda shared, weights: ad.mix(shared["base"], shared["adaptors"], weights, plan),
-            client_state["model_state"],
+            client_state.model_state,
             data,
             rng,
             learned=learned,
@@ -180,23 +207,20 @@ def floral(
             temperature=router_temperature,
             **options.batching(),
         )
-        upload = {"base": trained["base"], "adaptors": trained["adaptors"], "mixture_weights": pi}
-        return {"router": new_logits, "model_state": model_state}, upload, metrics
+        return RoutedClient(new_logits, model_state), Upload(trained["base"], trained["adaptors"], pi), metrics
 
     def server_update(server_state, messages, weights):
-        new = {
-            "base": weighted_mean(messages["base"], weights),
-            "adaptors": mixture_average(
-                messages["adaptors"], messages["mixture_weights"], weights, server_state["adaptors"]
-            ),
-        }
+        new = ServerState(
+            base=weighted_mean(messages.base, weights),
+            adaptors=mixture_average(messages.adaptors, messages.mixture_weights, weights, server_state.adaptors),
+        )
         return tree_select(jnp.sum(weights) > 0, new, server_state)
 
     def eval_params(server_state, client_state):
-        pi = mixture_weights(client_state["router"], temperature=router_temperature)
+        pi = mixture_weights(client_state.router, temperature=router_temperature)
         return {
-            "params": ad.mix(server_state["base"], server_state["adaptors"], pi, plan),
-            **client_state["model_state"],
+            "params": ad.mix(server_state.base, server_state.adaptors, pi, plan),
+            **client_state.model_state,
         }
 
     return FederatedAlgorithm(
@@ -220,36 +244,36 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
     def init(rng):
         base_rng, adaptor_rng = jax.random.split(rng)
         params, model_state = split_variables(model.init(base_rng))
-        return {"base": params}, {"adaptors": ad.init_adaptors(adaptor_rng, template, plan), "model_state": model_state}
+        return GlobalParams(params), AdaptorClient(ad.init_adaptors(adaptor_rng, template, plan), model_state)
 
     def client_update(message, client_state, data, rng):
         optimizer = _local_optimizer(plan, options, options.precondition, data.round)
-        trainable = {"base": message["base"], "adaptors": client_state["adaptors"]}
+        trainable = {"base": message.params, "adaptors": client_state.adaptors}
         trained, model_state, metrics = train_parameters(
             model,
             optimizer,
             trainable,
-            client_state["model_state"],
+            client_state.model_state,
             data,
             rng,
             to_params=lambda t: ad.mix(t["base"], t["adaptors"], only, plan),
             **options.batching(),
         )
-        return {"adaptors": trained["adaptors"], "model_state": model_state}, trained["base"], metrics
+        return AdaptorClient(trained["adaptors"], model_state), trained["base"], metrics
 
     def server_update(server_state, messages, weights):
-        return {"base": tree_select(jnp.sum(weights) > 0, weighted_mean(messages, weights), server_state["base"])}
+        return GlobalParams(tree_select(jnp.sum(weights) > 0, weighted_mean(messages, weights), server_state.params))
 
     def eval_params(server_state, client_state):
         return {
-            "params": ad.mix(server_state["base"], client_state["adaptors"], only, plan),
-            **client_state["model_state"],
+            "params": ad.mix(server_state.params, client_state.adaptors, only, plan),
+            **client_state.model_state,
         }
 
     return FederatedAlgorithm(
         name="local_adaptor",
         init=init,
-        broadcast=lambda server_state, tier=0: {"base": server_state["base"]},
+        broadcast=lambda server_state, tier=0: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,

@@ -33,10 +33,8 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         return ()
 
     def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round\'s learning rate
-        variables, metrics = train_classifier(
-            model, optimizer, client_state.variables, data, rng, **options.batching()
-        )
+        optimizer = options.optimizer(data.round)  # this round's learning rate
+        variables, metrics = train_classifier(model, optimizer, client_state.variables, data, rng, **options.batching())
         return ClientState(variables), (), metrics
 
     def server_update(server_state, messages, weights):

@@ -61,9 +61,10 @@ def oracle_logits(client_id, num_components: int, num_clusters: int) -> jax.Arra
 
 
 def oracle_init(num_components: int, num_clusters: int):
-    """An ``init_client(client_state, client_id)`` hook that sets ``client_state["router"]`` to the oracle's."""
+    """An ``init_client(client_state, client_id)`` hook that sets the ``router`` field of a client
+    state record (a ``NamedTuple``) to the oracle's logits."""
 
     def init_client(client_state, client_id):
-        return {**client_state, "router": oracle_logits(client_id, num_components, num_clusters)}
+        return client_state._replace(router=oracle_logits(client_id, num_components, num_clusters))
 
     return init_client
