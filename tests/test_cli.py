@@ -153,3 +153,10 @@ def test_bad_config_files_are_one_line_errors(text, expected, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err
     assert not (tmp_path / "r").exists()
+
+
+def test_list_piped_into_a_reader_that_stops_is_not_a_traceback():
+    proc = subprocess.run(
+        f"{sys.executable} -m jaxfed.cli list | head -1", shell=True, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.startswith("algorithms:") and "Traceback" not in proc.stderr, proc.stderr
