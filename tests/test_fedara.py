@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
-from jaxfed.algorithms.fedara import class_anchors, fedara, lambda_at
+from jaxfed.algorithms.fedara import class_anchors, fedara, frobenius_penalty, lambda_at
 from jaxfed.algorithms.training import masked_loss
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
@@ -104,8 +104,9 @@ def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_feder
 
 
 def test_lambda_ramps_from_zero_in_round_one():
-    values = [float(lambda_at(jnp.int32(t), 2.0, 10)) for t in (1, 2, 6, 11, 50)]
-    np.testing.assert_allclose(values, [0.0, 0.2, 1.0, 2.0, 2.0], rtol=1e-6)
+    values = [float(lambda_at(jnp.int32(t), 2.0, 10)) for t in (1, 2, 6, 10, 11, 50)]
+    # the paper: 0 in round 1, rising linearly to lambda over the first 10 rounds
+    np.testing.assert_allclose(values, [0.0, 2 / 9, 10 / 9, 2.0, 2.0, 2.0], rtol=1e-6)
     assert float(lambda_at(jnp.int32(1), 2.0, 0)) == 0.0 and float(lambda_at(jnp.int32(2), 2.0, 0)) == 2.0
 
 
@@ -139,7 +140,9 @@ def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
     state, metrics = sim.run_rounds(start, 3)
     sent = [float(metrics[f"bytes_up_client_tier{t}"][0]) for t in range(3)]
     expected = [tree_bytes(alg.broadcast(start.server, t).fe) for t in range(3)]  # the upload has the FE's shapes
-    assert sent == expected and sent[0] > sent[1] > sent[2]
+    # ratio 1.0 sends the 200 x 200 kernel: as many values as its rank-100 factors at ratio 0.5
+    assert sent == expected and sent[0] == sent[1] > sent[2]
+    assert "kernel" in alg.broadcast(start.server, 0).fe["fc2"] and "u" in alg.broadcast(start.server, 1).fe["fc2"]
     assert "head" not in state.server.fe
     heads = np.asarray(state.clients.head["kernel"])
     assert not np.allclose(heads[0], heads[3])  # personal heads
@@ -148,7 +151,7 @@ def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
 
 
 def test_client_flops_fall_with_the_tier_rank(mlp, digits_federation):
-    alg = _fedara(mlp, tiers=(1.0, 0.5, 0.25))
+    alg = _fedara(mlp, tiers=(0.5, 0.25, 0.125))
     server, client = jax.jit(alg.init)(jax.random.key(0))
     data = _client(digits_federation)
     flops = [
@@ -186,3 +189,13 @@ def test_the_lambda_key_maps_to_its_field():
     options = config.options
     assert (options.lambda_, options.lambda_warmup_rounds, options.mu_fro) == (0.5, 3, 0.0)
     assert ("lambda", 2.0) in [(k, d) for k, d, _, _ in type(options).describe()]
+
+
+def test_the_frobenius_term_is_the_same_for_a_kernel_and_its_full_rank_factors():
+    rng = np.random.default_rng(0)
+    kernel = jnp.asarray(rng.normal(size=(12, 7)), jnp.float32)
+    plain = {"fc": {"kernel": kernel}}
+    factored = lowrank.factorize_layers(plain, {"fc": 7})
+    expected = float(np.sum(np.float64(kernel) ** 2))
+    np.testing.assert_allclose(float(frobenius_penalty(plain, ["fc"])), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(frobenius_penalty(factored, ["fc"])), expected, rtol=1e-4)

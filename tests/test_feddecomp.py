@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
-from jaxfed.algorithms.feddecomp import decomposition_ranks, feddecomp
+from jaxfed.algorithms.feddecomp import auto_lora_epochs, decomposition_ranks, feddecomp
 from jaxfed.algorithms.training import split_variables
 from jaxfed.cli import main
 from jaxfed.core import tree_bytes
@@ -182,3 +182,10 @@ def test_bad_ratios_are_errors_from_the_python_api(mlp):
         _feddecomp(mlp, rank_conv=1.2)
     with pytest.raises(ConfigError, match=r"lora_epochs: must be -1 \(auto\) or in 0..local_epochs \(1\), got 2"):
         _feddecomp(mlp, local_epochs=1, lora_epochs=2)
+
+
+def test_the_auto_tau_epochs_never_leave_a_part_without_an_epoch(mlp):
+    assert [auto_lora_epochs(e) for e in (2, 3, 4, 5, 10)] == [1, 1, 2, 2, 4]  # round(0.4 E), in 1..E-1
+    with pytest.raises(ConfigError, match=r"^lora_epochs: the auto rule needs local_epochs >= 2"):
+        _feddecomp(mlp, local_epochs=1, lora_epochs=-1)
+    _feddecomp(mlp, local_epochs=1, lora_epochs=1)  # explicit: allowed

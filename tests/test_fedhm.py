@@ -1,5 +1,6 @@
 """FedHM: exact at full rank, per-tier ranks and bytes, reconstruction-then-average, tier errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +34,14 @@ def test_full_rank_factors_reproduce_the_global_model(digits, model_name, reques
         with factorized_execution():
             return model.apply({"params": params}, x)[0]
 
-    factorized = broadcast(server, 0)
-    assert all("kernel" not in lowrank.get_layer(factorized, k) for k in interior_layers(model))
+    full = broadcast(server, 0)  # ratio 1.0: every layer travels as its kernel, unfactorized
+    chex.assert_trees_all_equal(full, server.params)
     expected = logits(server.params)
-    np.testing.assert_allclose(logits(factorized), expected, rtol=1e-4, atol=1e-4)
+    factorized = lowrank.factorize_layers(
+        server.params,
+        {k: lowrank.max_rank(lowrank.get_layer(server.params, k)["kernel"].shape) for k in interior_layers(model)},
+    )
+    np.testing.assert_allclose(logits(factorized), expected, rtol=1e-4, atol=1e-4)  # full-rank factors: the same model
     truncated = logits(broadcast(server, 1))  # the rank-0.25 tier is a different model
     assert float(jnp.abs(truncated - expected).max()) > 1e-3
 
@@ -81,7 +86,7 @@ def test_fedhm_learns_with_upload_bytes_falling_with_the_tier_ratio(mlp, digits)
     sim = Simulation(alg, mlp, fed, participation=1.0)
     state, metrics = sim.run_rounds(sim.init(), 8)
     per_client = [float(metrics[f"bytes_up_client_tier{t}"][0]) for t in range(3)]
-    fc2_bytes = [4 * 2 * 200 * r for r in (200, 100, 50)]
+    fc2_bytes = [4 * 200 * 200, 4 * 2 * 200 * 100, 4 * 2 * 200 * 50]  # ratio 1.0 sends the kernel itself
     assert per_client[0] - per_client[1] == fc2_bytes[0] - fc2_bytes[1]
     assert per_client[1] - per_client[2] == fc2_bytes[1] - fc2_bytes[2]
     assert float(metrics["bytes_up"][0]) == 3 * sum(per_client)  # 3 clients per tier, all sampled

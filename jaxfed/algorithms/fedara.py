@@ -14,7 +14,7 @@ tiers, each with a rank ratio ``r_k`` (``tiers``) over the decomposed layers ``Q
   on the FE factors and the head, run factorized (``factorized_execution``: compute scales with
   ``r_k``). The MSE averages over examples and feature dimensions (``anchor_loss="mean"``,
   torch's ``MSELoss``); ``anchor_loss="sum"`` sums over the dimensions. ``lambda_t`` ramps
-  linearly from 0 in round 1 to ``lambda`` in round ``lambda_warmup_rounds + 1``.
+  linearly from 0 in round 1 to ``lambda`` in round ``lambda_warmup_rounds``.
 - Stage 3, server: every upload reconstructed to full kernels (``receive``), then the
   sample-weighted mean.
 
@@ -54,7 +54,8 @@ class FedARAOptions(TieredOptions):
         check=non_negative,
     )
     lambda_warmup_rounds: int = option(
-        10, "lambda ramps linearly from 0 (round 1) over this many rounds", source="FedARA paper §4", check=non_negative
+        10, "lambda ramps linearly from 0 in round 1 to lambda in this round", source="FedARA paper §4",
+        check=non_negative,
     )
     mu_fro: float = option(
         1e-3,
@@ -117,18 +118,25 @@ def check_head(model, template, head: str) -> str:
 
 
 def lambda_at(round_: jax.Array, lam: float, warmup_rounds: int) -> jax.Array:
-    """``lambda_t`` of round ``round_`` (1-based): 0 in round 1, ``lam`` from round ``warmup + 1``."""
-    if warmup_rounds <= 0:
+    """``lambda_t`` of round ``round_`` (1-based): 0 in round 1 (no anchors yet), rising linearly to
+    ``lam`` in round ``warmup_rounds`` (the paper: over the first 10 rounds), ``lam`` after; with
+    ``warmup_rounds <= 1``, ``lam`` from round 2."""
+    if warmup_rounds <= 1:
         return jnp.where(round_ > 1, lam, 0.0)
-    return lam * jnp.clip((round_ - 1) / warmup_rounds, 0.0, 1.0)
+    return lam * jnp.clip((round_ - 1) / (warmup_rounds - 1), 0.0, 1.0)
 
 
-def frobenius_penalty(fe_params) -> jax.Array:
-    """``sum_q ||U_q V_q^T||_F^2 = sum_q sum((U_q^T U_q) * (V_q^T V_q))`` over the factorized layers."""
+def frobenius_penalty(fe_params, layers) -> jax.Array:
+    """``sum_q ||U_q V_q^T||_F^2`` over the decomposed layers ``q``: ``sum((U^T U) * (V^T V))`` for
+    a factorized layer, ``||W||_F^2`` for one its tier keeps at full rank (sent as its kernel)."""
     total = jnp.float32(0)
-    for layer in lowrank.layers_with_factors(fe_params).values():
-        u, v = lowrank.layer_factors(layer)
-        total = total + jnp.sum((u.T @ u) * (v.T @ v))
+    for key in layers:
+        layer = lowrank.get_layer(fe_params, key)
+        if "u" in layer:
+            u, v = lowrank.layer_factors(layer)
+            total = total + jnp.sum((u.T @ u) * (v.T @ v))
+        else:
+            total = total + jnp.sum(jnp.square(layer["kernel"]))
     return total
 
 
@@ -150,7 +158,7 @@ def class_anchors(model, head: str, variables, data: ClientData, batch_size: int
     return sums / jnp.maximum(counts, 1.0)[:, None], counts > 0
 
 
-def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss: str = "mean"):
+def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss: str = "mean", decomposed=()):
     """``loss(params, model_state, batch)`` of FedARA's local objective; ``params = {"fe", "head"}``."""
     per_dimension = 1.0 / anchors.shape[-1] if anchor_loss == "mean" else 1.0
 
@@ -161,7 +169,7 @@ def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss: str = "
         drift = jnp.sum((features - anchors[batch.y]) ** 2, axis=-1) * per_dimension
         alignment = jnp.sum(drift * weight) / jnp.maximum(jnp.sum(weight), 1.0)
         value = masked_loss(logits, batch.y, batch.mask) + lam_t * alignment
-        return value + mu_fro * frobenius_penalty(params["fe"]), new_state
+        return value + mu_fro * frobenius_penalty(params["fe"], decomposed), new_state
 
     return loss
 
@@ -172,7 +180,8 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
     template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     head = check_head(model, template, options.head)
     layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
-    ranks = tier_ranks(template, check_decomposed_layers(model, layers, head), options.tiers)
+    decomposed = check_decomposed_layers(model, layers, head)
+    ranks = tier_ranks(template, decomposed, options.tiers)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -191,7 +200,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         with factorized_execution():
             anchors, _ = class_anchors(model, head, received, data, options.batch_size)
             lam_t = lambda_at(message.round, options.lambda_, options.lambda_warmup_rounds)
-            loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss)
+            loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed)
             trainable = {"fe": message.fe, "head": client_state.head}
             state = TrainState(trainable, optimizer.init(trainable), client_state.model_state)
             state, metrics = run_epochs(gradient_step(loss, optimizer), state, data, rng, **options.batching())

@@ -83,6 +83,11 @@ class FedDecompOptions(TrainingOptions):
     layers: tuple[str, ...] = option((), "layers given a private part (comma-separated); empty = every Dense/Conv")
 
     def check(self):
+        if self.lora_epochs < 0 and self.local_epochs < 2:
+            raise ConfigError(
+                f"lora_epochs: the auto rule needs local_epochs >= 2 (at least one epoch on tau and one on sigma), "
+                f"got local_epochs={self.local_epochs}; set lora_epochs explicitly (0 = FedAvg, 1 = tau only)"
+            )
         if self.lora_epochs > self.local_epochs:
             raise ConfigError(
                 f"lora_epochs: must be -1 (auto) or in 0..local_epochs ({self.local_epochs}), got {self.lora_epochs}"
@@ -111,8 +116,9 @@ def decomposition_ranks(template, rank_dense: float, rank_conv: float, layers=No
 
 
 def auto_lora_epochs(local_epochs: int) -> int:
-    """The paper's split of its 5 epochs (2 on tau) scaled to ``local_epochs``, halves rounding up."""
-    return int(0.4 * local_epochs + 0.5)
+    """The paper's split of its 5 epochs (2 on tau) scaled to ``local_epochs``, halves rounding up,
+    and at least one epoch for each part (``local_epochs >= 2``; the options refuse 1)."""
+    return min(local_epochs - 1, max(1, int(0.4 * local_epochs + 0.5)))
 
 
 def layer_scales(ranks: dict[str, int], lora_alpha: float) -> dict[str, float]:

@@ -52,14 +52,19 @@ class FedHMOptions(TieredOptions):
 
 
 def tier_ranks(template, layers: list[str], tiers) -> list[dict[str, int]]:
-    """``{layer: rank}`` of each tier's rank ratio (static; a ratio outside (0, 1] is a ConfigError)."""
-    return [
-        {
-            key: lowrank.rank_from_ratio(lowrank.get_layer(template, key)["kernel"].shape, ratio, "tiers")
-            for key in layers
-        }
-        for ratio in tiers
-    ]
+    """``{layer: rank}`` of the layers each tier's rank ratio factorizes (static; a ratio outside
+    (0, 1] is a ConfigError). A layer whose tier rank is its full rank is left out: it travels and
+    trains as its kernel, which takes fewer bytes and less compute than full-rank factors."""
+    ranks = []
+    for ratio in tiers:
+        tier = {}
+        for key in layers:
+            shape = lowrank.get_layer(template, key)["kernel"].shape
+            rank = lowrank.rank_from_ratio(shape, ratio, "tiers")
+            if rank < lowrank.max_rank(shape):
+                tier[key] = rank
+        ranks.append(tier)
+    return ranks
 
 
 def reconstruct_upload(server_state, message, tier):
