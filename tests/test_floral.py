@@ -1,5 +1,6 @@
 """FLoRAL: adaptor aggregation weights p(k|c), private routers, stateless clients, learning, errors."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +9,10 @@ from conftest import make_federation
 
 from jaxfed.algorithms.floral import Upload, floral, local_adaptor
 from jaxfed.cli import main
+from jaxfed.core import adaptors as ad
 from jaxfed.core.routing import component_weights
 from jaxfed.data import ClientData
+from jaxfed.nn import Model
 from jaxfed.simulation import Simulation
 
 
@@ -146,3 +149,33 @@ def test_oracle_needs_clusters_and_enough_adaptors(mlp, tmp_path, capsys):
     assert main(["run", "floral", "--set", "router=oracle", "--out", str(tmp_path / "r"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "router: oracle needs ground-truth clusters" in err
+
+
+class _NormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.GroupNorm(num_groups=2)(nn.Dense(8)(x.reshape(x.shape[0], -1))))
+        return nn.Dense(10)(h)
+
+
+def test_norm_adaptors_are_opt_in_as_in_the_authors_code(digits):
+    model = Model.wrap(_NormNet(), digits.input_shape)
+    off, on = _floral(model, adaptor_rank=2), _floral(model, adaptor_rank=2, norm_adaptors=True)
+    assert (
+        "norms" not in jax.eval_shape(off.init, jax.random.key(0))[0].adaptors
+        or not jax.eval_shape(off.init, jax.random.key(0))[0].adaptors["norms"]
+    )
+    assert jax.eval_shape(on.init, jax.random.key(0))[0].adaptors["norms"]
+
+
+def test_bias_adaptors_are_scaled_by_alpha(mlp):
+    template = mlp.init(jax.random.key(0))["params"]
+    plan = ad.adaptor_plan(template, 2, rank=2, alpha=2.5)
+    adaptors = ad.init_adaptors(jax.random.key(1), template, plan)
+    rng = np.random.default_rng(0)
+    adaptors["biases"] = {k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in adaptors["biases"].items()}
+    pi = jnp.array([0.3, 0.7])
+    mixed = ad.mix(template, adaptors, pi, plan)
+    for key in plan.biases:
+        expected = np.float64(template[key]["bias"]) + 2.5 * (np.float64(pi) @ np.float64(adaptors["biases"][key]))
+        np.testing.assert_allclose(mixed[key]["bias"], expected, rtol=1e-5, atol=1e-6)

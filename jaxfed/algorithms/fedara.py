@@ -54,7 +54,9 @@ class FedARAOptions(TieredOptions):
         check=non_negative,
     )
     lambda_warmup_rounds: int = option(
-        10, "lambda ramps linearly from 0 in round 1 to lambda in this round", source="FedARA paper §4",
+        10,
+        "lambda ramps linearly from 0 in round 1 to lambda in this round",
+        source="FedARA paper §4",
         check=non_negative,
     )
     mu_fro: float = option(

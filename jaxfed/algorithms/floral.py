@@ -67,6 +67,11 @@ class AdaptorOptions(FLoRALTraining):
     )
     adaptor_alpha: float = option(1.0, "scale alpha of the kernel adaptors", source=CODE, check=non_negative)
     precondition: bool = option(True, "LoRA gradient preconditioning of the adaptors", source="FLoRAL paper §3.2")
+    norm_adaptors: bool = option(
+        False,
+        "adaptors on norm layers' scale and offset too (the paper calls them exploratory)",
+        source=CODE + ": off",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +169,7 @@ def _plan(model, options: AdaptorOptions, num_adaptors: int):
         rank=options.adaptor_rank,
         conv_adaptor=options.conv_adaptor,
         alpha=options.adaptor_alpha,
+        norm=options.norm_adaptors,
     )
     if not plan.kernels:
         raise no_adaptable_layers("floral", model)

@@ -10,7 +10,8 @@ runs ONE forward pass with the mixed parameters (:func:`mix`):
   channels then a ``1 x kw`` conv, lowrank's ``balanced``), ``in_layer`` (a ``kh x kw`` conv then
   a 1 x 1 conv, ``im2col``), ``out_layer`` (1 x 1 then ``kh x kw``, ``outcol``), ``channel``
   (whichever of in_layer / out_layer has fewer parameters).
-- bias: ``b + sum_c pi_c b_c``; norm: ``scale + sum_c pi_c scale_c``, ``bias + sum_c pi_c bias_c``.
+- bias: ``b + alpha * sum_c pi_c b_c`` (the authors scale bias adaptors by alpha too); norm
+  (opt-in): ``scale + sum_c pi_c scale_c``, ``bias + sum_c pi_c bias_c``.
 
 At init ``down`` is uniform in ``+-sqrt(6 / rows)`` and ``up``, the bias and the norm adaptors
 are 0, so the adapted model starts as the base model. :func:`lora_preconditioner` is FLoRAL's
@@ -139,7 +140,7 @@ def mix(params, adaptors: dict, weights: jax.Array, plan: AdaptorPlan):
     for key in plan.biases:
         layer = lowrank.get_layer(params, key)
         params = lowrank.replace_layer(
-            params, key, {**layer, "bias": layer["bias"] + weights @ adaptors["biases"][key]}
+            params, key, {**layer, "bias": layer["bias"] + plan.alpha * (weights @ adaptors["biases"][key])}
         )
     for key in plan.norms:
         layer, extra = lowrank.get_layer(params, key), adaptors["norms"][key]
