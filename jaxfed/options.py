@@ -270,6 +270,12 @@ class LocalTraining(Options):
     )
     lr_min: float = option(0.0, "cosine: the learning rate it decays to", source="jaxfed default", check=non_negative)
     lr_decay_rounds: int = option(100, "cosine: rounds from lr to lr_min", source="jaxfed default", check=at_least(1))
+    clip_norm: float = option(
+        0.0,
+        "clip each local gradient to this global norm before the SGD step; 0 = off",
+        source="jaxfed default",
+        check=non_negative,
+    )
 
     def learning_rate(self, round_=None):
         """The client learning rate of round ``round_`` (0-based; None: round 0), from an optax schedule."""
@@ -281,7 +287,8 @@ class LocalTraining(Options):
     def optimizer(self, round_=None) -> optax.GradientTransformation:
         """Client SGD at round ``round_``'s learning rate: weight decay added to the gradient,
         optional momentum (re-created every round, as local optimizers are)."""
-        return sgd(self.learning_rate(round_), self.momentum, self.weight_decay)
+        opt = sgd(self.learning_rate(round_), self.momentum, self.weight_decay)
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), opt) if self.clip_norm else opt
 
     def batching(self) -> dict:
         """The keyword arguments of :func:`jaxfed.algorithms.training.run_epochs` these options set."""

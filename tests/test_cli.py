@@ -20,6 +20,7 @@ SUMMARY_KEYS = {
     "best_personalized_acc",
     "bytes_up_total",
     "bytes_down_total",
+    "bytes_total",
     "wall_seconds",
 }
 
@@ -38,6 +39,7 @@ def test_default_run_writes_the_run_directory(tmp_path, monkeypatch, capsys):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [5, 10, 15, 20, 25, 30]
     assert rows[-1]["bytes_up_total"] == summary["bytes_up_total"] > rows[0]["bytes_up_total"] > 0
+    assert summary["bytes_total"] == summary["bytes_up_total"] + summary["bytes_down_total"] == rows[-1]["bytes_total"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["algorithm"] == "fedavg" and config["dataset"] == "digits"
     for png in ("accuracy.png", "global_accuracy.png"):

@@ -100,3 +100,10 @@ def test_rank_larger_than_a_layer_allows_is_a_clear_error(mlp, capsys, tmp_path)
         fedloru(mlp, lr=0.1, local_epochs=1, batch_size=32, lora_rank=500)
     assert main(["run", "fedloru", "--quiet", "--out", str(tmp_path / "r"), "--set", "lora_rank=0"]) == 2
     assert "lora_rank: must be >= 1" in capsys.readouterr().err
+
+
+def test_merged_travels_only_when_it_can_be_non_zero(mlp):
+    for reinit, accumulate_every, sent in ((True, 5, False), (False, 5, True), (False, 0, False)):
+        alg = fedloru(mlp, lora_rank=4, reinit=reinit, accumulate_every=accumulate_every)
+        server, _ = alg.init(jax.random.key(0))
+        assert (alg.broadcast(server, 0).merged is not None) == sent, (reinit, accumulate_every)

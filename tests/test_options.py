@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -165,3 +166,20 @@ def test_the_engine_hands_each_round_its_index_so_schedules_apply(mlp, digits_fe
     unscheduled, _ = sim_with(lr=rates[0]).run_rounds(start, 2)
     with pytest.raises(AssertionError):
         chex.assert_trees_all_close(both.server, unscheduled.server, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_norm_bounds_each_local_step(mlp, digits_federation):
+    """One full-batch step: the model moves by at most lr * clip_norm, and further without clipping."""
+    from jaxfed.data import ClientData
+
+    data = digits_federation.train_data(jnp.array([0]))
+    view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+    moved = {}
+    for clip in (0.0, 0.01):
+        alg = fedavg(mlp, lr=0.5, local_epochs=1, batch_size=512, clip_norm=clip)
+        server, client = alg.init(jax.random.key(0))
+        _, params, metrics = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(1))
+        assert float(metrics["steps"]) == 1
+        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: np.float64(a) - np.float64(b), params, server.params))
+        moved[clip] = np.sqrt(sum(np.sum(d**2) for d in diffs))
+    assert moved[0.01] <= 0.5 * 0.01 * (1 + 1e-4) < moved[0.0]

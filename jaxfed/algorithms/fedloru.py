@@ -133,10 +133,11 @@ class _Adapted(NamedTuple):
     def fresh(self, rng, ranks=None):
         return lowrank.init_loras(rng, self.template, self.ranks if ranks is None else ranks, LAYOUT)
 
-    def effective(self, params, loras, merged):
-        """W + s * (down @ up - down0 @ up0) on every adapted layer."""
+    def effective(self, params, loras, merged=None):
+        """W + s * (down @ up - down0 @ up0) on every adapted layer (``merged`` None: nothing
+        of the factors is in W yet, ``down0 @ up0 = 0``)."""
         with_update = lowrank.add_loras(params, loras, self.scale, LAYOUT)
-        return lowrank.add_loras(with_update, merged, -self.scale, LAYOUT)
+        return with_update if merged is None else lowrank.add_loras(with_update, merged, -self.scale, LAYOUT)
 
     def split(self, params):
         """``(free, frozen)``: the parameters trained in full, and the adapted kernels."""
@@ -162,12 +163,13 @@ class ServerState(NamedTuple):
 
 
 class Broadcast(NamedTuple):
-    """What a FedLoRU-family client receives: W, the global factors and what W already holds
-    (mFedLoRU's nested tiers: also the nested pairs' start)."""
+    """What a FedLoRU-family client receives: W, the global factors, what W already holds of them
+    (None, not sent, when that is always zero: with ``reinit`` and in FedLoRA) and, for
+    mFedLoRU's nested tiers, the nested pairs' start."""
 
     params: Any
     loras: Any
-    merged: Any
+    merged: Any = None
     nested: Any = None
 
 
@@ -187,9 +189,16 @@ class PersonalClient(NamedTuple):
     personal: Any  # {layer: LoRA}
 
 
-def _shared_message(server_state, tier=0) -> Broadcast:
-    """What every FedLoRU-family client receives: W, the global factors and what W already holds."""
-    return Broadcast(server_state.params, server_state.loras, server_state.merged)
+def _broadcaster(options):
+    """``broadcast(server_state, tier)`` of the family: ``merged`` travels only when it can be
+    non-zero (accumulation without ``reinit``, the 'momentum' init)."""
+    accumulate_every, reinit = _accumulation(options)
+    sends_merged = bool(accumulate_every) and not reinit
+
+    def broadcast(server_state, tier=0) -> Broadcast:
+        return Broadcast(server_state.params, server_state.loras, server_state.merged if sends_merged else None)
+
+    return broadcast
 
 
 def _upload(trained: dict) -> Upload:
@@ -279,7 +288,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     return FederatedAlgorithm(
         name=name,
         init=_server_init(model, adapted),
-        broadcast=_shared_message,
+        broadcast=_broadcaster(options),
         client_update=client_update,
         server_update=lambda server_state, messages, weights: aggregate(
             server_state, messages.free, messages.loras, weights
@@ -358,7 +367,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     return FederatedAlgorithm(
         name="pfedloru",
         init=init,
-        broadcast=_shared_message,
+        broadcast=_broadcaster(options),
         client_update=client_update,
         server_update=lambda server_state, messages, weights: aggregate(
             server_state, messages.free, messages.loras, weights
@@ -409,8 +418,10 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
             )
         return starts
 
+    shared_message = _broadcaster(options)
+
     def broadcast(server_state, tier):
-        message = _shared_message(server_state)
+        message = shared_message(server_state)
         if tier_ranks[tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
             return message
         # The nested pairs' start (a real deployment would send its seed; counted as sent here).
