@@ -1,9 +1,11 @@
 """FedCSPACK: the client's upload against a numpy reference, merge, aggregation, bytes, errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_federation
 from test_packs import _np_scores
 
 from jaxfed.algorithms.fedcspack import fedcspack
@@ -62,16 +64,48 @@ def test_upload_is_the_selected_packs_of_a_numpy_reference(mlp, digits_federatio
 
 @pytest.mark.parametrize("merge", ["masked", "full"])
 def test_masked_merge_keeps_the_packs_the_global_mask_does_not_flag(mlp, merge):
+    """A client sampled every round (last seen in the previous round) takes exactly the packs of the
+    last round's mask M, the paper's rule; merge=full takes the whole global model."""
     alg = _fedcspack(mlp, merge=merge)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     other = jax.tree.map(lambda x: x + 1.0, client.params)  # the client's own, different model
     num_packs = _packs(server.params).shape[0]
-    mask = jnp.asarray(np.arange(num_packs) % 3 == 0, jnp.float32) * 0.4
-    merged = _packs(alg.eval_params(server._replace(mask=mask), client._replace(params=other))["params"])
-    flagged = np.asarray(mask) > 0
+    flagged = np.arange(num_packs) % 3 == 0
+    mask = jnp.asarray(flagged, jnp.float32) * 0.4
+    updated = jnp.asarray(np.where(flagged, 5, np.arange(num_packs) % 5), jnp.int32)  # M moved these in round 5
+    server = server._replace(mask=mask, updated=updated, round=jnp.int32(5))
+    merged = _packs(alg.eval_params(server, client._replace(params=other, last_seen=jnp.int32(4)))["params"])
     np.testing.assert_array_equal(merged[flagged], _packs(server.params)[flagged])
     keep = _packs(other)[~flagged] if merge == "masked" else _packs(server.params)[~flagged]
     np.testing.assert_array_equal(merged[~flagged], keep)
+
+
+def test_a_rarely_sampled_client_takes_every_pack_moved_since_it_last_took_part(mlp):
+    alg = _fedcspack(mlp)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    other = jax.tree.map(lambda x: x + 1.0, client.params)
+    num_packs = _packs(server.params).shape[0]
+    updated = np.arange(num_packs) % 6  # pack p last moved after round updated[p] (0: never)
+    server = server._replace(updated=jnp.asarray(updated, jnp.int32), round=jnp.int32(5))
+    for last_seen, take in ((2, updated > 2), (-1, np.ones(num_packs, bool))):  # -1: never took part
+        merged = _packs(
+            alg.eval_params(server, client._replace(params=other, last_seen=jnp.int32(last_seen)))["params"]
+        )
+        np.testing.assert_array_equal(merged[take], _packs(server.params)[take])
+        np.testing.assert_array_equal(merged[~take], _packs(other)[~take])
+
+
+def test_a_never_sampled_client_is_evaluated_on_the_global_model(mlp, digits):
+    fed = make_federation(digits, num_clients=10, alpha=0.5)
+    sim = Simulation(_fedcspack(mlp), mlp, fed, participation=0.2)
+    state, _ = sim.run_rounds(sim.init(), 3)
+    sampled = set(np.concatenate([sim.sampled_ids(r) for r in range(3)]).tolist())
+    never = next(k for k in range(10) if k not in sampled)
+    client = jax.tree.map(lambda x: x[never], state.clients)
+    assert int(client.last_seen) == -1
+    chex.assert_trees_all_equal(sim.algorithm.eval_params(state.server, client)["params"], state.server.params)
+    seen = next(iter(sampled))
+    assert int(jax.tree.map(lambda x: x[seen], state.clients).last_seen) >= 0
 
 
 def test_server_moves_only_sent_packs_and_the_new_mask_sums_the_weights(mlp, digits_federation):
@@ -101,8 +135,7 @@ def test_bytes_up_count_the_sent_packs_and_it_learns(mlp, digits_federation):
     assert float(metrics["packs_sent"][0]) == pytest.approx(k, rel=1e-6)
     assert float(metrics["bytes_up"][0]) == 5 * k * (PACK * 4 + 4 + 4)  # values, index, weight
     before = sim.evaluate(state)["personalized_acc_mean"]
-    for _ in range(5):
-        state, _ = sim.run_rounds(state, 1)
+    state, _ = sim.run_rounds(state, 8)  # rarely sampled clients take every pack moved since: more rounds to 0.8
     after = sim.evaluate(state)["personalized_acc_mean"]
     assert after > 0.8 and after > before
 

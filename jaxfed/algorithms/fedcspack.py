@@ -73,11 +73,14 @@ class FedCSPACKOptions(TrainingOptions):
 class ServerState(NamedTuple):
     params: Any  # the global model
     mask: jax.Array  # [packs]: the global mask M, the summed weights of the last round's senders
+    updated: jax.Array  # [packs] int32: the round count after the last round that moved each pack (0: never)
+    round: jax.Array  # rounds completed
 
 
 class ClientState(NamedTuple):
     params: Any  # the client's own model (its unshared packs are personal)
     model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
+    last_seen: jax.Array  # int32: rounds completed when it last participated (-1: never)
 
 
 class Upload(NamedTuple):
@@ -89,11 +92,19 @@ class Upload(NamedTuple):
     weights: jax.Array  # [slots] double weights m_kj
 
 
-def merge_packs(local_packs, global_packs, global_mask, merge: str = "masked"):
-    """The client's starting packs: global where the mask is non-zero (``masked``) or everywhere."""
+def packs_to_take(updated, last_seen):
+    """``[packs]`` bool: the packs a client takes from the global model under ``merge="masked"``:
+    every pack the server moved since the client last participated (all of them at its first
+    participation). For a client sampled every round these are the packs of the last round's mask
+    M, the paper's rule; a client sampled rarely also gets the packs of the masks it missed."""
+    return (last_seen < 0) | (updated > last_seen)
+
+
+def merge_packs(local_packs, global_packs, take, merge: str = "masked"):
+    """The client's starting packs: global where ``take`` (``masked``) or everywhere (``full``)."""
     if merge == "full":
         return global_packs
-    return jnp.where(global_mask[:, None] > 0, global_packs, local_packs)
+    return jnp.where(take[:, None], global_packs, local_packs)
 
 
 def score_and_select(local_packs, global_packs, slots: int, weight: str = "cos_kl"):
@@ -123,14 +134,14 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
-        server = ServerState(params, jnp.ones((view.num_packs,), jnp.float32))  # round 1: all global
-        return server, ClientState(params, model_state)
+        packs = view.num_packs
+        server = ServerState(params, jnp.ones((packs,), jnp.float32), jnp.zeros((packs,), jnp.int32), jnp.int32(0))
+        return server, ClientState(params, model_state, jnp.int32(-1))
 
     def personalized_params(server_state, client_state):
-        """The client's model after receiving the global model and mask."""
-        merged = merge_packs(
-            view.to_packs(client_state.params), view.to_packs(server_state.params), server_state.mask, merge
-        )
+        """The client's model after receiving the global model: see :func:`packs_to_take`."""
+        take = packs_to_take(server_state.updated, client_state.last_seen)
+        merged = merge_packs(view.to_packs(client_state.params), view.to_packs(server_state.params), take, merge)
         return view.to_tree(merged)
 
     def client_update(message, client_state, data, rng):
@@ -150,14 +161,16 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         deltas = jnp.where(sent[:, None], local_packs[indices] - global_packs[indices], 0.0)
         upload = Upload(indices, sent, deltas, weights)
         metrics = {**metrics, "packs_sent": jnp.sum(sent).astype(jnp.float32)}
-        return ClientState(params, model_state), upload, metrics
+        return ClientState(params, model_state, message.round), upload, metrics
 
     def server_update(server_state, messages, weights):
         participating = (weights > 0)[:, None]  # padding and skipped clients send nothing
         pack_weights = jnp.where(participating & messages.sent, messages.weights, 0.0)
         global_packs = view.to_packs(server_state.params)
         new_packs, mask = pk.aggregate_packs(global_packs, messages.indices, messages.deltas, pack_weights)
-        return ServerState(view.to_tree(new_packs), mask)
+        round_ = server_state.round + 1
+        updated = jnp.where(mask > 0, round_, server_state.updated)
+        return ServerState(view.to_tree(new_packs), mask, updated, round_)
 
     def eval_params(server_state, client_state):
         return {"params": personalized_params(server_state, client_state), **client_state.model_state}
