@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 
 from jaxfed.build import build, split_host
 from jaxfed.config import Config
 from jaxfed.data import describe
 from jaxfed.errors import NonFiniteUpdateError
 from jaxfed.rundir import LoopSettings, RunDirectory, RunRecord, check_resumable, headline, human_bytes, summary
+from jaxfed.simulation.engine import first_nonfinite
 
 
 class Members(Protocol):
@@ -88,14 +88,14 @@ def chunk_schedule(start: int, rounds: int, eval_every: int, rounds_per_call: in
 
 
 def _first_failure(nonfinite: str, metrics: list[dict]):
-    """``(member, round within the call)`` of the first non-finite update under
+    """``(member, round within the call, client ids)`` of the first non-finite update under
     ``nonfinite=error``, or None."""
     if nonfinite != "error":
         return None
     for member, m in enumerate(metrics):
-        bad = np.asarray(m["nonfinite_clients"]) > 0
-        if bad.any():
-            return member, int(np.argmax(bad))
+        found = first_nonfinite(m)
+        if found is not None:
+            return member, *found
     return None
 
 
@@ -149,8 +149,7 @@ def drive(
                 save_all(state)
                 for directory in dirs:
                     directory.checkpoints.wait()
-                i, first = failure
-                ids = sorted(int(c) for c in metrics[i]["nonfinite_ids"][first] if c >= 0)
+                i, first, ids = failure
                 good_metrics = jax.tree.map(lambda a: a[:first], metrics[i])
                 err = NonFiniteUpdateError(done + first + 1, ids, members.member(state, i), good_metrics)
                 err.checkpoint = dirs[i].checkpoints.directory / str(done + first)

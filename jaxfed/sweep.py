@@ -161,7 +161,7 @@ class Sweep:
             self.compile_seconds += time.perf_counter() - start
         states, metrics = self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
         metrics = jax.device_get(metrics)
-        return states, [jax.tree.map(lambda m, i=i: m[i], metrics) for i in range(self.num_members)]
+        return states, [jax.tree.map(lambda m, i=i: m[i], metrics) for i in range(self.num_members)]  # host rows
 
     def member(self, states, index: int):
         """Member ``index``'s :class:`~jaxfed.simulation.SimState`."""

@@ -1,6 +1,7 @@
 """Pure, model-agnostic building blocks on pytrees shared by every algorithm."""
 
 from jaxfed.core.tree import (
+    concat_clients,
     finite_rows,
     gather_clients,
     masked_weighted_mean,
@@ -13,6 +14,7 @@ from jaxfed.core.tree import (
 )
 
 __all__ = [
+    "concat_clients",
     "finite_rows",
     "gather_clients",
     "masked_weighted_mean",

@@ -62,6 +62,20 @@ def masked_weighted_mean(previous, stacked, masks, weights):
     return jax.tree.map(reduce, previous, stacked, masks)
 
 
+def concat_clients(stacks):
+    """One stack from several stacks of the same tree structure, along the client axis. A
+    ValueError when their rows differ in shape (tiers whose uploads were not decoded to one shape)."""
+    if len(stacks) == 1:
+        return stacks[0]
+    rows = [jax.tree.map(lambda x: x.shape[1:], stack) for stack in stacks]
+    if any(jax.tree.structure(r) != jax.tree.structure(rows[0]) or r != rows[0] for r in rows[1:]):
+        raise ValueError(
+            "the stacks' rows differ in shape; a tiered algorithm needs a receive(server_state, message, tier) "
+            "that decodes every tier's upload to one shape"
+        )
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *stacks)
+
+
 def finite_rows(stacked, num_rows: int):
     """``[num_rows]`` bool: whether every floating value in client row k (all leaves) is finite."""
     rows = jnp.ones((num_rows,), bool)

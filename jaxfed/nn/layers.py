@@ -16,19 +16,23 @@ from jaxfed.nn.conv import Conv
 DENSE_OR_CONV = (nn.Dense, nn.Conv, Conv)
 
 
-def _calls(model) -> list[tuple[str, nn.Module]]:
-    """``(key, module)`` of the model's Dense and Conv layers in the order a forward pass calls them."""
+def _called_modules(model) -> list[tuple[str, nn.Module]]:
+    """``(key, module)`` of every submodule one forward pass calls, in call order (first call)."""
     order: dict[str, nn.Module] = {}
 
     def record(next_fun, args, kwargs, context):
-        module = context.module
-        if context.method_name == "__call__" and isinstance(module, DENSE_OR_CONV):
-            order.setdefault(".".join(module.path), module)
+        if context.method_name == "__call__" and context.module.path:
+            order.setdefault(".".join(context.module.path), context.module)
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
         jax.eval_shape(model.init, jax.random.key(0))
     return list(order.items())
+
+
+def _calls(model) -> list[tuple[str, nn.Module]]:
+    """``(key, module)`` of the model's Dense and Conv layers in call order."""
+    return [(key, module) for key, module in _called_modules(model) if isinstance(module, DENSE_OR_CONV)]
 
 
 def layers_in_call_order(model) -> list[str]:
@@ -68,16 +72,7 @@ def head_input(model, head: str, variables, x, *, train: bool = False, mask=None
 
 def all_layers(model) -> list[tuple[str, str]]:
     """``(key, module type)`` of every submodule a forward pass calls (for error messages)."""
-    seen: dict[str, str] = {}
-
-    def record(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and context.module.path:
-            seen.setdefault(".".join(context.module.path), type(context.module).__name__)
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(record):
-        jax.eval_shape(model.init, jax.random.key(0))
-    return list(seen.items())
+    return [(key, type(module).__name__) for key, module in _called_modules(model)]
 
 
 def no_adaptable_layers(algorithm: str, model):

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import is_regression
 from jaxfed.core import (
+    concat_clients,
     finite_rows,
     gather_clients,
     scatter_clients,
@@ -87,17 +88,14 @@ class _Group(NamedTuple):
         )
 
 
-def _concatenate(stacks):
-    """One stack of the tiers' received messages (a ConfigError-like message when their shapes differ)."""
-    if len(stacks) == 1:
-        return stacks[0]
-    shapes = [jax.tree.map(lambda x: x.shape[1:], stack) for stack in stacks]
-    if any(jax.tree.structure(s) != jax.tree.structure(shapes[0]) or s != shapes[0] for s in shapes[1:]):
-        raise ValueError(
-            "tiered algorithm: the tiers' uploads differ in shape; give the algorithm a receive(server_state, "
-            "message, tier) that decodes every tier's upload to one shape"
-        )
-    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *stacks)
+def first_nonfinite(metrics):
+    """``(round within the call, sorted client ids)`` of the first round whose metrics count a
+    non-finite client update, or None (``metrics`` of one call, leading round axis)."""
+    bad = np.asarray(metrics["nonfinite_clients"]) > 0
+    if not bad.any():
+        return None
+    first = int(np.argmax(bad))
+    return first, sorted(int(c) for c in np.asarray(metrics["nonfinite_ids"][first]) if c >= 0)
 
 
 @struct.dataclass
@@ -321,7 +319,7 @@ class Simulation:
             groups = [g._replace(kept=jnp.broadcast_to(round_ok, g.bad.shape)) for g in groups]
 
         weights = [jnp.where(g.is_real & g.kept, g.count, 0).astype(jnp.float32) for g in groups]
-        messages = _concatenate([self._received(state.server, g) for g in groups])
+        messages = concat_clients([self._received(state.server, g) for g in groups])
         server = self.algorithm.server_update(state.server, messages, jnp.concatenate(weights))
         any_weight = jnp.any(jnp.concatenate(weights) > 0)
         server = tree_select(round_ok & any_weight, server, state.server)
@@ -329,7 +327,7 @@ class Simulation:
         for g in groups:
             clients = scatter_clients(clients, jnp.where(g.kept, g.ids, self.num_clients), g.new_states)
 
-        client_metrics = jax.tree.map(lambda *rows: jnp.concatenate(rows), *(g.client_metrics for g in groups))
+        client_metrics = concat_clients([g.client_metrics for g in groups])
         sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
         client_bytes = [self._client_bytes(g) for g in groups]
         metrics = {
@@ -368,13 +366,11 @@ class Simulation:
             self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
             self.compile_seconds += time.perf_counter() - start
         new_state, metrics = self._executables[num_rounds](state, self.data)
-        if self.nonfinite == "error" and raise_nonfinite:
-            bad = np.asarray(metrics["nonfinite_clients"]) > 0
-            if bad.any():
-                first = int(np.argmax(bad))
-                ids = sorted(int(c) for c in np.asarray(metrics["nonfinite_ids"][first]) if c >= 0)
-                good = jax.tree.map(lambda m: m[:first], metrics)
-                raise NonFiniteUpdateError(int(new_state.round) + 1, ids, new_state, good)
+        failure = first_nonfinite(metrics) if self.nonfinite == "error" and raise_nonfinite else None
+        if failure is not None:
+            first, ids = failure
+            good = jax.tree.map(lambda m: m[:first], metrics)
+            raise NonFiniteUpdateError(int(new_state.round) + 1, ids, new_state, good)
         return new_state, metrics
 
     # ----- evaluation ------------------------------------------------------------------------
