@@ -66,6 +66,7 @@ def build(config: Config) -> Built:
         federate(dataset, train_parts, test_parts),
         participation=config.participation,
         sampling_mode=config.sampling,
+        eval_clients=config.eval_clients,
         seed=config.seed,
         devices=devices,
         eval_batch_size=config.eval_batch_size,

@@ -59,6 +59,11 @@ class Config(Options):
     num_clients: int = option(20, "number of clients", check=at_least(1))
     participation: float = option(0.5, "fraction of clients sampled per round, in (0, 1]", check=ratio)
     sampling: str = option("uniform", "uniform (new clients each round, without replacement) or fixed (one cohort)")
+    eval_clients: str = option(
+        "all",
+        "personalized metrics over all clients, or over the cohort (sampling=fixed: the clients that train; "
+        "the FedCSPACK authors' protocol)",
+    )
     rounds: int = option(30, "communication rounds", check=at_least(1))
     # partition
     partition: str = option(
@@ -225,7 +230,7 @@ class Config(Options):
         """The run keys' choices and the rules that span several keys (the per-field checks run first)."""
         from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS, SYNTHETIC_TASKS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
-        from jaxfed.simulation import NONFINITE_POLICIES, SAMPLINGS
+        from jaxfed.simulation import EVAL_CLIENTS, NONFINITE_POLICIES, SAMPLINGS
 
         options_class = _options_class(self.algorithm)
         if not isinstance(self.options, options_class):
@@ -240,6 +245,9 @@ class Config(Options):
         _choice("conv", self.conv, CONV_IMPLS)
         _choice("partition", self.partition, PARTITIONERS)
         _choice("sampling", self.sampling, SAMPLINGS)
+        _choice("eval_clients", self.eval_clients, EVAL_CLIENTS)
+        if self.eval_clients == "cohort" and self.sampling != "fixed":
+            raise ConfigError("eval_clients: cohort needs sampling=fixed (one cohort trains every round)")
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
         if self.dataset in SYNTHETIC_TASKS and self.cluster_task != "none":

@@ -162,3 +162,9 @@ def test_list_piped_into_a_reader_that_stops_is_not_a_traceback():
         f"{sys.executable} -m jaxfed.cli list | head -1", shell=True, capture_output=True, text=True, timeout=120
     )
     assert proc.stdout.startswith("algorithms:") and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_cohort_evaluation_without_the_fixed_cohort_is_a_one_line_error(tmp_path, capsys):
+    assert main(["run", "--set", "eval_clients=cohort", "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxfed: error: eval_clients: cohort needs sampling=fixed (one cohort trains every round)"

@@ -198,3 +198,30 @@ def test_the_pooled_pass_may_run_another_conv_implementation(digits, digits_fede
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
     assert got["personalized_acc_mean"] > 0.1  # above chance (10 classes): not a constant prediction
+
+
+@pytest.mark.parametrize("make", [fedavg, local])
+def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federation, make):
+    """``eval_clients="cohort"`` (FedCSPACK's authors): personalized accuracy over the clients
+    that train, checked against a per-client loop over the cohort."""
+    alg = make(mlp, lr=0.05, local_epochs=1, batch_size=32)
+    fed = digits_federation
+    sim = Simulation(alg, mlp, fed, participation=0.3, sampling_mode="fixed", eval_clients="cohort")
+    state, _ = sim.run_rounds(sim.init(), 2)
+    cohort = np.asarray(sim.sampled_ids(0))
+    assert list(cohort) == list(np.asarray(sim.sampled_ids(1)))  # the same clients every round
+    accuracies = []
+    for k in cohort:
+        variables = alg.eval_params(state.server, jax.tree.map(lambda a, k=k: a[k], state.clients))
+        idx = np.asarray(fed.test_idx[k][: int(fed.test_count[k])])
+        logits, _ = mlp.apply(variables, fed.x_test[idx])
+        accuracies.append(float(np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(fed.y_test)[idx])))
+    got = sim.evaluate(state)["personalized_acc_mean"]
+    np.testing.assert_allclose(got, np.mean(accuracies), rtol=1e-5)
+    everyone = Simulation(alg, mlp, fed, participation=0.3, sampling_mode="fixed").evaluate(state)
+    assert everyone["personalized_acc_mean"] != got  # the untrained clients count there
+
+
+def test_cohort_evaluation_needs_the_fixed_cohort(mlp, digits_federation):
+    with pytest.raises(ValueError, match="eval_clients"):
+        Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, eval_clients="cohort")

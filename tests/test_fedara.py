@@ -199,3 +199,38 @@ def test_the_frobenius_term_is_the_same_for_a_kernel_and_its_full_rank_factors()
     expected = float(np.sum(np.float64(kernel) ** 2))
     np.testing.assert_allclose(float(frobenius_penalty(plain, ["fc"])), expected, rtol=1e-5)
     np.testing.assert_allclose(float(frobenius_penalty(factored, ["fc"])), expected, rtol=1e-4)
+
+
+def test_each_tier_decomposes_its_largest_layers_and_penalizes_only_those(small_cnn):
+    from jaxfed.algorithms.fedara import tier_layer_sets
+
+    template = jax.eval_shape(small_cnn.init, jax.random.key(0))["params"]
+    alg = _fedara(small_cnn, tiers=(0.5, 0.25, 0.25), tier_layers=(1, 2, 0))
+    extractor = [k for k in lowrank.factorizable_layers(template) if k != "head"]
+    decomposed = extractor[1:]  # the default: every extractor layer but the first
+    size = {key: lowrank.get_layer(template, key)["kernel"].size for key in decomposed}
+    by_size = sorted(decomposed, key=lambda key: -size[key])
+    sets = tier_layer_sets(template, decomposed, (1, 2, 0), 3)
+    assert [set(s) for s in sets] == [set(by_size[:1]), set(by_size[:2]), set()]
+    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    rng = np.random.default_rng(1)
+    for tier, q in enumerate(sets):
+        message = alg.broadcast(server, tier)
+        assert set(lowrank.layers_with_factors(message.fe)) == set(q) and int(message.tier) == tier
+        # the Frobenius term over Q_k only: ||U V^T||^2 written out in float64
+        fe = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), message.fe)
+        expected = 0.0
+        for key in q:
+            u, v = (np.float64(lowrank.get_layer(fe, key)[f]) for f in ("u", "v"))
+            u, v = u.reshape(-1, u.shape[-1]), v.reshape(-1, v.shape[-1])
+            expected += np.sum((u @ v.T) ** 2)
+        weights = jnp.asarray([key in q for key in decomposed], jnp.float32)
+        got = float(frobenius_penalty(fe, decomposed, weights))
+        np.testing.assert_allclose(got, expected, rtol=1e-4)
+
+
+def test_tier_layers_errors_are_one_line(mlp):
+    with pytest.raises(ConfigError, match=r"tier_layers: one count per tier \(5 tiers\), got 2: 1,2"):
+        _fedara(mlp, tier_layers=(1, 2))
+    with pytest.raises(ConfigError, match="tier_layers: 9 exceeds the"):
+        _fedara(mlp, tiers=(0.5,), tier_layers=(9,))

@@ -2,23 +2,27 @@
 
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
-from jaxfed.algorithms.feddecomp import auto_lora_epochs, decomposition_ranks, feddecomp
+from jaxfed.algorithms.feddecomp import FedDecompOptions, auto_lora_epochs, decomposition_ranks, feddecomp, layer_scales
 from jaxfed.algorithms.training import split_variables
 from jaxfed.cli import main
-from jaxfed.core import tree_bytes
+from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
+from jaxfed.nn.models import Model
 from jaxfed.simulation import Simulation
 
 
-def _feddecomp(model, local_epochs=1, lora_epochs=0, lr=0.05, **options):
-    return feddecomp(model, lr=lr, local_epochs=local_epochs, lora_epochs=lora_epochs, batch_size=32, **options)
+def _feddecomp(model, local_epochs=1, lora_epochs=0, lr=0.05, momentum=0.0, **options):
+    return feddecomp(
+        model, lr=lr, momentum=momentum, local_epochs=local_epochs, lora_epochs=lora_epochs, batch_size=32, **options
+    )
 
 
 def _one_client_update(alg, fed, client=2, seed=1):
@@ -53,9 +57,18 @@ def test_ranks_follow_the_paper_formulas(small_cnn, mlp):
             assert ranks[key] == expected, key
 
 
-@pytest.mark.parametrize("lora_alpha", [0.0, 2.0])
-def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_cnn, lora_alpha):
-    alg = _feddecomp(small_cnn, lora_alpha=lora_alpha)
+def _expected_scale(scaling, alpha, rank, kernel_shape, rank_conv):
+    """loralib as the FedDecomp authors use it: Linear alpha / r; ConvLoRA alpha / int(R_c * cout)."""
+    if scaling == "none":
+        return 1.0
+    if scaling == "authors" and len(kernel_shape) == 4:
+        return alpha / int(rank_conv * kernel_shape[3])
+    return alpha / rank
+
+
+@pytest.mark.parametrize("scaling, alpha", [("authors", 1.0), ("authors", 2.0), ("rank", 2.0), ("none", 1.0)])
+def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_cnn, scaling, alpha):
+    alg = _feddecomp(small_cnn, lora_scaling=scaling, lora_alpha=alpha, rank_conv=0.5)
     server, client = jax.jit(alg.init)(jax.random.key(0))
     rng = np.random.default_rng(0)
     tau = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), client.tau)
@@ -65,7 +78,7 @@ def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_
         for part in key.split("."):
             layer, sigma = layer[part], sigma[part]
         rank = lora.down.shape[1]
-        scale = lora_alpha / rank if lora_alpha else 1.0
+        scale = _expected_scale(scaling, alpha, rank, sigma["kernel"].shape, rank_conv=0.5)
         product = scale * np.asarray(lora.down, np.float64) @ np.asarray(lora.up, np.float64)
         if sigma["kernel"].ndim == 4:  # rows (kh, cin), columns (kw, cout)
             kh, kw, cin, cout = sigma["kernel"].shape
@@ -113,7 +126,7 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
     alg = _feddecomp(mlp, aggregation=aggregation)
     server, _ = alg.init(jax.random.key(0))
     rng = np.random.default_rng(0)
-    uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server.params)
+    uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server)
     counts = np.array([10.0, 30.0, 0.0])  # the third is padding
     new = alg.server_update(server, uploads, jnp.asarray(counts))
     p = counts / counts.sum() if aggregation == "samples" else np.array([0.5, 0.5, 0.0])
@@ -125,8 +138,8 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
 def test_no_lora_epochs_with_sample_weights_follows_fedavg(mlp, digits_federation):
     servers = []
     for alg in (
-        _feddecomp(mlp, local_epochs=1, lora_epochs=0, aggregation="samples"),
-        fedavg(mlp, lr=0.05, local_epochs=1, batch_size=32),
+        _feddecomp(mlp, local_epochs=1, lora_epochs=0, aggregation="samples", momentum=0.9),
+        fedavg(mlp, lr=0.05, momentum=0.9, local_epochs=1, batch_size=32),
     ):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
         servers.append(sim.run_rounds(sim.init(), 3)[0].server.params)
@@ -168,6 +181,9 @@ def test_runs_from_a_config_file_with_the_per_client_dirichlet_partition(tmp_pat
         ("lora_epochs=6", "lora_epochs: must be -1 (auto) or in 0..local_epochs (5), got 6"),
         ("schedule=both", "schedule: unknown 'both'; allowed: alternating, simultaneous"),
         ("aggregation=mean", "aggregation: unknown 'mean'; allowed: uniform, samples"),
+        ("lora_scaling=loralib", "lora_scaling: unknown 'loralib'; allowed: authors, rank, none"),
+        ("batch_stats=mean", "batch_stats: unknown 'mean'; allowed: shared, private"),
+        ("lora_alpha=0", "lora_alpha: must be > 0, got 0.0"),
     ],
 )
 def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
@@ -189,3 +205,59 @@ def test_the_auto_tau_epochs_never_leave_a_part_without_an_epoch(mlp):
     with pytest.raises(ConfigError, match=r"^lora_epochs: the auto rule needs local_epochs >= 2"):
         _feddecomp(mlp, local_epochs=1, lora_epochs=-1)
     _feddecomp(mlp, local_epochs=1, lora_epochs=1)  # explicit: allowed
+
+
+def test_the_default_scaling_is_the_authors_code(small_cnn):
+    defaults = FedDecompOptions()
+    assert (defaults.lora_scaling, defaults.lora_alpha, defaults.momentum) == ("authors", 1.0, 0.9)
+    template, _ = split_variables(jax.eval_shape(small_cnn.init, jax.random.key(0)))
+    ranks = decomposition_ranks(template, defaults.rank_dense, defaults.rank_conv)
+    scales = layer_scales(template, ranks, defaults)
+    conv = {k: v for k, v in ranks.items() if lowrank_kernel(template, k).ndim == 4}
+    assert conv and all(scales[k] == 1.0 / int(0.6 * lowrank_kernel(template, k).shape[3]) for k in conv)
+
+
+def lowrank_kernel(template, key):
+    return lowrank.get_layer(template, key)["kernel"]
+
+
+class _BatchNormMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(16)(x.reshape(x.shape[0], -1))
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+        return nn.Dense(10)(nn.relu(x))
+
+
+@pytest.mark.parametrize("batch_stats", ["shared", "private"])
+def test_batchnorm_statistics_are_averaged_with_sigma_or_kept_by_each_client(digits, digits_federation, batch_stats):
+    model = Model.wrap(_BatchNormMLP(), digits.input_shape, name="bn_mlp")
+    alg = _feddecomp(model, local_epochs=2, lora_epochs=1, batch_stats=batch_stats)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    update = jax.jit(alg.client_update)
+    uploads, clients = [], []
+    for k in range(3):  # a Python loop over clients, then one server step on the stacked uploads
+        data = digits_federation.train_data(jnp.array([k]))
+        view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+        new_client, upload, _ = update(alg.broadcast(server, 0), client, view, jax.random.key(k))
+        uploads.append(upload)
+        clients.append(new_client)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *uploads)
+    new_server = alg.server_update(server, stacked, jnp.ones(3))
+    evaluated = alg.eval_params(new_server, clients[0])
+    if batch_stats == "shared":
+        assert jax.tree.leaves(new_server.model_state) and not jax.tree.leaves(clients[0].model_state)
+        for got, *each in zip(
+            jax.tree.leaves(new_server.model_state), *(jax.tree.leaves(u.model_state) for u in uploads)
+        ):
+            np.testing.assert_allclose(got, np.mean(np.stack(each), axis=0), rtol=1e-6, atol=1e-7)
+        assert _changed(server.model_state, new_server.model_state)
+        expected_stats = new_server.model_state
+        assert alg.global_params is not None  # sigma with the averaged statistics is a global model
+    else:
+        assert not jax.tree.leaves(new_server.model_state) and not jax.tree.leaves(stacked.model_state)
+        assert _changed(client.model_state, clients[0].model_state)
+        expected_stats = clients[0].model_state
+        assert alg.global_params is None
+    for a, b in zip(jax.tree.leaves(evaluated["batch_stats"]), jax.tree.leaves(expected_stats["batch_stats"])):
+        np.testing.assert_array_equal(a, b)

@@ -107,3 +107,42 @@ def test_tier_errors_are_clear(mlp, digits, capsys, tmp_path):
         Config(algorithm="fedhm").with_overrides(["tiers=1,0.5,0.25", "num_clients=2"]).validate()
     assert main(["run", "fedhm", "--quiet", "--out", str(tmp_path / "r"), "--set", "tiers=0.5,2"]) == 2
     assert "tiers: every rank ratio must be in (0, 1], got 2.0 in '0.5,2.0'" in capsys.readouterr().err
+
+
+def _broadcast_ranks(alg, tier):
+    """``{layer: rank}`` of what ``alg`` sends tier ``tier`` (shapes only: nothing is computed)."""
+    server, _ = jax.eval_shape(alg.init, jax.random.key(0))
+    message = jax.eval_shape(lambda s: alg.broadcast(s, tier), server)
+    return {key: layer["u"].shape[-1] for key, layer in lowrank.layers_with_factors(message).items()}
+
+
+def test_the_authors_rank_rule_is_a_share_of_the_output_channels_and_shortcuts_stay_full(digits):
+    from jaxfed.nn.models import get_model
+
+    resnet = get_model("resnet8", digits.input_shape, digits.num_classes)
+    template = jax.eval_shape(resnet.init, jax.random.key(0))["params"]
+    kernels = {key: lowrank.get_layer(template, key)["kernel"].shape for key in interior_layers(resnet)}
+    shortcuts = {key for key, shape in kernels.items() if shape[:2] == (1, 1)}
+    assert shortcuts and all(key.endswith("shortcut") for key in shortcuts)
+    for ratio in (0.5, 0.125):
+        got = _broadcast_ranks(_fedhm(resnet, tiers=(ratio,), rank_rule="cout"), 0)
+        # the authors' LowRankBasicBlockConv1x1: rank = max(1, round(planes / rank_factor)), rank_factor = 1 / ratio
+        expected = {}
+        for key, (kh, kw, cin, cout) in kernels.items():
+            rank = max(1, round(cout * ratio))
+            if key not in shortcuts and rank < min(kh * cin, kw * cout):
+                expected[key] = rank
+        assert got == expected
+    default = _broadcast_ranks(_fedhm(resnet, tiers=(0.5,)), 0)
+    assert set(default) == set(kernels) - shortcuts  # min_dim rule, shortcuts full
+    assert all(
+        rank == round(0.5 * min(kh * cin, kw * cout))
+        for key, rank in default.items()
+        for kh, kw, cin, cout in [kernels[key]]
+    )
+    assert shortcuts <= set(_broadcast_ranks(_fedhm(resnet, tiers=(0.5,), pointwise=True), 0))
+
+
+def test_a_bad_rank_rule_is_a_one_line_error(mlp):
+    with pytest.raises(ConfigError, match="rank_rule: unknown 'authors'; allowed: min_dim, cout"):
+        _fedhm(mlp, rank_rule="authors")

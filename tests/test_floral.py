@@ -161,6 +161,7 @@ class _NormNet(nn.Module):
 def test_norm_adaptors_are_opt_in_as_in_the_authors_code(digits):
     model = Model.wrap(_NormNet(), digits.input_shape)
     off, on = _floral(model, adaptor_rank=2), _floral(model, adaptor_rank=2, norm_adaptors=True)
+
     def norm_adaptors(alg):
         return jax.eval_shape(alg.init, jax.random.key(0))[0].adaptors.get("norms")
 

@@ -116,3 +116,26 @@ def test_aggregation_is_the_weighted_mean_of_the_senders_and_keeps_unsent_packs(
     np.testing.assert_allclose(mask, totals, rtol=1e-6)  # M_j, the next global mask
     for unsent in (4, 5):  # picked only with weight 0
         np.testing.assert_array_equal(np.asarray(new)[unsent], packs[unsent].astype(np.float32))
+
+
+@pytest.mark.parametrize("delta_std", [1e-5, 1e-4, 1e-3, 1e-1, 2.0])
+def test_pack_kl_is_accurate_for_close_and_far_packs(delta_std):
+    """Against the textbook KL in float64: the float32 textbook sum is negative for half of these
+    packs at a delta of 1e-4; the stable form keeps the float64 value to about 1e-3 relative."""
+    rng = np.random.default_rng(2)
+    reference = rng.normal(scale=0.05, size=(64, 1024))  # packs of real-model scale
+    local = reference + rng.normal(scale=delta_std, size=reference.shape)
+
+    def log_softmax(x):
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    lr, ll = log_softmax(reference), log_softmax(local)
+    expected = np.sum(np.exp(lr) * (lr - ll), axis=-1)  # float64
+    got = np.asarray(pk.pack_kl(jnp.asarray(local, jnp.float32), jnp.asarray(reference, jnp.float32)))
+    assert np.all(got >= 0)
+    # the float32 inputs themselves differ from the float64 ones by rounding: compare to their KL
+    lr32, ll32 = log_softmax(np.float64(np.float32(reference))), log_softmax(np.float64(np.float32(local)))
+    expected32 = np.sum(np.exp(lr32) * (lr32 - ll32), axis=-1)
+    np.testing.assert_allclose(got, expected32, rtol=2e-3)
+    np.testing.assert_allclose(expected32, expected, rtol=0.05)  # the inputs' rounding, not the method's

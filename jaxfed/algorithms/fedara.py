@@ -3,8 +3,9 @@
 The model is a feature extractor (FE: every layer but the ``head``) and a classifier ``head``
 (option ``head``: a Dense layer's key, default the last Dense layer the forward pass calls). The
 FE is shared; the head is private client state and never uploaded. Clients sit in static
-tiers, each with a rank ratio ``r_k`` (``tiers``) over the decomposed layers ``Q``
-(``decompose_layers``, default: every FE layer but the first, which holds the fewest parameters).
+tiers, each with a rank ratio ``r_k`` (``tiers``) over its decomposed layers ``Q_k``: the
+``decompose_layers`` (default: every FE layer but the first, which holds the fewest parameters),
+or with ``tier_layers`` the ``n_k`` largest of them (by parameter count) for tier k.
 
 - Stage 1, server: for each tier, the truncated SVD of each layer of ``Q`` in the global FE at
   ``round(r_k * min dim)`` of its matricized kernel; the other FE layers are sent full.
@@ -37,9 +38,9 @@ from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order, no_adaptable_layers
-from jaxfed.options import non_negative, one_of, option, resolve, split_keys
+from jaxfed.options import each, non_negative, one_of, option, resolve, split_keys
 
-ANCHOR_LOSSES = ("mean", "sum")
+ANCHOR_LOSSES = ("mean", "sum", "normalized")
 PAPER = "FedARA paper §5 settings"
 
 
@@ -67,21 +68,39 @@ class FedARAOptions(TieredOptions):
     )
     anchor_loss: str = option(
         "mean",
-        "anchor MSE averaged over feature dimensions (mean) or summed over them (sum)",
+        "anchor distance: squared error averaged over feature dimensions (mean), summed over them (sum), "
+        "or between unit-length feature and anchor (normalized: 2 - 2 cos)",
         source="torch's MSELoss, the authors' framework",
         check=one_of(*ANCHOR_LOSSES),
     )
     decompose_layers: tuple[str, ...] = option(
         (), "feature-extractor layers to decompose (comma-separated); empty = all but the first"
     )
+    tier_layers: tuple[int, ...] = option(
+        (),
+        "per tier, how many of the decompose_layers it decomposes, largest first (Q_k); empty = all, every tier",
+        source="FedARA paper §3 (structural parameters (r_k, Q_k))",
+        check=each(non_negative),
+    )
     head: str = option("", "the private classifier layer (a Dense layer's key); empty = the last Dense called")
+
+    def check(self):
+        if self.tier_layers and len(self.tier_layers) != len(self.tiers):
+            raise ConfigError(
+                f"tier_layers: one count per tier ({len(self.tiers)} tiers), got {len(self.tier_layers)}: "
+                f"{','.join(map(str, self.tier_layers))}"
+            )
 
 
 class ServerState(NamedTuple):
-    """The server's state, and what it broadcasts (the extractor factorized to the tier's rank)."""
-
     fe: Any  # the feature extractor's parameters (every layer but the head)
-    round: jax.Array  # rounds completed (broadcast: the 1-based round being run)
+    round: jax.Array  # rounds completed
+
+
+class Broadcast(NamedTuple):
+    fe: Any  # the extractor with the tier's Q_k factorized to its rank
+    round: jax.Array  # the 1-based round being run
+    tier: jax.Array  # the receiving tier (selects its Q_k for the Frobenius term)
 
 
 class ClientState(NamedTuple):
@@ -119,6 +138,20 @@ def check_head(model, template, head: str) -> str:
     return head
 
 
+def tier_layer_sets(template, decomposed: list[str], counts, num_tiers: int) -> list[list[str]]:
+    """``Q_k`` per tier: all of ``decomposed``, or with ``counts`` its ``n_k`` largest layers."""
+    if not counts:
+        return [list(decomposed)] * num_tiers
+    size = {key: lowrank.get_layer(template, key)["kernel"].size for key in decomposed}
+    largest = sorted(decomposed, key=lambda key: -size[key])
+    for n in counts:
+        if n > len(decomposed):
+            raise ConfigError(
+                f"tier_layers: {n} exceeds the {len(decomposed)} decompose_layers ({', '.join(decomposed)})"
+            )
+    return [[key for key in decomposed if key in largest[:n]] for n in counts]
+
+
 def lambda_at(round_: jax.Array, lam: float, warmup_rounds: int) -> jax.Array:
     """``lambda_t`` of round ``round_`` (1-based): 0 in round 1 (no anchors yet), rising linearly to
     ``lam`` in round ``warmup_rounds`` (the paper: over the first 10 rounds), ``lam`` after; with
@@ -128,17 +161,19 @@ def lambda_at(round_: jax.Array, lam: float, warmup_rounds: int) -> jax.Array:
     return lam * jnp.clip((round_ - 1) / (warmup_rounds - 1), 0.0, 1.0)
 
 
-def frobenius_penalty(fe_params, layers) -> jax.Array:
+def frobenius_penalty(fe_params, layers, weights=None) -> jax.Array:
     """``sum_q ||U_q V_q^T||_F^2`` over the decomposed layers ``q``: ``sum((U^T U) * (V^T V))`` for
-    a factorized layer, ``||W||_F^2`` for one its tier keeps at full rank (sent as its kernel)."""
+    a factorized layer, ``||W||_F^2`` for one its tier keeps at full rank (sent as its kernel);
+    ``weights`` (one per layer, 0 or 1) picks the tier's ``Q_k`` out of ``layers``."""
     total = jnp.float32(0)
-    for key in layers:
+    for i, key in enumerate(layers):
         layer = lowrank.get_layer(fe_params, key)
         if "u" in layer:
             u, v = lowrank.layer_factors(layer)
-            total = total + jnp.sum((u.T @ u) * (v.T @ v))
+            term = jnp.sum((u.T @ u) * (v.T @ v))
         else:
-            total = total + jnp.sum(jnp.square(layer["kernel"]))
+            term = jnp.sum(jnp.square(layer["kernel"]))
+        total = total + (term if weights is None else weights[i] * term)
     return total
 
 
@@ -160,18 +195,29 @@ def class_anchors(model, head: str, variables, data: ClientData, batch_size: int
     return sums / jnp.maximum(counts, 1.0)[:, None], counts > 0
 
 
-def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss: str = "mean", decomposed=()):
+def anchor_drift(features, anchors, anchor_loss: str) -> jax.Array:
+    """Per example, the distance of its features from its class anchor under ``anchor_loss``."""
+    if anchor_loss == "normalized":
+        features, anchors = unit_length(features), unit_length(anchors)
+    squared = jnp.sum((features - anchors) ** 2, axis=-1)
+    return squared / features.shape[-1] if anchor_loss == "mean" else squared
+
+
+def unit_length(x, eps: float = 1e-8):
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss="mean", decomposed=(), in_tier=None):
     """``loss(params, model_state, batch)`` of FedARA's local objective; ``params = {"fe", "head"}``."""
-    per_dimension = 1.0 / anchors.shape[-1] if anchor_loss == "mean" else 1.0
 
     def loss(params, model_state, batch: Batch):
         variables = {"params": lowrank.replace_layer(params["fe"], head, params["head"]), **model_state}
         (features, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
         weight = batch.mask.astype(jnp.float32)
-        drift = jnp.sum((features - anchors[batch.y]) ** 2, axis=-1) * per_dimension
+        drift = anchor_drift(features, anchors[batch.y], anchor_loss)
         alignment = jnp.sum(drift * weight) / jnp.maximum(jnp.sum(weight), 1.0)
         value = masked_loss(logits, batch.y, batch.mask) + lam_t * alignment
-        return value + mu_fro * frobenius_penalty(params["fe"], decomposed), new_state
+        return value + mu_fro * frobenius_penalty(params["fe"], decomposed, in_tier), new_state
 
     return loss
 
@@ -183,7 +229,9 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
     head = check_head(model, template, options.head)
     layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
     decomposed = check_decomposed_layers(model, layers, head)
-    ranks = tier_ranks(template, decomposed, options.tiers)
+    per_tier = tier_layer_sets(template, decomposed, options.tier_layers, len(options.tiers))
+    ranks = tier_ranks(template, per_tier, options.tiers)
+    membership = jnp.asarray([[key in q for key in decomposed] for q in per_tier], jnp.float32)  # [tier, layer]
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -191,7 +239,8 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         return ServerState(extractor, jnp.int32(0)), ClientState(head_params, model_state)
 
     def broadcast(server_state, tier):
-        return ServerState(lowrank.factorize_layers(server_state.fe, ranks[tier]), server_state.round + 1)
+        fe = lowrank.factorize_layers(server_state.fe, ranks[tier])
+        return Broadcast(fe, server_state.round + 1, jnp.int32(tier))
 
     def client_update(message, client_state, data, rng):
         optimizer = options.optimizer(data.round)  # this round's learning rate
@@ -202,7 +251,8 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         with factorized_execution():
             anchors, _ = class_anchors(model, head, received, data, options.batch_size)
             lam_t = lambda_at(message.round, options.lambda_, options.lambda_warmup_rounds)
-            loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed)
+            in_tier = membership[message.tier]
+            loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed, in_tier)
             trainable = {"fe": message.fe, "head": client_state.head}
             state = TrainState(trainable, optimizer.init(trainable), client_state.model_state)
             state, metrics = run_epochs(gradient_step(loss, optimizer), state, data, rng, **options.batching())

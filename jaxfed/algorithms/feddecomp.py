@@ -3,10 +3,15 @@
 Each factorizable kernel of client k is ``theta_k = sigma + tau_k``: ``sigma`` is shared (the
 global model; biases and norm parameters belong to it too) and ``tau_k = fold(down @ up)`` is the
 client's private low-rank part, zero at init (``down`` Kaiming, ``up`` 0; conv kernels in the
-``balanced`` layout ``[(kh*cin), (kw*cout)]``), scaled by ``lora_alpha / rank`` when ``lora_alpha``
-is set (the authors' code: loralib with alpha 1; the paper, and the default ``lora_alpha=0``: no
-scaling). Ranks: ``round(rank_dense * min(in, out))`` for
+``balanced`` layout ``[(kh*cin), (kw*cout)]``). Ranks: ``round(rank_dense * min(in, out))`` for
 Dense and ``round(rank_conv * min(kh*cin, kw*cout))`` for Conv kernels.
+
+``tau_k`` is scaled as the authors' code (loralib) scales it (``lora_scaling=authors``, the
+default): ``lora_alpha / rank`` for Dense, and ``lora_alpha / int(rank_conv * cout)`` for Conv,
+whose LoRA there has rank ``int(rank_conv * cout) * k``, so the divisor is the rank over ``k``.
+``lora_scaling=rank`` divides every layer by its rank; ``none`` is the paper's text, ``tau = B A``.
+BatchNorm statistics are averaged with ``sigma`` (``batch_stats=shared``, the authors' code, whose
+server averages every non-LoRA entry of the state dict) or stay with each client (``private``).
 
 A round: the client sets ``sigma`` to the global model, trains ``tau_k`` alone for ``lora_epochs``
 epochs, then ``sigma`` alone for the remaining ``local_epochs - lora_epochs`` (a fresh optimizer
@@ -24,17 +29,29 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
 from jaxfed.nn.layers import no_adaptable_layers
-from jaxfed.options import TrainingOptions, at_least, non_negative, one_of, option, rank_ratio, resolve, split_keys
+from jaxfed.options import (
+    TrainingOptions,
+    at_least,
+    non_negative,
+    one_of,
+    option,
+    positive,
+    rank_ratio,
+    resolve,
+    split_keys,
+)
 
 LAYOUT = "balanced"
 SCHEDULES = ("alternating", "simultaneous")
 AGGREGATIONS = ("uniform", "samples")
+SCALINGS = ("authors", "rank", "none")
+BATCH_STATS = ("shared", "private")
 PAPER = "FedDecomp paper §5.1"
+AUTHORS = "the FedDecomp authors' code"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +60,8 @@ class FedDecompOptions(TrainingOptions):
 
     local_epochs: int = option(5, "local epochs per round (tau first, then sigma)", source=PAPER)
     batch_size: int = option(100, "local batch size", source=PAPER)
-    lr: float = option(0.1, "client SGD learning rate", source=PAPER + " (the authors' code adds momentum 0.9)")
+    lr: float = option(0.1, "client SGD learning rate", source=PAPER)
+    momentum: float = option(0.9, "client SGD momentum", source=AUTHORS + " (--momentum 0.9)", check=non_negative)
     lora_epochs: int = option(
         -1,
         "epochs on the private low-rank part before the shared part; -1 = round(0.4 * local_epochs)",
@@ -74,11 +92,21 @@ class FedDecompOptions(TrainingOptions):
         source="FedDecomp paper Eq. 7",
         check=one_of(*AGGREGATIONS),
     )
+    lora_scaling: str = option(
+        "authors",
+        "scale of the private part: authors (Dense alpha/rank, Conv alpha/int(rank_conv*cout)), "
+        "rank (alpha/rank everywhere) or none (the paper's tau = B A)",
+        source=AUTHORS + " (loralib)",
+        check=one_of(*SCALINGS),
+    )
     lora_alpha: float = option(
-        0.0,
-        "scale of the private part: alpha / rank; 0 = scale 1 (the paper's tau = B A)",
-        source="FedDecomp paper §4 (the authors' code: loralib, alpha 1)",
-        check=non_negative,
+        1.0, "alpha of lora_scaling authors and rank", source=AUTHORS + " (loralib)", check=positive
+    )
+    batch_stats: str = option(
+        "shared",
+        "BatchNorm statistics: shared (averaged with sigma) or private (each client's own)",
+        source=AUTHORS + " (the server averages every non-LoRA state entry)",
+        check=one_of(*BATCH_STATS),
     )
     layers: tuple[str, ...] = option((), "layers given a private part (comma-separated); empty = every Dense/Conv")
 
@@ -99,7 +127,15 @@ class FedDecompOptions(TrainingOptions):
 
 class ClientState(NamedTuple):
     tau: Any  # {layer: LoRA}: the private low-rank part of each decomposed kernel
-    model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
+    model_state: Any  # the client's BatchNorm statistics with batch_stats=private, else {}
+
+
+class SharedModel(NamedTuple):
+    """The server state, and the message both ways: ``sigma`` and, with ``batch_stats=shared``,
+    the averaged BatchNorm statistics (``{}`` otherwise)."""
+
+    params: Any
+    model_state: Any
 
 
 def decomposition_ranks(template, rank_dense: float, rank_conv: float, layers=None) -> dict[str, int]:
@@ -121,9 +157,19 @@ def auto_lora_epochs(local_epochs: int) -> int:
     return min(local_epochs - 1, max(1, int(0.4 * local_epochs + 0.5)))
 
 
-def layer_scales(ranks: dict[str, int], lora_alpha: float) -> dict[str, float]:
-    """``lora_alpha / rank`` per layer (loralib's scaling), or 1 everywhere when ``lora_alpha`` is 0."""
-    return {key: lora_alpha / rank if lora_alpha else 1.0 for key, rank in ranks.items()}
+def layer_scales(template, ranks: dict[str, int], options: FedDecompOptions) -> dict[str, float]:
+    """The factor on each layer's ``down @ up`` under ``options.lora_scaling``."""
+    if options.lora_scaling == "none":
+        return {key: 1.0 for key in ranks}
+    scales = {}
+    for key, rank in ranks.items():
+        shape = lowrank.get_layer(template, key)["kernel"].shape
+        if options.lora_scaling == "authors" and len(shape) == 4:
+            # loralib's ConvLoRA: scaling = alpha / r with r = int(R_c * cout), its rank being r * k.
+            scales[key] = options.lora_alpha / max(1, int(options.rank_conv * shape[-1]))
+        else:
+            scales[key] = options.lora_alpha / rank
+    return scales
 
 
 def _combine(first: dict, second: dict) -> dict:
@@ -138,17 +184,23 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     options = resolve(FedDecompOptions, options, overrides)
     local_epochs, lora_epochs = options.local_epochs, options.tau_epochs()
     schedule, aggregation = options.schedule, options.aggregation
-    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, model_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     layers = list(split_keys(options.layers)) or None
     ranks = decomposition_ranks(template, options.rank_dense, options.rank_conv, layers)
     if not ranks:
         raise no_adaptable_layers("feddecomp", model)
-    scales = layer_scales(ranks, options.lora_alpha)
+    scales = layer_scales(template, ranks, options)
+    shared_stats = options.batch_stats == "shared"
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         tau = lowrank.init_loras(jax.random.fold_in(rng, 1), template, ranks, LAYOUT)
-        return GlobalParams(params), ClientState(tau, model_state)
+        if shared_stats:
+            return SharedModel(params, model_state), ClientState(tau, {})
+        return SharedModel(params, {}), ClientState(tau, model_state)
+
+    def statistics(server_state, client_state):
+        return server_state.model_state if shared_stats else client_state.model_state
 
     def personalized(sigma, tau):
         """A client's model parameters: ``sigma`` plus each decomposed kernel's scaled ``fold(down @ up)``."""
@@ -168,9 +220,9 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
             drop_last=options.drop_last,
         )
 
-    def client_update(sigma, client_state, data, rng):
+    def client_update(message, client_state, data, rng):
         optimizer = options.optimizer(data.round)  # this round's learning rate
-        tau, model_state = client_state.tau, client_state.model_state
+        sigma, tau, model_state = message.params, client_state.tau, statistics(message, client_state)
         # The sigma phase shuffles with ``rng`` itself, as FedAvg does: lora_epochs=0 is FedAvg.
         tau_rng = jax.random.fold_in(rng, 1)
         if schedule == "simultaneous":
@@ -192,26 +244,30 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
                 optimizer, sigma, model_state, lambda s: personalized(s, tau), data, rng, local_epochs - lora_epochs
             )
             metrics = _combine(tau_metrics, sigma_metrics)
-        return ClientState(tau, model_state), sigma, metrics
+        if shared_stats:
+            return ClientState(tau, {}), SharedModel(sigma, model_state), metrics
+        return ClientState(tau, model_state), SharedModel(sigma, {}), metrics
 
     def server_update(server_state, messages, weights):
         if aggregation == "uniform":
             weights = (weights > 0).astype(jnp.float32)  # padding and skipped clients keep weight 0
         average = weighted_mean(messages, weights)
-        return GlobalParams(tree_select(jnp.sum(weights) > 0, average, server_state.params))
+        return tree_select(jnp.sum(weights) > 0, average, server_state)
 
     def eval_params(server_state, client_state):
-        return {"params": personalized(server_state.params, client_state.tau), **client_state.model_state}
+        tau = client_state.tau
+        return {"params": personalized(server_state.params, tau), **statistics(server_state, client_state)}
 
     def global_params(server_state):
-        return {"params": server_state.params}
+        return {"params": server_state.params, **server_state.model_state}
 
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=lambda server_state, tier=0: server_state.params,
+        broadcast=lambda server_state, tier=0: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,
-        global_params=None if private_stats else global_params,
+        # With private BatchNorm statistics there is no global model to evaluate.
+        global_params=global_params if shared_stats or not model_stats else None,
     )

@@ -7,6 +7,10 @@ clients train the factors (and the unfactorized parameters) with cross-entropy, 
 factorized Conv as a ``kh x 1`` then ``1 x kw`` conv and each Dense as two thin matmuls, so a
 client's compute and upload scale with its rank. The server reconstructs every upload to full
 kernels (``receive``) and averages them with sample weights over all tiers.
+
+``rank_rule=cout`` takes the authors' code's rank instead, ``round(ratio * cout)`` (their
+``planes / rank_factor``, with ``rank_factor = 1 / ratio``). 1x1 convs (ResNet shortcuts) stay
+full, as in the authors' low-rank ResNets, unless ``pointwise=true`` or ``layers`` names them.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import choose_layers
-from jaxfed.options import TrainingOptions, each, option, rank_ratio, resolve
+from jaxfed.options import TrainingOptions, each, one_of, option, rank_ratio, resolve, split_keys
 
 DEFAULT_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+RANK_RULES = ("min_dim", "cout")
+FEDHM_AUTHORS = "the FedHM authors' code (low-rank ResNets)"
 FEDARA_SETUP = "FedARA paper §5 (FedHM is its baseline, run in its setup: E=5, B=16, lr 5e-3)"
 
 
@@ -47,20 +53,52 @@ class FedHMOptions(TieredOptions):
     """FedHM's options: client tiers of rank ratios over the factorized layers."""
 
     layers: tuple[str, ...] = option(
-        (), "layers to factorize (comma-separated); empty = every Dense/Conv but the first called and the last"
+        (),
+        "layers to factorize (comma-separated); empty = every Dense/Conv but the first called, the last "
+        "and (unless pointwise) the 1x1 convs",
     )
+    rank_rule: str = option(
+        "min_dim",
+        "tier rank: min_dim = round(ratio * min dim of the matricized kernel); cout = round(ratio * output "
+        "channels), the authors' planes / rank_factor",
+        source="ALGORITHMS.md (min_dim); " + FEDHM_AUTHORS + " (cout)",
+        check=one_of(*RANK_RULES),
+    )
+    pointwise: bool = option(False, "factorize 1x1 convs (ResNet shortcuts) too", source=FEDHM_AUTHORS)
 
 
-def tier_ranks(template, layers: list[str], tiers) -> list[dict[str, int]]:
+def tier_rank(kernel_shape, ratio: float, rank_rule: str = "min_dim") -> int:
+    """A kernel's rank in a tier of rank ratio ``ratio`` (at most the matricized kernel's rank)."""
+    if rank_rule == "cout":
+        lowrank.check_ratio("tiers", ratio)
+        return min(lowrank.max_rank(kernel_shape), max(1, round(ratio * kernel_shape[-1])))
+    return lowrank.rank_from_ratio(kernel_shape, ratio, "tiers")
+
+
+def is_pointwise(template, key: str) -> bool:
+    return lowrank.get_layer(template, key)["kernel"].shape[:-2] in ((1, 1), (1,))
+
+
+def fedhm_layers(model, template, options: FedHMOptions) -> list[str]:
+    """The layers FedHM factorizes: ``options.layers``, or the interior layers without 1x1 convs."""
+    layers = choose_layers(model, options.layers, "fedhm")
+    if options.pointwise or split_keys(options.layers):
+        return layers
+    return [key for key in layers if not is_pointwise(template, key)]
+
+
+def tier_ranks(template, layers, tiers, rank_rule: str = "min_dim") -> list[dict[str, int]]:
     """``{layer: rank}`` of the layers each tier's rank ratio factorizes (static; a ratio outside
-    (0, 1] is a ConfigError). A layer whose tier rank is its full rank is left out: it travels and
-    trains as its kernel, which takes fewer bytes and less compute than full-rank factors."""
+    (0, 1] is a ConfigError); ``layers`` is one list for every tier or one list per tier. A layer
+    whose tier rank is its full rank is left out: it travels and trains as its kernel, which
+    takes fewer bytes and less compute than full-rank factors."""
+    per_tier = layers if layers and not isinstance(layers[0], str) else [layers] * len(tiers)
     ranks = []
-    for ratio in tiers:
+    for ratio, tier_layers in zip(tiers, per_tier):
         tier = {}
-        for key in layers:
+        for key in tier_layers:
             shape = lowrank.get_layer(template, key)["kernel"].shape
-            rank = lowrank.rank_from_ratio(shape, ratio, "tiers")
+            rank = tier_rank(shape, ratio, rank_rule)
             if rank < lowrank.max_rank(shape):
                 tier[key] = rank
         ranks.append(tier)
@@ -82,7 +120,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
     """FedHM over ``len(options.tiers)`` client tiers."""
     options = resolve(FedHMOptions, options, overrides)
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    ranks = tier_ranks(template, choose_layers(model, options.layers, "fedhm"), options.tiers)
+    ranks = tier_ranks(template, fedhm_layers(model, template, options), options.tiers, options.rank_rule)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))

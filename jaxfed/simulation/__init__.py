@@ -2,10 +2,11 @@
 
 from jaxfed.simulation.checkpoint import RunCheckpoints, load_state, save_state
 from jaxfed.simulation.engine import CLIENT_AXIS, NONFINITE_POLICIES, SimState, Simulation, default_client_chunk
-from jaxfed.simulation.sampling import SAMPLINGS
+from jaxfed.simulation.sampling import EVAL_CLIENTS, SAMPLINGS
 
 __all__ = [
     "CLIENT_AXIS",
+    "EVAL_CLIENTS",
     "NONFINITE_POLICIES",
     "SAMPLINGS",
     "RunCheckpoints",

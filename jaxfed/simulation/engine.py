@@ -135,6 +135,7 @@ class Simulation:
         *,
         participation: float = 1.0,
         sampling_mode: str = "uniform",
+        eval_clients: str = "all",
         seed: int = 0,
         devices: Sequence[jax.Device] | None = None,
         eval_batch_size: int = 256,
@@ -154,6 +155,9 @@ class Simulation:
         tiered = algorithm.num_tiers is not None
         self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
         self.sampling_mode = sampling_mode
+        if eval_clients not in sampling.EVAL_CLIENTS or (eval_clients == "cohort" and sampling_mode != "fixed"):
+            raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling_mode}'; cohort needs fixed")
+        self.eval_clients = eval_clients
         self.root = jax.random.key(seed)
         devices = list(devices if devices is not None else jax.devices())
         self.mesh = Mesh(np.array(devices), (CLIENT_AXIS,)) if len(devices) > 1 else None
@@ -381,6 +385,8 @@ class Simulation:
         model = alg.eval_model or self.model
         pooled_model = alg.eval_model or self.pooled_eval_model
         test = data.test_data(jnp.arange(self.num_clients, dtype=jnp.int32))
+        if self.eval_clients == "cohort":  # the others count as clients without test examples
+            test = test.replace(count=jnp.where(self._in_cohort(), test.count, 0))
         regression = is_regression(data.y_test)
         if alg.evaluates_global:  # one pass over the pooled test set, each client's share summed
             outcomes = self._pooled_outcomes(pooled_model, alg.global_params(state.server), data)
@@ -403,6 +409,11 @@ class Simulation:
                 global_metrics(*self._pooled_outcomes(pooled_model, alg.global_params(state.server), data), regression)
             )
         return metrics
+
+    def _in_cohort(self) -> jax.Array:
+        """``[num_clients]`` bool: the clients of the fixed cohort."""
+        ids = sampling.sample_clients(self.root, self.root, self.num_clients, self.num_sampled, "fixed")
+        return jnp.zeros(self.num_clients, bool).at[ids].set(True)
 
     def _evaluate_clients(self, model, server_view, clients, data: FederatedData):
         """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts)``,

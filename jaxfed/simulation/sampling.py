@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxfed.errors import ConfigError
 
 SAMPLINGS = ("uniform", "fixed")
+EVAL_CLIENTS = ("all", "cohort")
 
 _INIT, _ROUNDS, _COHORT = 0, 1, 2
 _SAMPLE, _CLIENTS = 0, 1

@@ -1,0 +1,69 @@
+"""How large is FedCSPACK's KL term beside the cosine, on real packs?
+
+Runs a FedCSPACK configuration for some rounds, then lets every client of the next round train
+from the global model and scores its packs as the algorithm does: the cosine ``theta_j`` and
+``beta_j = KL(softmax(global_j) || softmax(local_j))`` of every selected pack. Prints quantiles of
+``beta``, of ``|theta|`` and of their ratio, and the largest relative change the KL term makes to a
+double weight ``|theta + beta|`` against ``|theta|`` (the paper's Table 3 compares the two).
+
+    python experiments/fedcspack/kl_scale.py                        # embedded digits, defaults
+    python experiments/fedcspack/kl_scale.py --config experiments/fedcspack/fmnist.conf \
+        --data-dir DATA --set rounds=10
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfed.algorithms.fedcspack import score_and_select
+from jaxfed.build import build
+from jaxfed.config import Config, read_config_file
+from jaxfed.core import packs as pk
+from jaxfed.data import ClientData
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--data-dir", default="")
+    parser.add_argument("--set", nargs="+", action="extend", default=[])
+    args = parser.parse_args(argv)
+    config = Config(algorithm="fedcspack")
+    for path in args.config:
+        config = config.with_overrides(read_config_file(path))
+    data_dir = [f"data_dir={args.data_dir}"] if args.data_dir else []
+    config = config.with_overrides([*args.set, "algorithm=fedcspack", *data_dir]).validate()
+    sim = build(config).simulation
+    state, _ = sim.run_rounds(sim.init(), config.rounds)
+    alg, options = sim.algorithm, config.options
+    message = alg.broadcast(state.server, 0)
+    view = pk.pack_view(message.params, options.pack_size)
+    update = jax.jit(alg.client_update)
+    betas, thetas = [], []
+    for k in range(sim.num_clients):
+        data = sim.data.train_data(jnp.array([k]))
+        client = jax.tree.map(lambda a, k=k: a[k], state.clients)
+        view_k = ClientData(data.x, data.y, data.indices[0], data.count[0], round=state.round)
+        new_client, upload, _ = update(message, client, view_k, jax.random.key(k))
+        local, global_ = view.to_packs(new_client.params), view.to_packs(message.params)
+        indices, sent, _ = score_and_select(local, global_, view.num_packs, options.weight)
+        chosen = np.asarray(indices)[np.asarray(sent)]
+        thetas.append(np.asarray(pk.pack_cosine(local, global_))[chosen])
+        betas.append(np.asarray(pk.pack_kl(local, global_))[chosen])
+    theta, beta = np.concatenate(thetas), np.concatenate(betas)
+    change = np.abs(np.abs(theta + beta) - np.abs(theta)) / np.maximum(np.abs(theta), 1e-12)
+    q = (0.5, 0.9, 1.0)
+    print(f"fedcspack on {config.dataset}, after {config.rounds} rounds: {theta.size} packs below the threshold")
+    print("quantiles 50% / 90% / max")
+    print("  beta (KL)           " + " / ".join(f"{v:.3g}" for v in np.quantile(beta, q)))
+    print("  |theta| (cosine)    " + " / ".join(f"{v:.3g}" for v in np.quantile(np.abs(theta), q)))
+    print("  beta / |theta|      " + " / ".join(f"{v:.3g}" for v in np.quantile(beta / np.abs(theta), q)))
+    print("  weight change by KL " + " / ".join(f"{v:.3g}" for v in np.quantile(change, q)))
+
+
+if __name__ == "__main__":
+    main()
