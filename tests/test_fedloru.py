@@ -107,3 +107,28 @@ def test_merged_travels_only_when_it_can_be_non_zero(mlp):
         alg = fedloru(mlp, lora_rank=4, reinit=reinit, accumulate_every=accumulate_every)
         server, _ = alg.init(jax.random.key(0))
         assert (alg.broadcast(server, 0).merged is not None) == sent, (reinit, accumulate_every)
+
+
+@pytest.mark.parametrize("name", ["fedlora", "fedloru", "pfedloru", "mfedloru"])
+def test_the_authors_init_starts_a_pure_rank_r_model(mlp, digits_federation, name):
+    """``init=authors``: adapted kernels at zero, both factors random, so each adapted layer of the
+    global model is ``s * down @ up`` (rank r), checked in float64; ``init=lora`` is the model's
+    own init with a zero update."""
+    from jaxfed.algorithms import registry
+
+    spec = registry.get(name)
+    options = dict(lr=0.05, local_epochs=1, batch_size=32, lora_rank=4, init="authors")
+    alg = spec.build(mlp, spec.options(**options), None)
+    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    assert server.loras
+    for key, lora in server.loras.items():
+        kernel = lowrank.get_layer(server.params, key)["kernel"]
+        assert not np.any(np.asarray(kernel)) and np.any(np.asarray(lora.up))
+        product = np.float64(lora.down) @ np.float64(lora.up)
+        assert np.linalg.matrix_rank(product) == 4
+    plain = spec.build(mlp, spec.options(**{**options, "init": "lora"}), None)
+    server, _ = jax.jit(plain.init)(jax.random.key(0))
+    assert all(not np.any(np.asarray(lora.up)) for lora in server.loras.values())
+    sim = Simulation(alg, mlp, digits_federation, participation=0.5)
+    state, metrics = sim.run_rounds(sim.init(), 2)
+    assert np.all(np.isfinite(np.asarray(metrics["train_loss"])))

@@ -9,6 +9,10 @@ with ``reinit`` the factors restart (``down`` Kaiming, ``up`` 0), otherwise they
 ``(down0, up0)`` remembers what W already holds, so nothing is counted twice.
 
 - ``fedlora``: never accumulates (W stays at its init).
+- ``init=authors``: the adapted kernels W start at zero and both factors random (Kaiming), so the
+  model starts as a pure rank-r model, as the authors' code builds its FedLoRA baseline; the
+  default ``init=lora`` starts from the model's own init with ``up = 0`` (a zero update). Factors
+  restarted after an accumulation always start at a zero update.
 - ``pfedloru``: each client also holds a private personal pair (rank ``personal_rank``) added to
   the model; every round it trains the personal pair ``personal_epochs``, then the global pair
   and the full parameters ``global_epochs``. Only the global pair is uploaded.
@@ -31,10 +35,11 @@ from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.nn.layers import choose_layers
-from jaxfed.options import TrainingOptions, at_least, each, non_negative, option, rank_ratio, resolve
+from jaxfed.options import TrainingOptions, at_least, each, non_negative, one_of, option, rank_ratio, resolve
 
 LAYOUT = "im2col"
 MFEDLORU_DEFAULT_TIERS = (1.0, 0.5, 0.25)
+INITS = ("lora", "authors")
 SETUP = "FedLoRU paper App. D (image datasets)"
 
 
@@ -71,6 +76,13 @@ class FedLoRAOptions(TrainingOptions):
     )
     layers: tuple[str, ...] = option(
         (), "layers to adapt (comma-separated); empty = every Dense/Conv but the first called and the last"
+    )
+    init: str = option(
+        "lora",
+        "lora (W the model's init, up = 0: a zero update) or authors (adapted W = 0, both factors random: "
+        "a pure rank-r model, the authors' FedLoRA baseline)",
+        source="FedLoRU authors' code (authors)",
+        check=one_of(*INITS),
     )
 
 
@@ -209,17 +221,33 @@ def _zeros_like(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _server_init(model, adapted: _Adapted):
+def pure_low_rank_start(rng, params, loras):
+    """``init=authors``: ``(params, loras)`` with the adapted kernels at zero and each ``up``
+    uniform in ``+-1/sqrt(rank)`` (torch's ``kaiming_uniform_(a=sqrt(5))`` on LoRA's B)."""
+    keys = jax.random.split(rng, max(1, len(loras)))
+    started = {}
+    for key, k in zip(loras, keys):
+        down, up = loras[key]
+        bound = 1.0 / jnp.sqrt(up.shape[0])
+        started[key] = lowrank.LoRA(down, jax.random.uniform(k, up.shape, up.dtype, -bound, bound))
+        layer = lowrank.get_layer(params, key)
+        params = lowrank.replace_layer(params, key, {**layer, "kernel": jnp.zeros_like(layer["kernel"])})
+    return params, started
+
+
+def _server_init(model, adapted: _Adapted, init: str = "lora"):
     """The family's server state and the client state holding only model statistics."""
 
-    def init(rng):
+    def init_fn(rng):
         init_rng, lora_rng, server_rng = jax.random.split(rng, 3)
         params, model_state = split_variables(model.init(init_rng))
         loras = adapted.fresh(lora_rng)
+        if init == "authors":
+            params, loras = pure_low_rank_start(jax.random.fold_in(lora_rng, 1), params, loras)
         server = ServerState(params, loras, _zeros_like(loras), jnp.int32(0), jax.random.key_data(server_rng))
         return server, ClientStats(model_state)
 
-    return init
+    return init_fn
 
 
 def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
@@ -287,7 +315,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
 
     return FederatedAlgorithm(
         name=name,
-        init=_server_init(model, adapted),
+        init=_server_init(model, adapted, options.init),
         broadcast=_broadcaster(options),
         client_update=client_update,
         server_update=lambda server_state, messages, weights: aggregate(
@@ -318,7 +346,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     batching = {"batch_size": options.batch_size, "drop_last": options.drop_last}
     global_params = _global_model(adapted)
     aggregate = _aggregate(adapted, options.accumulate_every, options.reinit)
-    server_init = _server_init(model, adapted)
+    server_init = _server_init(model, adapted, options.init)
 
     def init(rng):
         server_rng, personal_rng = jax.random.split(rng)
@@ -461,7 +489,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
 
     return FederatedAlgorithm(
         name="mfedloru",
-        init=_server_init(model, adapted),
+        init=_server_init(model, adapted, options.init),
         broadcast=broadcast,
         client_update=client_update,
         server_update=server_update,
