@@ -87,14 +87,13 @@ def fedhm_layers(model, template, options: FedHMOptions) -> list[str]:
     return [key for key in layers if not is_pointwise(template, key)]
 
 
-def tier_ranks(template, layers, tiers, rank_rule: str = "min_dim") -> list[dict[str, int]]:
+def tier_ranks(template, layers_per_tier, tiers, rank_rule: str = "min_dim") -> list[dict[str, int]]:
     """``{layer: rank}`` of the layers each tier's rank ratio factorizes (static; a ratio outside
-    (0, 1] is a ConfigError); ``layers`` is one list for every tier or one list per tier. A layer
-    whose tier rank is its full rank is left out: it travels and trains as its kernel, which
-    takes fewer bytes and less compute than full-rank factors."""
-    per_tier = layers if layers and not isinstance(layers[0], str) else [layers] * len(tiers)
+    (0, 1] is a ConfigError), from one list of layers per tier. A layer whose tier rank is its
+    full rank is left out: it travels and trains as its kernel, which takes fewer bytes and less
+    compute than full-rank factors."""
     ranks = []
-    for ratio, tier_layers in zip(tiers, per_tier):
+    for ratio, tier_layers in zip(tiers, layers_per_tier, strict=True):
         tier = {}
         for key in tier_layers:
             shape = lowrank.get_layer(template, key)["kernel"].shape
@@ -120,7 +119,8 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
     """FedHM over ``len(options.tiers)`` client tiers."""
     options = resolve(FedHMOptions, options, overrides)
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
-    ranks = tier_ranks(template, fedhm_layers(model, template, options), options.tiers, options.rank_rule)
+    layers = fedhm_layers(model, template, options)
+    ranks = tier_ranks(template, [layers] * len(options.tiers), options.tiers, options.rank_rule)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))

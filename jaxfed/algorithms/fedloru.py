@@ -228,8 +228,7 @@ def pure_low_rank_start(rng, params, loras):
     started = {}
     for key, k in zip(loras, keys):
         down, up = loras[key]
-        bound = 1.0 / jnp.sqrt(up.shape[0])
-        started[key] = lowrank.LoRA(down, jax.random.uniform(k, up.shape, up.dtype, -bound, bound))
+        started[key] = lowrank.LoRA(down, lowrank.kaiming_uniform(k, up.shape, up.shape[0], up.dtype))
         layer = lowrank.get_layer(params, key)
         params = lowrank.replace_layer(params, key, {**layer, "kernel": jnp.zeros_like(layer["kernel"])})
     return params, started

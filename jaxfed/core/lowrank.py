@@ -149,9 +149,13 @@ def lora_init(rng: jax.Array, kernel_shape: Sequence[int], rank: int, layout: st
     """A zero-delta :class:`LoRA`: ``down`` uniform in ``+-1/sqrt(rows)`` (torch's
     ``kaiming_uniform_(a=sqrt(5))`` on LoRA's A), ``up`` zero."""
     rows, cols = matrix_shape(kernel_shape, layout)
-    bound = 1.0 / math.sqrt(rows)
-    down = jax.random.uniform(rng, (rows, rank), dtype, -bound, bound)
-    return LoRA(down=down, up=jnp.zeros((rank, cols), dtype))
+    return LoRA(down=kaiming_uniform(rng, (rows, rank), rows, dtype), up=jnp.zeros((rank, cols), dtype))
+
+
+def kaiming_uniform(rng: jax.Array, shape, fan_in: int, dtype=jnp.float32) -> jax.Array:
+    """Uniform in ``+-1/sqrt(fan_in)``: torch's ``kaiming_uniform_(a=sqrt(5))``, LoRA's factor init."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(rng, shape, dtype, -bound, bound)
 
 
 def lora_delta(lora: LoRA, kernel_shape: Sequence[int], scale: float = 1.0, layout: str = "balanced") -> jax.Array:

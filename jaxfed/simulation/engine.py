@@ -412,7 +412,7 @@ class Simulation:
 
     def _in_cohort(self) -> jax.Array:
         """``[num_clients]`` bool: the clients of the fixed cohort."""
-        ids = sampling.sample_clients(self.root, self.root, self.num_clients, self.num_sampled, "fixed")
+        ids = sampling.cohort(self.root, self.num_clients, self.num_sampled)
         return jnp.zeros(self.num_clients, bool).at[ids].set(True)
 
     def _evaluate_clients(self, model, server_view, clients, data: FederatedData):

@@ -38,8 +38,18 @@ def num_sampled(num_clients: int, participation: float) -> int:
 
 def sample_clients(root, round_key_, num_clients: int, count: int, sampling: str = "uniform"):
     """Sorted ids of ``count`` distinct clients: drawn anew each round (``uniform``) or one
-    cohort drawn once from the root key (``fixed``)."""
-    key = jax.random.fold_in(root, _COHORT) if sampling == "fixed" else jax.random.fold_in(round_key_, _SAMPLE)
+    cohort drawn once from the root key (``fixed``: :func:`cohort`)."""
+    if sampling == "fixed":
+        return cohort(root, num_clients, count)
+    return _draw(jax.random.fold_in(round_key_, _SAMPLE), num_clients, count)
+
+
+def cohort(root, num_clients: int, count: int):
+    """The sorted ids of ``sampling="fixed"``'s cohort: the same clients every round."""
+    return _draw(jax.random.fold_in(root, _COHORT), num_clients, count)
+
+
+def _draw(key, num_clients: int, count: int):
     return jnp.sort(jax.random.choice(key, num_clients, (count,), replace=False)).astype(jnp.int32)
 
 
