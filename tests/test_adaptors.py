@@ -101,13 +101,13 @@ def test_mixture_weights_softmax_with_noise_and_temperature():
     np.testing.assert_allclose(noisy, jax.nn.softmax((logits + u) / 2.0), rtol=1e-6)
 
 
-def test_preconditioned_gradient_equals_its_closed_form(resnet):
+def test_preconditioned_gradient_equals_its_closed_form_matricized(resnet):
     _, params = resnet
     plan = ad.adaptor_plan(params, 2, rho=0.1)
     adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(0), params, plan), seed=2)
     grads = _random_adaptors(adaptors, seed=3)
     eps = 1e-3
-    out, _ = jax.jit(ad.lora_preconditioner(plan, eps).update)(grads, optax.EmptyState(), adaptors)
+    out, _ = jax.jit(ad.lora_preconditioner(plan, eps, conv="matricized").update)(grads, optax.EmptyState(), adaptors)
     dense = [k for k, s in plan.kernels.items() if s.kind == "dense"]
     conv = [k for k, s in plan.kernels.items() if s.kind != "dense"]
     assert dense and conv
@@ -129,6 +129,75 @@ def test_preconditioned_gradient_equals_its_closed_form(resnet):
         np.testing.assert_array_equal(a, b)
 
 
+def _authors_conv_weights(down, up, kernel_shape):
+    """jaxfed's balanced factors of one adaptor as the authors' torch conv weights: ``layer_in``
+    ``[r, cin, kh, 1]`` (a kh x 1 conv) and ``layer_out`` ``[cout, r, 1, kw]`` (a 1 x kw conv)."""
+    kh, kw, cin, cout = kernel_shape
+    w_in = down.reshape(kh, cin, -1).transpose(2, 1, 0)[..., None]
+    w_out = up.reshape(-1, kw, cout).transpose(2, 0, 1)[:, :, None, :]
+    return w_in, w_out
+
+
+def test_conv_preconditioner_per_tap_is_the_authors_tensor_norm(resnet):
+    """The authors' ``precond_tensor_lora_``: ``P_in = einsum("ma...,mb...->ab...", W_out, W_out)``,
+    ``P_out = einsum("an...,bn...->ab...", W_in, W_in)``, gradients divided by ``||P|| + eps``,
+    the norm over the whole tensor (every tap), written out in their layout in float64."""
+    _, params = resnet
+    plan = ad.adaptor_plan(params, 2, rho=0.1)
+    adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(0), params, plan), seed=2)
+    grads = _random_adaptors(adaptors, seed=3)
+    eps = 1e-3
+    out, _ = jax.jit(ad.lora_preconditioner(plan, eps).update)(grads, optax.EmptyState(), adaptors)
+    conv = [k for k, s in plan.kernels.items() if s.kind != "dense"]
+    assert conv and all(plan.kernels[k].layout == "balanced" for k in conv)
+    ratios = []
+    for key in conv:
+        shape = plan.kernels[key].kernel_shape
+        for c in range(2):
+            down = np.asarray(adaptors["kernels"][key]["down"][c], np.float64)
+            up = np.asarray(adaptors["kernels"][key]["up"][c], np.float64)
+            w_in, w_out = _authors_conv_weights(down, up, shape)
+            p_in = np.einsum("ma...,mb...->ab...", w_out, w_out)
+            p_out = np.einsum("an...,bn...->ab...", w_in, w_in)
+            want_down = np.asarray(grads["kernels"][key]["down"][c], np.float64) / (np.linalg.norm(p_in) + eps)
+            want_up = np.asarray(grads["kernels"][key]["up"][c], np.float64) / (np.linalg.norm(p_out) + eps)
+            np.testing.assert_allclose(out["kernels"][key]["down"][c], want_down, rtol=2e-5, atol=1e-7)
+            np.testing.assert_allclose(out["kernels"][key]["up"][c], want_up, rtol=2e-5, atol=1e-7)
+            if shape[:2] == (3, 3):  # 1 x 1 shortcuts have one tap: both forms agree
+                ratios.append(np.linalg.norm(up @ up.T) / np.linalg.norm(p_in))
+    # the matricized Gram sums the taps first: a larger divisor, at most sqrt(3) on 3-tap factors
+    assert ratios and 1.05 < min(ratios) and max(ratios) <= np.sqrt(3) + 1e-9
+
+
+def test_conv_preconditioner_taps_follow_each_layout():
+    """in_layer (im2col) has kh*kw taps on down and one on up; out_layer (outcol) the reverse."""
+    shape = (3, 3, 4, 5)
+    rng = np.random.default_rng(0)
+    for kind, taps_down, taps_up in (("in_layer", 9, 1), ("out_layer", 1, 9)):
+        layout = ad.conv_layout(kind, shape)
+        rows, cols = lowrank.matrix_shape(shape, layout)
+        plan = ad.AdaptorPlan({"conv": ad.KernelAdaptor(kind, layout, 2, shape)}, (), (), 1, 1.0)
+        p = {"down": rng.normal(size=(1, rows, 2)), "up": rng.normal(size=(1, 2, cols))}
+        g = {"down": np.ones((1, rows, 2)), "up": np.ones((1, 2, cols))}
+        tree = {"kernels": {"conv": jax.tree.map(jnp.asarray, p)}, "biases": {}, "norms": {}}
+        grads = {"kernels": {"conv": jax.tree.map(jnp.asarray, g)}, "biases": {}, "norms": {}}
+        out, _ = ad.lora_preconditioner(plan, 0.0).update(grads, optax.EmptyState(), tree)
+        d = p["down"][0].reshape(taps_down, rows // taps_down, 2)
+        u = p["up"][0].reshape(2, taps_up, cols // taps_up)
+        norm_down = np.linalg.norm(np.einsum("tir,tis->trs", d, d))
+        norm_up = np.linalg.norm(np.einsum("rtj,stj->trs", u, u))
+        np.testing.assert_allclose(out["kernels"]["conv"]["down"][0], 1.0 / norm_up, rtol=1e-5)
+        np.testing.assert_allclose(out["kernels"]["conv"]["up"][0], 1.0 / norm_down, rtol=1e-5)
+
+
+def test_mixture_floor_clamps_without_renormalizing():
+    logits = jnp.array([4.0, 0.0, -6.0])
+    pi = np.asarray(jax.nn.softmax(logits), np.float64)
+    assert pi[2] < 0.01
+    np.testing.assert_allclose(mixture_weights(logits, floor=0.01), np.maximum(pi, 0.01), rtol=1e-6)
+    np.testing.assert_array_equal(mixture_weights(logits, floor=0.0), jax.nn.softmax(logits))
+
+
 def test_bad_settings_are_clear_errors(mlp):
     params = split_variables(mlp.init(jax.random.key(0)))[0]
     for rho in (0.0, 1.5):
@@ -138,3 +207,5 @@ def test_bad_settings_are_clear_errors(mlp):
         ad.adaptor_plan(params, 0)
     with pytest.raises(ConfigError, match="conv_adaptor: unknown 'diagonal'; allowed: balanced_2d, channel"):
         ad.conv_layout("diagonal", (3, 3, 4, 4))
+    with pytest.raises(ConfigError, match="conv_precondition: unknown 'taps'; allowed: per_tap, matricized"):
+        ad.lora_preconditioner(ad.adaptor_plan(params, 2), conv="taps")

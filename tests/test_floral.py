@@ -179,3 +179,42 @@ def test_bias_adaptors_are_scaled_by_alpha(mlp):
     for key in plan.biases:
         expected = np.float64(template[key]["bias"]) + 2.5 * (np.float64(pi) @ np.float64(adaptors["biases"][key]))
         np.testing.assert_allclose(mixed[key]["bias"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mixture_floor_clamps_the_uploaded_and_the_evaluated_weights(mlp, digits_federation):
+    alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, mixture_floor=0.05)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    client = client._replace(router=jnp.array([6.0, 0.0, -6.0]))
+    data = digits_federation.train_data(jnp.array([1]))
+    view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    clamped = np.maximum(np.asarray(jax.nn.softmax(new_client.router), np.float64), 0.05)
+    assert clamped.min() == 0.05  # the floor binds
+    np.testing.assert_allclose(upload.mixture_weights, clamped, rtol=1e-6)
+    server = server._replace(adaptors=jax.tree.map(lambda a: a + 0.1, server.adaptors))
+    mixed = alg.eval_params(server, new_client)["params"]
+    plan = ad.adaptor_plan(server.base, 3, rank=4)
+    expected = ad.mix(server.base, server.adaptors, jnp.asarray(clamped, jnp.float32), plan)
+    for got, want in zip(jax.tree.leaves(mixed), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_conv_precondition_reaches_the_conv_adaptors(small_cnn, digits_federation):
+    """The two conv forms give the conv adaptors different updates."""
+    data = digits_federation.train_data(jnp.array([1]))
+    view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+    uploads = {}
+    for form in ad.CONV_PRECONDITIONERS:
+        alg = _floral(small_cnn, num_adaptors=2, adaptor_rank=2, conv_precondition=form)
+        server, client = jax.jit(alg.init)(jax.random.key(0))
+        server = server._replace(  # nonzero up factors, so the conv Gram tensors are not zero
+            adaptors=jax.tree.map(lambda a: a + 0.05, server.adaptors)
+        )
+        uploads[form] = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))[1]
+    plan = ad.adaptor_plan(jax.eval_shape(small_cnn.init, jax.random.key(0))["params"], 2, rank=2)
+    kinds = {key: spec.kind for key, spec in plan.kernels.items()}
+    assert "dense" in kinds.values() and set(kinds.values()) - {"dense"}
+    per_tap, matricized = (uploads[f].adaptors["kernels"] for f in ad.CONV_PRECONDITIONERS)
+    for key, kind in kinds.items():
+        if kind != "dense":
+            assert not np.allclose(per_tap[key]["up"], matricized[key]["up"], rtol=1e-4, atol=0)

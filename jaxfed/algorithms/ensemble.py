@@ -20,7 +20,7 @@ from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle
 from jaxfed.algorithms.training import per_key, split_variables, train_routed
 from jaxfed.core import tree_select
-from jaxfed.core.routing import mixture_average, mixture_weights, oracle_init
+from jaxfed.core.routing import mixture_average, oracle_init
 from jaxfed.nn.models import Mixture
 from jaxfed.options import at_least, option, resolve, sgd
 
@@ -46,7 +46,7 @@ def ensemble(
 ) -> FederatedAlgorithm:
     """The ensemble; ``num_clusters`` is the task's ground-truth cluster count (``router="oracle"`` only)."""
     options = resolve(EnsembleOptions, options, overrides)
-    num_members, router_temperature = options.num_members, options.router_temperature
+    num_members = options.num_members
     check_oracle(options.router, num_members, num_clusters)
     learned = options.router == "learned"
     mixture = Mixture(model)
@@ -74,8 +74,7 @@ def ensemble(
             data,
             rng,
             learned=learned,
-            noise=options.router_noise,
-            temperature=router_temperature,
+            mixture=options.mixture,
             **options.batching(),
         )
         return RoutedClient(new_logits, model_state), Upload(members["members"], pi), metrics
@@ -85,7 +84,7 @@ def ensemble(
         return tree_select(jnp.sum(weights) > 0, ServerState(members), server_state)
 
     def eval_params(server_state, client_state):
-        pi = mixture_weights(client_state.router, temperature=router_temperature)
+        pi = options.mixture(client_state.router)
         return {"params": {"members": server_state.members, "weights": pi}, **client_state.model_state}
 
     return FederatedAlgorithm(

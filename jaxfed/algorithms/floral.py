@@ -4,7 +4,8 @@ Every adapted layer has a shared base weight and ``C`` adaptors (:mod:`jaxfed.co
 dense LoRA, conv ``balanced_2d`` / ``channel`` / ``in_layer`` / ``out_layer``, bias and norm
 adaptors). Client k holds private router logits ``w_k``; its model is the base mixed with
 ``pi_k = softmax(w_k)`` inside one forward pass. Local training is simultaneous SGD on the base,
-the adaptors (LoRA-preconditioned by default) and the router (its own learning rate). The server
+the adaptors (LoRA-preconditioned by default; conv adaptors per kernel tap, as the authors' code
+does) and the router (its own learning rate; ``mixture_floor`` clamps the mixture weights). The server
 averages the base with the sample weights ``p_k`` and adaptor c's factors with
 ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``. The router logits never leave the client; a client
 sends its mixture weights ``pi_k`` (C numbers) with its update, since the server weighs by them.
@@ -34,7 +35,18 @@ from jaxfed.core import tree_select, weighted_mean
 from jaxfed.core.routing import ROUTERS, check_router, mixture_average, mixture_weights, oracle_init
 from jaxfed.errors import ConfigError
 from jaxfed.nn.layers import no_adaptable_layers
-from jaxfed.options import TrainingOptions, at_least, non_negative, one_of, option, positive, ratio, resolve, sgd
+from jaxfed.options import (
+    TrainingOptions,
+    at_least,
+    non_negative,
+    one_of,
+    option,
+    positive,
+    ratio,
+    resolve,
+    sgd,
+    unit_interval,
+)
 
 CODE = "the authors' code (zeligism/FLoRAL, conf/task/mnist.yaml)"
 
@@ -67,6 +79,13 @@ class AdaptorOptions(FLoRALTraining):
     )
     adaptor_alpha: float = option(1.0, "scale alpha of the kernel adaptors", source=CODE, check=non_negative)
     precondition: bool = option(True, "LoRA gradient preconditioning of the adaptors", source="FLoRAL paper §3.2")
+    conv_precondition: str = option(
+        "per_tap",
+        "conv adaptors' gradient scale: per_tap (the norm of the per-tap Gram tensor) or matricized "
+        "(the norm of the matricized factor's Gram matrix)",
+        source="the authors' code (zeligism/FLoRAL, precondlora_trainer.py: precond_tensor_lora_)",
+        check=one_of(*ad.CONV_PRECONDITIONERS),
+    )
     norm_adaptors: bool = option(
         False,
         "adaptors on norm layers' scale and offset too (the paper calls them exploratory)",
@@ -95,6 +114,16 @@ class RouterOptions(FLoRALTraining):
         source="FLoRAL paper §5 (optimal-router baseline)",
         check=one_of(*ROUTERS),
     )
+    mixture_floor: float = option(
+        0.0,
+        "clamp each mixture weight from below at this floor, without renormalizing (0: off)",
+        source="the fidelity audit of the authors' code (not in its stored commits 0590c5e, 102ac9b): off",
+        check=unit_interval,
+    )
+
+    def mixture(self, logits, rng=None):
+        """The mixture weights of router ``logits``: with ``rng`` the training noise is drawn."""
+        return mixture_weights(logits, rng, self.router_noise, self.router_temperature, self.mixture_floor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +176,13 @@ def check_oracle(router: str, num_components: int, num_clusters: int) -> None:
     check_router(router, num_components, num_clusters)
 
 
-def _local_optimizer(plan, options: FLoRALTraining, precondition: bool, round_, router_lr=None):
+def _local_optimizer(plan, options: AdaptorOptions, round_, router_lr=None):
     """SGD on the base and the adaptors (LoRA-preconditioned) at round ``round_``'s learning rate,
     and on the router at its own rate."""
     adaptor_opt = options.optimizer(round_)
-    transforms = {
-        "base": options.optimizer(round_),
-        "adaptors": optax.chain(ad.lora_preconditioner(plan), adaptor_opt) if precondition else adaptor_opt,
-    }
+    if options.precondition:
+        adaptor_opt = optax.chain(ad.lora_preconditioner(plan, conv=options.conv_precondition), adaptor_opt)
+    transforms = {"base": options.optimizer(round_), "adaptors": adaptor_opt}
     if router_lr is not None:
         transforms["router"] = sgd(router_lr)
     return per_key(transforms)
@@ -181,7 +209,7 @@ def floral(
 ) -> FederatedAlgorithm:
     """FLoRAL; ``num_clusters`` is the task's ground-truth cluster count (``router="oracle"`` only)."""
     options = resolve(FLoRALOptions, options, overrides)
-    num_adaptors, router_temperature = options.num_adaptors, options.router_temperature
+    num_adaptors = options.num_adaptors
     check_oracle(options.router, num_adaptors, num_clusters)
     learned = options.router == "learned"
     template, plan = _plan(model, options, num_adaptors)
@@ -194,7 +222,7 @@ def floral(
 
     def client_update(message, client_state, data, rng):
         router_lr = options.router_lr if learned else None
-        optimizer = _local_optimizer(plan, options, options.precondition, data.round, router_lr)
+        optimizer = _local_optimizer(plan, options, data.round, router_lr)
         router_logits = client_state.router
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
@@ -209,8 +237,7 @@ def floral(
             data,
             rng,
             learned=learned,
-            noise=options.router_noise,
-            temperature=router_temperature,
+            mixture=options.mixture,
             **options.batching(),
         )
         return RoutedClient(new_logits, model_state), Upload(trained["base"], trained["adaptors"], pi), metrics
@@ -223,7 +250,7 @@ def floral(
         return tree_select(jnp.sum(weights) > 0, new, server_state)
 
     def eval_params(server_state, client_state):
-        pi = mixture_weights(client_state.router, temperature=router_temperature)
+        pi = options.mixture(client_state.router)
         return {
             "params": ad.mix(server_state.base, server_state.adaptors, pi, plan),
             **client_state.model_state,
@@ -253,7 +280,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         return GlobalParams(params), AdaptorClient(ad.init_adaptors(adaptor_rng, template, plan), model_state)
 
     def client_update(message, client_state, data, rng):
-        optimizer = _local_optimizer(plan, options, options.precondition, data.round)
+        optimizer = _local_optimizer(plan, options, data.round)
         trainable = {"base": message.params, "adaptors": client_state.adaptors}
         trained, model_state, metrics = train_parameters(
             model,

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfed.core.routing import mixture_weights
 from jaxfed.data import Batch, ClientData
 from jaxfed.options import sgd  # noqa: F401  (re-exported: the client optimizer every algorithm uses)
 
@@ -186,23 +185,23 @@ def train_routed(
     rng,
     *,
     learned: bool,
-    noise: float,
-    temperature: float,
+    mixture,
     **options,
 ):
     """Local training of ``shared`` parameters that a client's private router mixes (FLoRAL's
     adaptors, the ensemble's members): the model's parameters are ``mix(shared, pi)`` with
-    ``pi = mixture_weights(logits, step_key, noise, temperature)`` drawn afresh at every step, and
-    the router's logits train too when ``learned`` (under the optimizer's ``"router"`` key).
+    ``pi = mixture(logits, step_key)`` (the router's noise drawn afresh at every step), and the
+    router's logits train too when ``learned`` (under the optimizer's ``"router"`` key).
 
-    Returns ``(trained_shared, logits, pi, model_state, metrics)``: ``pi`` is the noise-free
-    mixture of the new logits, what the client uploads. ``options``: ``epochs, batch_size, drop_last``.
+    Returns ``(trained_shared, logits, pi, model_state, metrics)``: ``pi = mixture(logits, None)``
+    is the noise-free mixture of the new logits, what the client uploads. ``options``:
+    ``epochs, batch_size, drop_last``.
     """
 
     def to_params(trainable, step_key):
         logits = trainable["router"] if learned else router_logits
         parts = {k: v for k, v in trainable.items() if k != "router"}
-        return mix(parts, mixture_weights(logits, step_key, noise, temperature))
+        return mix(parts, mixture(logits, step_key))
 
     trainable = {**shared, **({"router": router_logits} if learned else {})}
     trained, model_state, metrics = train_parameters(
@@ -210,7 +209,7 @@ def train_routed(
     )
     logits = trained["router"] if learned else router_logits
     trained_shared = {k: v for k, v in trained.items() if k != "router"}
-    return trained_shared, logits, mixture_weights(logits, temperature=temperature), model_state, metrics
+    return trained_shared, logits, mixture(logits, None), model_state, metrics
 
 
 def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:

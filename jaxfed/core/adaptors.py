@@ -31,6 +31,7 @@ from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
 
 CONV_ADAPTORS = ("balanced_2d", "channel", "in_layer", "out_layer")
+CONV_PRECONDITIONERS = ("per_tap", "matricized")
 _LAYOUT = {"balanced_2d": "balanced", "in_layer": "im2col", "out_layer": "outcol"}
 
 
@@ -149,32 +150,47 @@ def mix(params, adaptors: dict, weights: jax.Array, plan: AdaptorPlan):
     return params
 
 
-def lora_preconditioner(plan: AdaptorPlan, eps: float = 1e-5) -> optax.GradientTransformation:
+def lora_preconditioner(plan: AdaptorPlan, eps: float = 1e-5, conv: str = "per_tap") -> optax.GradientTransformation:
     """FLoRAL's LoRA preconditioning of the ``kernels`` gradients of an adaptor tree, per adaptor c.
 
     Dense (``A = down^T``, ``B = up^T``): ``g_down <- g_down (up up^T + eps I)^-1`` and
-    ``g_up <- (down^T down + eps I)^-1 g_up``. Conv: ``g_down / (||up up^T||_F + eps)`` and
-    ``g_up / (||down^T down||_F + eps)``. Bias and norm gradients pass unchanged.
+    ``g_up <- (down^T down + eps I)^-1 g_up``. Conv: ``g_down / (||P_up|| + eps)`` and
+    ``g_up / (||P_down|| + eps)``, where ``P`` is, with ``conv="per_tap"`` (the authors' code),
+    the Gram tensor of the factor's conv weight with one ``r x r`` Gram per kernel tap (the norm
+    runs over all taps), or with ``conv="matricized"`` the Gram matrix of the matricized factor
+    (the taps summed: up to sqrt(taps) times larger). Bias and norm gradients pass unchanged.
     """
+    if conv not in CONV_PRECONDITIONERS:
+        raise ConfigError(f"conv_precondition: unknown '{conv}'; allowed: {', '.join(CONV_PRECONDITIONERS)}")
 
-    def precondition(kind, g, p):
-        gram_up = jnp.einsum("crj,csj->crs", p["up"], p["up"])  # [C, r, r]
-        gram_down = jnp.einsum("cir,cis->crs", p["down"], p["down"])
-        if kind == "dense":
+    def conv_grams(spec, p):
+        """``(P_down, P_up)``, each ``[C, taps, r, r]`` (one tap when matricized)."""
+        rows, cols = lowrank.matrix_shape(spec.kernel_shape, spec.layout)
+        cin, cout = spec.kernel_shape[2], spec.kernel_shape[3]
+        in_taps, out_taps = (rows // cin, cols // cout) if conv == "per_tap" else (1, 1)
+        down = p["down"].reshape(p["down"].shape[0], in_taps, rows // in_taps, spec.rank)
+        up = p["up"].reshape(p["up"].shape[0], spec.rank, out_taps, cols // out_taps)
+        return jnp.einsum("ctir,ctis->ctrs", down, down), jnp.einsum("crtj,cstj->ctrs", up, up)
+
+    def precondition(spec, g, p):
+        if spec.kind == "dense":
+            gram_up = jnp.einsum("crj,csj->crs", p["up"], p["up"])  # [C, r, r]
+            gram_down = jnp.einsum("cir,cis->crs", p["down"], p["down"])
             eye = eps * jnp.eye(gram_up.shape[-1], dtype=gram_up.dtype)
             g_down = jnp.swapaxes(jnp.linalg.solve(gram_up + eye, jnp.swapaxes(g["down"], 1, 2)), 1, 2)
-            g_up = jnp.linalg.solve(gram_down + eye, g["up"])
-        else:
-            g_down = g["down"] / (jnp.linalg.norm(gram_up, axis=(1, 2))[:, None, None] + eps)
-            g_up = g["up"] / (jnp.linalg.norm(gram_down, axis=(1, 2))[:, None, None] + eps)
-        return {"down": g_down, "up": g_up}
+            return {"down": g_down, "up": jnp.linalg.solve(gram_down + eye, g["up"])}
+        gram_down, gram_up = conv_grams(spec, p)
+
+        def norm(gram):
+            return jnp.sqrt(jnp.sum(gram**2, axis=(1, 2, 3)))[:, None, None] + eps
+
+        return {"down": g["down"] / norm(gram_up), "up": g["up"] / norm(gram_down)}
 
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("lora_preconditioner needs the parameters (optax update(..., params))")
         kernels = {
-            key: precondition(plan.kernels[key].kind, g, params["kernels"][key])
-            for key, g in updates["kernels"].items()
+            key: precondition(plan.kernels[key], g, params["kernels"][key]) for key, g in updates["kernels"].items()
         }
         return {**updates, "kernels": kernels}, state
 

@@ -1,10 +1,10 @@
 """Private per-client routers over C mixture components (FLoRAL's adaptors, the ensemble's models).
 
 A client's router is a vector of logits ``w`` (client state, never uploaded); its mixture weights
-are ``pi = softmax((w + noise) / T)``. The server averages component c over the clients with
-``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c`` (:func:`mixture_average`). ``oracle`` routers sit on
-the client's ground-truth cluster ``k mod num_clusters``: logits 0 there and -100 elsewhere, as
-in the authors' code.
+are ``pi = softmax((w + noise) / T)``, optionally clamped from below at a floor. The server
+averages component c over the clients with ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``
+(:func:`mixture_average`). ``oracle`` routers sit on the client's ground-truth cluster
+``k mod num_clusters``: logits 0 there and -100 elsewhere, as in the authors' code.
 """
 
 from __future__ import annotations
@@ -18,11 +18,19 @@ ROUTERS = ("learned", "oracle")
 ORACLE_LOGIT_GAP = 100.0
 
 
-def mixture_weights(logits: jax.Array, rng: jax.Array | None = None, noise_std: float = 0.0, temperature: float = 1.0):
-    """``softmax((logits + noise_std * U[0, 1)) / temperature)``; no noise without ``rng``."""
+def mixture_weights(
+    logits: jax.Array,
+    rng: jax.Array | None = None,
+    noise_std: float = 0.0,
+    temperature: float = 1.0,
+    floor: float = 0.0,
+):
+    """``max(softmax((logits + noise_std * U[0, 1)) / temperature), floor)``; no noise without
+    ``rng``. The floor clamps each weight without renormalizing (0: a plain softmax)."""
     if rng is not None and noise_std:
         logits = logits + noise_std * jax.random.uniform(rng, logits.shape, logits.dtype)
-    return jax.nn.softmax(logits / temperature)
+    pi = jax.nn.softmax(logits / temperature)
+    return jnp.maximum(pi, floor) if floor else pi
 
 
 def component_weights(pi: jax.Array, weights: jax.Array) -> jax.Array:
