@@ -55,6 +55,7 @@ def build(config: Config) -> Built:
             pooled_eval_model = _model(
                 dataclasses.replace(config, conv="xla"), dataset.input_shape, dataset.num_classes
             )
+    check_batch_size(config.options, len(dataset.x_train))
     algorithm = registry.get(config.algorithm).build(model, config.options, config)
     available = jax.devices()
     if config.devices > len(available):
@@ -75,6 +76,16 @@ def build(config: Config) -> Built:
         nonfinite=config.nonfinite,
     )
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
+
+
+def check_batch_size(options, train_examples: int) -> None:
+    """A ConfigError, before anything compiles, for a batch larger than the whole training set
+    (it could only be a typo, and would allocate that many examples per client)."""
+    batch = getattr(options, "batch_size", None)
+    if batch is not None and batch > train_examples:
+        raise ConfigError(
+            f"batch_size: {batch} is larger than the {train_examples} training examples of the whole dataset"
+        )
 
 
 def split_host(count: int) -> None:

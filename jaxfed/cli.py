@@ -132,12 +132,12 @@ def config_from_args(args, base: Config | None = None) -> Config:
 
 def _run(args) -> int:
     from jaxfed.driver import run, saved_config
-    from jaxfed.rundir import human_bytes
+    from jaxfed.rundir import human_bytes, new_run_dir
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the run directory to continue")
     config = config_from_args(args, saved_config(args.out) if args.resume else None)
-    out = args.out or f"runs/{config.algorithm}_{config.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or new_run_dir(f"runs/{config.algorithm}_{config.dataset}")
     try:
         s = run(config, out, resume=args.resume, progress=not args.quiet)
     except NonFiniteUpdateError as err:
@@ -155,18 +155,28 @@ def _run(args) -> int:
         f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, {s['rounds']} rounds): "
         f"personalized {kind} {s[f'personalized_{kind}_mean']:.4f} (weighted {s[f'personalized_{kind}_weighted']:.4f})"
         f"{global_part}; uploaded {human_bytes(s['bytes_up_total'])}; {s['wall_seconds']:.1f} s -> {out}"
+        + skipped_note(s)
     )
     return 0
+
+
+def skipped_note(summary: dict) -> str:
+    """What ``nonfinite=skip`` dropped, when it dropped anything."""
+    skipped = int(summary.get("nonfinite_skipped_total") or 0)
+    if not skipped:
+        return ""
+    return f"; {skipped} non-finite client update(s) skipped (see nonfinite_skipped in metrics.jsonl)"
 
 
 def _sweep(args) -> int:
     from pathlib import Path
 
+    from jaxfed.rundir import new_run_dir
     from jaxfed.sweep import member_name, run_sweep, sweep_configs
 
     base = config_from_args(args)
     configs = sweep_configs(base, _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float))
-    root = Path(args.out or f"runs/sweep_{base.algorithm}_{base.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
+    root = Path(args.out) if args.out else new_run_dir(f"runs/sweep_{base.algorithm}_{base.dataset}")
     outs = [root / member_name(c) for c in configs]
     start = time.perf_counter()
     try:
@@ -176,7 +186,7 @@ def _sweep(args) -> int:
         return EXIT_FAILED
     for out, s in zip(outs, summaries):
         kind = "mse" if s["task"] == "regression" else "acc"
-        print(f"{out}: personalized {kind} {s[f'personalized_{kind}_mean']:.4f}")
+        print(f"{out}: personalized {kind} {s[f'personalized_{kind}_mean']:.4f}" + skipped_note(s))
     print(f"{len(configs)} configurations in {time.perf_counter() - start:.1f} s -> {root}")
     return 0
 

@@ -101,7 +101,9 @@ class Config(Options):
     synthetic_rank: int = option(1, "synthetic datasets: rank of each cluster's difference U_c V_c", check=at_least(1))
     synthetic_scale: float = option(2.0, "synthetic datasets: scale of the cluster differences")
     # run
-    seed: int = option(0, "root random seed: partition, init, sampling and training all derive from it")
+    seed: int = option(
+        0, "root random seed (>= 0): partition, init, sampling and training all derive from it", check=non_negative
+    )
     eval_every: int = option(5, "evaluate every this many rounds (and after the last)", check=at_least(1))
     rounds_per_call: int = option(5, "rounds per compiled call (lax.scan over rounds)", check=at_least(1))
     eval_batch_size: int = option(256, "evaluation batch size", check=at_least(1))
@@ -269,9 +271,12 @@ def read_config_file(path) -> list[str]:
     when it runs (returned as ``ALGORITHM.key=value``), until the next header (``[run]``: back to
     keys for every run)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"--config: cannot read '{path}': {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        line, byte = err.object[: err.start].count(b"\n") + 1, err.object[err.start]
+        raise ConfigError(f"--config: {path} line {line}: not UTF-8 text (byte 0x{byte:02x})") from None
     pairs, section = [], ""
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -290,7 +295,7 @@ def read_config_file(path) -> list[str]:
 def _split_pair(pair: str) -> tuple[str, str]:
     key, sep, raw = pair.partition("=")
     if not sep:
-        raise ConfigError(f"--set: expected key=value, got '{pair}'")
+        raise ConfigError(f"--set: expected key=value, got '{pair}' (name the algorithm before --set)")
     return key.strip().replace("-", "_"), raw.strip()
 
 

@@ -21,7 +21,18 @@ from jaxfed.build import build, split_host
 from jaxfed.config import Config
 from jaxfed.data import describe
 from jaxfed.errors import NonFiniteUpdateError
-from jaxfed.rundir import LoopSettings, RunDirectory, RunRecord, check_resumable, headline, human_bytes, summary
+from jaxfed.rundir import (
+    LoopSettings,
+    RunDirectory,
+    RunRecord,
+    check_out_dir,
+    check_resumable,
+    check_rounds,
+    headline,
+    human_bytes,
+    summary,
+    written_config,
+)
 from jaxfed.simulation.engine import first_nonfinite
 
 
@@ -194,22 +205,24 @@ def run_simulation(
     settings = LoopSettings(settings) if isinstance(settings, int) else settings
     config = config or {"algorithm": sim.algorithm.name, **settings._asdict()}
     directory = RunDirectory(out_dir, settings.keep_checkpoints)
-    if resume:
-        state, record = directory.restore(sim.init(), log)
-        if record.devices is not None and record.devices != sim.num_devices:
-            log(
-                f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
-                "results match to float tolerance, not bit for bit"
-            )
-        record.config = config
-    else:
-        directory.refuse_existing()
-        state, record = sim.init(), RunRecord(config)
-    directory.start(config, record.rows)
-    members = OneSimulation(sim)
-    drive(members, state, [directory], [record], settings, start=start, progress=progress, desc=sim.algorithm.name)
-    result = summary(sim, record, time.perf_counter() - start, partition=partition)
-    directory.finish(result, record.rows, log)
+    with directory.locked():
+        if resume:
+            state, record = directory.restore(sim.init(), log)
+            check_rounds(int(state.round), settings.rounds)
+            if record.devices is not None and record.devices != sim.num_devices:
+                log(
+                    f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
+                    "results match to float tolerance, not bit for bit"
+                )
+            record.config = config
+        else:
+            directory.refuse_existing()
+            state, record = sim.init(), RunRecord(config)
+        directory.start(config, record.rows)
+        members = OneSimulation(sim)
+        drive(members, state, [directory], [record], settings, start=start, progress=progress, desc=sim.algorithm.name)
+        result = summary(sim, record, time.perf_counter() - start, partition=partition)
+        directory.finish(result, record.rows, log)
     return result
 
 
@@ -225,24 +238,34 @@ def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: 
     if config.host_devices:  # before anything below starts JAX's backend (build splits it too, for direct callers)
         split_host(config.host_devices)
     directory = RunDirectory(out_dir, config.keep_checkpoints)
-    if resume:  # refuse before anything is built or written
-        check_resumable(Config.from_dict(directory.saved_config(log)), config)
-    else:
-        directory.refuse_existing()
-    built = build(config)
-    log(f"partition: {describe(built.partition_summary)}")
-    return run_simulation(
-        built.simulation,
-        out_dir,
-        LoopSettings.of(config),
-        config=config.to_dict(),
-        resume=resume,
-        progress=progress,
-        log=log,
-        partition=built.partition_summary,
-    )
+    with directory.locked():  # refuse before anything is built or written
+        if resume:
+            done, record = directory.newest_checkpoint_record(log)
+            check_resumable(Config.from_dict(record["config"]), config)
+            check_rounds(done, config.rounds)
+        else:
+            directory.refuse_existing()
+        built = build(config)
+        log(f"partition: {describe(built.partition_summary)}")
+        return run_simulation(
+            built.simulation,
+            out_dir,
+            LoopSettings.of(config),
+            config=config.to_dict(),
+            resume=resume,
+            progress=progress,
+            log=log,
+            partition=built.partition_summary,
+        )
 
 
 def saved_config(out_dir: str | Path, log=None) -> Config:
-    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from)."""
+    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from).
+
+    A run on ``host_devices`` gets them set from its ``config.json`` first, before reading the
+    checkpoint starts JAX's backend (the count cannot change once it has started)."""
+    check_out_dir(out_dir)
+    host_devices = written_config(out_dir).get("host_devices")
+    if host_devices:
+        split_host(int(host_devices))
     return Config.from_dict(RunDirectory(out_dir).saved_config(log))

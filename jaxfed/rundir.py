@@ -6,11 +6,20 @@ A run directory holds ``config.json``, ``metrics.jsonl`` (one row per evaluated 
 them; ``--resume`` reads the newest readable checkpoint back. Any run writes one: a
 :class:`~jaxfed.Config` run (``jaxfed run``) or a simulation that research code built itself
 (:func:`jaxfed.driver.run_simulation`), whose ``config.json`` then records the loop settings.
+
+A process writing a run directory holds an exclusive lock on ``DIR/.lock`` (``fcntl.flock``,
+released when the process ends, however it ends): a second process on the same directory is
+refused with one line, so two runs never interleave their files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -88,7 +97,8 @@ class RunRecord:
         row = {"round": round_, **evaluation, global_key: evaluation.get(global_key)}
         for key, values in self.pending.items():
             if key not in ("bytes_up", "bytes_down", "nonfinite_clients"):
-                row[key] = float(np.mean(values)) if values else None
+                used = [v for v in values if not np.isnan(v)]  # NaN: a round where no client's update was used
+                row[key] = float(np.mean(used)) if used else None
         row.update(
             bytes_up_round=self.pending["bytes_up"][-1] if window else 0.0,
             bytes_down_round=self.pending["bytes_down"][-1] if window else 0.0,
@@ -127,15 +137,50 @@ class RunDirectory:
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
 
+    def logged_rows(self) -> int:
+        """Evaluation rows in ``metrics.jsonl`` (0 when there is none)."""
+        if not self.metrics_path.exists():
+            return 0
+        with open(self.metrics_path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+
     def holds_run(self) -> bool:
-        return bool(self.checkpoints.rounds()) or self.metrics_path.exists()
+        """Whether a run has left results here: a checkpoint or a logged evaluation. A directory
+        whose run stopped before either (config.json alone) holds nothing to lose."""
+        return bool(self.checkpoints.rounds()) or self.logged_rows() > 0
 
     def refuse_existing(self) -> None:
         """A ConfigError if a run is here already (a new run must not overwrite it)."""
-        if self.holds_run():
+        if self.checkpoints.rounds():
             raise ConfigError(
                 f"--out {self.path}: already holds a run; pass --resume to continue it, or choose another --out"
             )
+        if self.holds_run():
+            raise ConfigError(
+                f"--out {self.path}: holds the results of a run without checkpoints (checkpoint_every=0), "
+                "which cannot be resumed; choose another --out, or delete it to start again"
+            )
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold this directory's lock (creating the directory) for the ``with`` block: a
+        ConfigError if another process holds it. Re-entrant within a process."""
+        key = str(self.path.absolute())
+        if key in _HELD_LOCKS:
+            _HELD_LOCKS[key][1] += 1
+        else:
+            made = not self.path.exists()
+            _HELD_LOCKS[key] = [_acquire_lock(self.path), 1, made]
+        try:
+            yield self
+        finally:
+            _HELD_LOCKS[key][1] -= 1
+            if not _HELD_LOCKS[key][1]:
+                fd, _, made = _HELD_LOCKS.pop(key)
+                if made and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
+                    (self.path / LOCK_FILE).unlink()  # a run that wrote nothing leaves no directory
+                    self.path.rmdir()
+                os.close(fd)  # closing the descriptor releases the flock
 
     def newest_record(self, log=None):
         """``(round, record)`` of the newest checkpoint whose record reads, or None."""
@@ -143,16 +188,28 @@ class RunDirectory:
 
     def saved_config(self, log=None) -> dict:
         """The config (as a dict) of the newest readable checkpoint: what ``--resume`` starts from."""
+        return self.newest_checkpoint_record(log)[1]["config"]
+
+    def newest_checkpoint_record(self, log=None) -> tuple[int, dict]:
+        """``(round, record)`` of the newest readable checkpoint; a ConfigError saying what to do
+        when there is none."""
         found = self.newest_record(log)
-        if found is None:
-            raise ConfigError(f"--resume: no checkpoint in {self.checkpoints.directory}")
-        return found[1]["config"]
+        if found is not None:
+            return found
+        if not self.path.is_dir():
+            raise ConfigError(f"--resume: {self.path} does not exist; start the run without --resume")
+        again = (
+            "delete it or choose another --out to run again"
+            if self.holds_run()
+            else "start it again without --resume (it stopped before its first checkpoint)"
+        )
+        raise ConfigError(f"--resume: no readable checkpoint in {self.checkpoints.directory}; {again}")
 
     def restore(self, like, log):
         """``(state, RunRecord)`` of the newest readable checkpoint (unreadable newer ones are set aside)."""
         restored = self.checkpoints.newest(lambda r: self.checkpoints.restore(r, like=like), warn=log)
         if restored is None:
-            raise ConfigError(f"--resume: no readable checkpoint in {self.checkpoints.directory}")
+            self.newest_checkpoint_record(log)  # raises, saying what to do
         round_, (state, saved) = restored
         for newer in [r for r in self.checkpoints.rounds() if r > round_]:
             log(f"moved the unreadable checkpoint to {self.checkpoints.set_aside(newer)}")
@@ -177,6 +234,79 @@ class RunDirectory:
         """Write ``summary.json`` and the plots."""
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_plots(self.path, rows, log)
+
+
+_HELD_LOCKS: dict[str, list] = {}  # absolute path -> [descriptor, holders in this process, made by us]
+LOCK_FILE = ".lock"
+
+
+def _acquire_lock(path: Path) -> int:
+    check_out_dir(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(f"--out {path}: cannot be written ({err.strerror or err})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise ConfigError(
+                f"--out {path}: another jaxfed process (pid {holder}) is writing this run directory; "
+                "wait for it to end or choose another --out"
+            ) from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def check_out_dir(path: str | Path) -> None:
+    """A ConfigError, before any work, if ``path`` cannot become a run directory: a file, under a
+    file, or under a directory this process cannot write."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path}: is a file, not a directory; choose another --out")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {path}: {parent} is a file, so no directory can be made under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path}: {parent} is not writable")
+
+
+def new_run_dir(stem: str | Path) -> Path:
+    """A fresh directory ``<stem>_<time>`` (``-2``, ``-3``, ... appended when another process made
+    that name first): created here, so two runs started in the same second never share one."""
+    check_out_dir(Path(stem).parent)
+    base = f"{stem}_{time.strftime('%Y%m%d-%H%M%S')}"
+    for attempt in range(1, 1000):
+        path = Path(base if attempt == 1 else f"{base}-{attempt}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"--out: could not create a fresh directory named {base}-N; pass --out")
+
+
+def check_rounds(done: int, rounds: int) -> None:
+    """A resumed run may go on or stop where it is, never end before the rounds it has done."""
+    if rounds < done:
+        raise ConfigError(
+            f"rounds: {rounds} is fewer than the {done} rounds the checkpoint has done; resume with rounds >= {done}"
+        )
+
+
+def written_config(out_dir: str | Path) -> dict:
+    """``config.json`` of a run directory as a dict ({} when missing or unreadable), read without JAX."""
+    try:
+        return json.loads((Path(out_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def check_resumable(saved: Config, config: Config) -> None:

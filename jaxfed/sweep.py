@@ -16,6 +16,7 @@ key and the client learning rate are traced, so one compiled program serves ever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import sys
@@ -191,9 +192,16 @@ def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bo
     start = time.perf_counter()
     config = configs[0]
     dirs = [RunDirectory(d, config.keep_checkpoints) for d in out_dirs]
-    for directory in dirs:
-        if directory.holds_run():
-            raise ConfigError(f"--out {directory.path}: already holds a run; choose another --out")
+    with contextlib.ExitStack() as locks:
+        for directory in dirs:
+            locks.enter_context(directory.locked())
+            if directory.holds_run():
+                raise ConfigError(f"--out {directory.path}: already holds a run; choose another --out")
+        return _run_members(configs, dirs, start, progress, log)
+
+
+def _run_members(configs, dirs, start, progress, log) -> list[dict]:
+    config = configs[0]
     sweep = Sweep(configs)
     records = [RunRecord(c.to_dict()) for c in configs]
     for c, directory in zip(configs, dirs):

@@ -19,7 +19,7 @@ from jaxfed.build import build
 from jaxfed.cli import main
 from jaxfed.config import Config
 from jaxfed.driver import chunk_schedule
-from jaxfed.rundir import TIMING_KEYS
+from jaxfed.rundir import LOCK_FILE, TIMING_KEYS
 from jaxfed.simulation import SimState
 
 SMALL = ["--quiet", "--set", "num_clients=8", "--set", "local_epochs=1", "--set", "eval_every=2"]
@@ -43,8 +43,12 @@ def _assert_bitwise(a, b):
 
 
 def _tree_digest(directory):
+    """mtime and content of every file of a run directory but its lock (which names the last
+    process that held it)."""
     digest = {}
     for path in sorted(Path(directory).rglob("*")):
+        if path.name == LOCK_FILE:
+            continue
         stat = path.stat()
         digest[str(path)] = (stat.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "")
     return digest
@@ -152,7 +156,7 @@ def test_resume_with_a_different_config_is_refused_and_changes_nothing(reference
     "args, expected",
     [
         (["--resume"], "--resume: needs --out DIR"),
-        (["--resume", "--out", "{empty}"], "--resume: no checkpoint in"),
+        (["--resume", "--out", "{empty}"], "does not exist; start the run without --resume"),
         (["--out", "{done}"], "already holds a run; pass --resume"),
         (["--out", "{new}", "--set", "nonfinite=ignore"], "nonfinite: unknown 'ignore'; allowed: error, skip"),
         (["--out", "{new}", "--set", "checkpoint_every=-1"], "checkpoint_every: must be >= 0"),

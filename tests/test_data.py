@@ -32,7 +32,7 @@ def test_npz_in_data_dir(tmp_path):
 
 def test_npz_missing_arrays_is_a_clear_error(tmp_path):
     np.savez(tmp_path / "mnist.npz", x_train=np.zeros((2, 28, 28)))
-    with pytest.raises(ConfigError, match="lacks arrays"):
+    with pytest.raises(ConfigError, match="lacks y_train, x_test, y_test"):
         load_dataset("mnist", data_dir=str(tmp_path))
 
 

@@ -88,7 +88,7 @@ def test_one_line_errors(tmp_path, capsys):
     assert "--seeds: expected comma-separated int values, got '0,x'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
     (tmp_path / "taken" / "seed0_lr0.05").mkdir(parents=True)
-    (tmp_path / "taken" / "seed0_lr0.05" / "metrics.jsonl").write_text("")
+    (tmp_path / "taken" / "seed0_lr0.05" / "metrics.jsonl").write_text('{"round": 1}\n')
     assert main(["sweep", "--lrs", "0.05", "--out", str(tmp_path / "taken"), "--set", "rounds=1"]) == 2
     assert "already holds a run" in capsys.readouterr().err
 

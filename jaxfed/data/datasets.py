@@ -1,8 +1,9 @@
 """Datasets as numpy arrays: the embedded default (`digits`), local ``.npz`` files and TFDS.
 
 Every loader returns a :class:`Dataset` with images in NHWC float32, normalized per channel with
-the training set's mean and standard deviation, and int32 labels. Nothing downloads unless the
-caller passes ``download=True``.
+the training set's mean and standard deviation, and int32 labels, after
+:mod:`jaxfed.data.validate` has checked the arrays. Nothing downloads unless the caller passes
+``download=True``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxfed.data.validate import ARRAYS, check_arrays, read_npz
 from jaxfed.errors import ConfigError
 
 DATA_DIR_ENV = "JAXFED_DATA_DIR"
@@ -52,14 +54,16 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
     if name not in DATASETS:
         raise ConfigError(f"dataset: unknown '{name}'; allowed: {', '.join(DATASETS)}")
     if name == "digits":
-        x_train, y_train, x_test, y_test = _load_digits()
+        source, arrays = "digits", _load_digits()
     else:
         data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
         npz = Path(data_dir) / f"{name}.npz" if data_dir else None
         if npz is not None and npz.exists():
-            x_train, y_train, x_test, y_test = _load_npz(npz)
+            source, arrays = f"data_dir: {npz}", read_npz(npz)
         else:
-            x_train, y_train, x_test, y_test = _load_tfds(name, data_dir, download)
+            source, arrays = f"tfds '{name}'", _load_tfds(name, data_dir, download)
+    check_arrays(source, arrays, DATASETS[name][0])
+    x_train, y_train, x_test, y_test = (arrays[k] for k in ARRAYS)
     x_train, x_test = _as_nhwc(x_train), _as_nhwc(x_test)
     mean = x_train.mean(axis=(0, 1, 2), dtype=np.float64)
     std = x_train.std(axis=(0, 1, 2), dtype=np.float64) + 1e-8
@@ -90,17 +94,7 @@ def _load_digits():
     for c in np.unique(y):
         members = rng.permutation(np.flatnonzero(y == c))
         test[members[: len(members) // 5]] = True
-    return x[~test], y[~test], x[test], y[test]
-
-
-def _load_npz(path: Path):
-    with np.load(path) as f:
-        missing = {"x_train", "y_train", "x_test", "y_test"} - set(f.files)
-        if missing:
-            raise ConfigError(
-                f"data_dir: {path} lacks arrays {sorted(missing)}; needs x_train, y_train, x_test, y_test"
-            )
-        return f["x_train"], f["y_train"], f["x_test"], f["y_test"]
+    return dict(zip(ARRAYS, (x[~test], y[~test], x[test], y[test])))
 
 
 def _load_tfds(name: str, data_dir: str | None, download: bool):
@@ -126,4 +120,4 @@ def _load_tfds(name: str, data_dir: str | None, download: bool):
         examples = [records[i] for i in range(len(records))]
         return np.stack([e["image"] for e in examples]), np.array([e["label"] for e in examples])
 
-    return (*split("train"), *split("test"))
+    return dict(zip(ARRAYS, (*split("train"), *split("test"))))

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxfed.data.validate import check_dataset, check_parts
+
 
 class Batch(NamedTuple):
     x: jax.Array
@@ -87,7 +89,11 @@ def index_table(parts) -> tuple[np.ndarray, np.ndarray]:
 
 
 def federate(dataset, train_parts, test_parts) -> FederatedData:
-    """Put ``dataset`` on the device with the clients' index tables."""
+    """Put ``dataset`` on the device with the clients' index tables, after checking both
+    (:mod:`jaxfed.data.validate`: a DataError names the first problem)."""
+    check_dataset(dataset)
+    check_parts(f"dataset '{dataset.name}'", train_parts, len(dataset.x_train), "training")
+    check_parts(f"dataset '{dataset.name}'", test_parts, len(dataset.x_test), "test")
     train_idx, train_count = index_table(train_parts)
     test_idx, test_count = index_table(test_parts)
     return FederatedData(

@@ -83,6 +83,11 @@ class RunCheckpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, round_: int, state, record: dict) -> None:
+        """Save round ``round_`` (asynchronously); a round already saved is kept as it is: a run
+        resumed from it that stops again on the same round (a non-finite update) re-saves the
+        same state."""
+        if (self.directory / str(round_)).is_dir():
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)})
         self._manager.save(round_, args=args, force=True)

@@ -332,10 +332,12 @@ class Simulation:
             clients = scatter_clients(clients, jnp.where(g.kept, g.ids, self.num_clients), g.new_states)
 
         client_metrics = concat_clients([g.client_metrics for g in groups])
+        trained = weighted_mean(client_metrics, jnp.concatenate(weights))  # NaN: no client's update was used
+        trained = jax.tree.map(lambda m: jnp.where(any_weight, m, jnp.nan), trained)
         sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
         client_bytes = [self._client_bytes(g) for g in groups]
         metrics = {
-            **weighted_mean(client_metrics, jnp.concatenate(weights)),
+            **trained,
             "bytes_up": sum(jnp.sum(jnp.where(g.is_real, b, 0.0)) for g, b in zip(groups, client_bytes)),
             "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
             "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),

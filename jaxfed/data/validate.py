@@ -1,0 +1,135 @@
+"""Checks of a dataset's arrays before anything is built or compiled.
+
+Every problem is one :class:`DataError` line naming where the data came from, the array and what
+is wrong with it: a file that is not an ``.npz`` (or is truncated or corrupt), a missing array,
+a non-numeric dtype, inconsistent lengths or image shapes, channel-first or flattened images,
+NaN or inf values, labels that are not integers in ``[0, classes)``, an empty split.
+:func:`read_npz` and :func:`check_arrays` serve the loaders (``jaxfed run --data-dir``);
+:func:`check_dataset` serves data passed from Python (:func:`jaxfed.data.federate`).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from jaxfed.errors import ConfigError
+
+SPLITS = (("x_train", "y_train"), ("x_test", "y_test"))
+ARRAYS = tuple(name for pair in SPLITS for name in pair)
+ZIP_MAGIC = b"PK\x03\x04"
+CHANNEL_COUNTS = (1, 3, 4)
+
+
+class DataError(ConfigError):
+    """A dataset that cannot be used as it is (one line; the CLI exits with code 2)."""
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The four arrays of an ``.npz`` file, read without pickles; a DataError for a file that is
+    not an npz, is truncated or corrupt (zip CRC), or lacks an array."""
+    where = f"data_dir: {path}"
+    with open(path, "rb") as f:
+        if f.read(4) != ZIP_MAGIC:
+            raise DataError(
+                f"{where}: not an .npz file (a zip of .npy arrays written by numpy.savez); "
+                "write x_train, y_train, x_test, y_test with numpy.savez"
+            )
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [name for name in ARRAYS if name not in f.files]
+            if missing:
+                raise DataError(f"{where}: lacks {', '.join(missing)}; needs x_train, y_train, x_test, y_test")
+            return {name: f[name] for name in ARRAYS}
+    except DataError:
+        raise
+    except ValueError as err:
+        if "pickle" in str(err):
+            raise DataError(f"{where}: holds object arrays (pickles), which are never loaded; save numeric arrays")
+        raise DataError(f"{where}: unreadable ({_first_line(err)})") from None
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError) as err:
+        raise DataError(f"{where}: truncated or corrupt ({_first_line(err)})") from None
+
+
+def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | None, *, images: bool = True) -> None:
+    """Raise a DataError for the first problem of ``arrays`` (``x_train, y_train, x_test,
+    y_test``). ``num_classes`` None: regression (float targets); else integer labels in
+    ``[0, num_classes)``. ``images``: x must be ``(N, H, W)`` or ``(N, H, W, C)``, channels last."""
+    for name in ARRAYS:
+        a = arrays[name]
+        if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+            raise DataError(f"{source}: {name} has dtype {a.dtype}; expected numbers")
+    for x_name, y_name in SPLITS:
+        x, y = arrays[x_name], arrays[y_name]
+        if x.ndim < 2 or len(x) == 0:
+            raise DataError(f"{source}: {x_name} is empty (shape {x.shape}); every split needs examples")
+        if len(y) != len(x):
+            raise DataError(f"{source}: {y_name} has {len(y)} entries for the {len(x)} examples of {x_name}")
+        if images:
+            _check_image_shape(source, x_name, x.shape)
+        _check_targets(source, y_name, y, num_classes)
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            bad = int(np.count_nonzero(~np.isfinite(x)))
+            raise DataError(f"{source}: {x_name} has {bad} NaN or inf value(s); every input must be finite")
+    if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
+        raise DataError(
+            f"{source}: x_test examples have shape {arrays['x_test'].shape[1:]}, "
+            f"x_train's {arrays['x_train'].shape[1:]}; both splits need one shape"
+        )
+
+
+def check_dataset(dataset, source: str | None = None) -> None:
+    """:func:`check_arrays` for a :class:`~jaxfed.data.Dataset` (float targets: regression)."""
+    arrays = {name: np.asarray(getattr(dataset, name)) for name in ARRAYS}
+    regression = np.issubdtype(arrays["y_train"].dtype, np.floating)
+    classes = None if regression else dataset.num_classes
+    check_arrays(source or f"dataset '{dataset.name}'", arrays, classes, images=False)
+
+
+def check_parts(source: str, parts, size: int, split: str) -> None:
+    """Every client's example indices lie in ``[0, size)``."""
+    for k, part in enumerate(parts):
+        part = np.asarray(part)
+        if part.size and (part.min() < 0 or part.max() >= size):
+            raise DataError(
+                f"{source}: client {k}'s {split} indices run {part.min()}..{part.max()}; "
+                f"the {split} split has {size} examples"
+            )
+
+
+def _check_image_shape(source: str, name: str, shape: tuple[int, ...]) -> None:
+    if len(shape) == 2:
+        raise DataError(
+            f"{source}: {name} has shape {shape}: flattened; expected images (N, H, W) or (N, H, W, C), "
+            f"e.g. x.reshape(-1, 28, 28)"
+        )
+    if len(shape) not in (3, 4):
+        raise DataError(f"{source}: {name} has shape {shape}; expected images (N, H, W) or (N, H, W, C)")
+    if len(shape) == 4 and shape[1] in CHANNEL_COUNTS and shape[3] not in CHANNEL_COUNTS:
+        raise DataError(
+            f"{source}: {name} has shape {shape}: channels first; expected channels last (N, H, W, C), "
+            f"e.g. x.transpose(0, 2, 3, 1)"
+        )
+
+
+def _check_targets(source: str, name: str, y: np.ndarray, num_classes: int | None) -> None:
+    if num_classes is None:  # regression
+        if not np.issubdtype(y.dtype, np.floating):
+            raise DataError(f"{source}: {name} has dtype {y.dtype}; regression targets are floats")
+        if not np.isfinite(y).all():
+            raise DataError(f"{source}: {name} has NaN or inf targets")
+        return
+    if y.ndim != 1:
+        raise DataError(f"{source}: {name} has shape {y.shape}; expected one integer label per example (N,)")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{source}: {name} has dtype {y.dtype}; class labels must be integers")
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= num_classes:
+        raise DataError(f"{source}: {name} has labels {low}..{high}; this dataset's are 0..{num_classes - 1}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__

@@ -1,0 +1,292 @@
+"""Faults and bad input: each case ends in one line and its exit code, and loses nothing written.
+
+Bad data files, bad values, unusable output directories, two processes on one run directory,
+resume dead ends, runs whose every client update was skipped. The README's "Reliability" table
+lists these cases with their outcomes; kills at every point of a run are in test_checkpoint.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxfed.cli import main
+from jaxfed.data import Dataset, federate
+from jaxfed.data.validate import DataError
+from jaxfed.rundir import RunDirectory, new_run_dir
+
+TINY = ["--set", "num_clients=4", "rounds=2", "eval_every=1", "checkpoint_every=1"]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("jaxfed: error: ")
+    return err
+
+
+def _last_line_error(capsys) -> str:
+    """The error line of a run that got as far as logging (partition, resuming ...), no traceback."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("jaxfed: error: "), err
+    return err.splitlines()[-1]
+
+
+# ----- data files ---------------------------------------------------------------------------------
+
+
+def _arrays(n_train=40, n_test=20):
+    rng = np.random.default_rng(0)
+    return {
+        "x_train": rng.integers(0, 255, (n_train, 28, 28)).astype(np.uint8),
+        "y_train": rng.integers(0, 10, n_train),
+        "x_test": rng.integers(0, 255, (n_test, 28, 28)).astype(np.uint8),
+        "y_test": rng.integers(0, 10, n_test),
+    }
+
+
+def _nan_pixel(a):
+    x = a["x_train"].astype(np.float32)
+    x[0, 3, 3] = np.nan
+    return {**a, "x_train": x}
+
+
+BAD_ARRAYS = {
+    "labels above the classes": (lambda a: {**a, "y_train": a["y_train"] + 20}, "y_train has labels 20..29"),
+    "negative test labels": (lambda a: {**a, "y_test": a["y_test"] - 1}, "y_test has labels -1.."),
+    "a NaN pixel": (_nan_pixel, "x_train has 1 NaN or inf value(s)"),
+    "one label short": (lambda a: {**a, "y_train": a["y_train"][:-1]}, "y_train has 39 entries for the 40 examples"),
+    "channels first": (
+        lambda a: {**a, "x_train": a["x_train"][:, None], "x_test": a["x_test"][:, None]},
+        "channels first",
+    ),
+    "flattened images": (
+        lambda a: {**a, "x_train": a["x_train"].reshape(40, -1), "x_test": a["x_test"].reshape(20, -1)},
+        "flattened",
+    ),
+    "2-D labels": (lambda a: {**a, "y_train": a["y_train"][:, None]}, "expected one integer label per example"),
+    "an empty test split": (lambda a: {**a, "x_test": a["x_test"][:0], "y_test": a["y_test"][:0]}, "x_test is empty"),
+    "no test split": (lambda a: {"x_train": a["x_train"], "y_train": a["y_train"]}, "lacks x_test, y_test"),
+    "float labels": (lambda a: {**a, "y_train": a["y_train"].astype(np.float32)}, "class labels must be integers"),
+    "test images of another shape": (lambda a: {**a, "x_test": a["x_test"][:, :20]}, "both splits need one shape"),
+    "text labels": (lambda a: {**a, "y_train": a["y_train"].astype(str)}, "y_train has dtype <U"),
+}
+
+
+def _corrupt(path: Path, how: str) -> str:
+    np.savez(path, **_arrays())
+    data = path.read_bytes()
+    if how == "random bytes":
+        path.write_bytes(np.random.default_rng(1).bytes(4000))
+        return "not an .npz file"
+    if how == "a text file":
+        path.write_text("x_train,y_train\n1,2\n")
+        return "not an .npz file"
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+        return "truncated or corrupt"
+    if how == "a flipped bit":
+        flipped = bytearray(data)
+        flipped[len(data) // 3] ^= 0x10
+        path.write_bytes(bytes(flipped))
+        return "Bad CRC-32"
+    if how == "object arrays":
+        np.savez(path, **{**_arrays(), "y_train": np.array([object()] * 40, dtype=object)})
+        return "object arrays (pickles), which are never loaded"
+    raise ValueError(how)
+
+
+def _run_mnist(data_dir, out, capsys):
+    code = main(["run", "--dataset", "mnist", "--data-dir", str(data_dir), "--quiet", "--out", str(out), *TINY])
+    return code, _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARRAYS))
+def test_bad_arrays_are_one_line_before_anything_is_built(case, tmp_path, capsys):
+    change, expected = BAD_ARRAYS[case]
+    np.savez(tmp_path / "mnist.npz", **change(_arrays()))
+    code, err = _run_mnist(tmp_path, tmp_path / "out", capsys)
+    assert code == 2 and expected in err and "mnist.npz" in err
+    assert not RunDirectory(tmp_path / "out").holds_run()
+
+
+@pytest.mark.parametrize("how", ["random bytes", "a text file", "truncated", "a flipped bit", "object arrays"])
+def test_unreadable_npz_files_are_one_line(how, tmp_path, capsys):
+    expected = _corrupt(tmp_path / "mnist.npz", how)
+    code, err = _run_mnist(tmp_path, tmp_path / "out", capsys)
+    assert code == 2 and expected in err
+
+
+def test_federate_checks_data_passed_from_python():
+    a = _arrays()
+    x_train, x_test = a["x_train"][..., None] / 255.0, a["x_test"][..., None] / 255.0
+    good = Dataset("mine", x_train, a["y_train"], x_test, a["y_test"], 10)
+    parts = [np.arange(20), np.arange(20, 40)]
+    federate(good, parts, [np.arange(10), np.arange(10, 20)])
+    with pytest.raises(DataError, match="client 1's training indices run 20..40; the training split has 40"):
+        federate(good, [np.arange(20), np.arange(20, 41)], [np.arange(10), np.arange(10, 20)])
+    bad = Dataset("mine", good.x_train, good.y_train + 10, good.x_test, good.y_test, 10)
+    with pytest.raises(DataError, match="dataset 'mine': y_train has labels 10..19"):
+        federate(bad, parts, [np.arange(10), np.arange(10, 20)])
+    x = np.array(good.x_train)
+    x[1, 2, 2] = np.inf
+    with pytest.raises(DataError, match="x_train has 1 NaN or inf"):
+        federate(Dataset("mine", x, good.y_train, good.x_test, good.y_test, 10), parts, parts)
+
+
+# ----- values and options -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "seed=-1"], "seed: must be >= 0, got -1"),
+        (["--set", "batch_size=1000000000"], "batch_size: 1000000000 is larger than the 1442 training examples"),
+        (["--set", "lr=inf"], "lr: must be a finite number >= 0, got inf"),
+        (["--set", "momentum=nan"], "momentum: must be a finite number >= 0, got nan"),
+        (["--set", "weight_decay=inf"], "weight_decay: must be a finite number >= 0, got inf"),
+        (["--set", "rounds=1", "fedavg"], "got 'fedavg' (name the algorithm before --set)"),
+        (["--set", "rounds=two"], "rounds"),
+    ],
+)
+def test_bad_values_are_one_line(args, expected, tmp_path, capsys):
+    assert main(["run", "--quiet", "--out", str(tmp_path / "out"), *args]) == 2
+    assert expected in _one_line_error(capsys)
+    assert not RunDirectory(tmp_path / "out").holds_run()
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    (tmp_path / "bad.conf").write_bytes(b"rounds = 2\nlr = 0.1 \xff\n")
+    assert main(["run", "--quiet", "--config", str(tmp_path / "bad.conf"), "--out", str(tmp_path / "o")]) == 2
+    assert "bad.conf line 2: not UTF-8 text (byte 0xff)" in _one_line_error(capsys)
+
+
+# ----- output directories -------------------------------------------------------------------------
+
+
+def test_out_that_is_a_file_or_under_one_is_refused_first(tmp_path, capsys):
+    (tmp_path / "afile").write_text("mine")
+    cases = ((tmp_path / "afile", "is a file, not a directory"), (tmp_path / "afile" / "sub", "is a file, so"))
+    for out, expected in cases:
+        # a data directory that would fail too: the output directory is checked before the data
+        code = main(["run", "--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--quiet", "--out", str(out)])
+        assert code == 2 and expected in _one_line_error(capsys)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_a_read_only_out_is_refused(tmp_path, capsys):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    assert main(["run", "--quiet", "--out", str(tmp_path / "ro" / "run")]) == 2
+    assert "is not writable" in _one_line_error(capsys)
+
+
+def test_default_run_directories_started_in_the_same_second_differ(tmp_path):
+    stem = tmp_path / "runs" / "fedavg_digits"
+    made = [new_run_dir(stem) for _ in range(3)]
+    assert len(set(made)) == 3 and all(p.is_dir() for p in made)
+
+
+def test_a_second_process_on_the_same_out_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    hold = (
+        "import sys, time\nfrom jaxfed.rundir import RunDirectory\n"
+        "with RunDirectory(sys.argv[1]).locked():\n    print('held', flush=True)\n    time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["run", "--quiet", "--out", str(out), *TINY]) == 2
+        assert f"another jaxfed process (pid {holder.pid}) is writing this run directory" in _one_line_error(capsys)
+        assert not (out / "config.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["run", "--quiet", "--out", str(out), *TINY]) == 0  # a killed holder's lock is gone
+
+
+# ----- resume dead ends ---------------------------------------------------------------------------
+
+
+def test_resume_with_fewer_rounds_than_done_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out), *TINY]) == 0
+    before = (out / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=1"]) == 2
+    assert "rounds: 1 is fewer than the 2 rounds the checkpoint has done" in _one_line_error(capsys)
+    assert (out / "summary.json").read_text() == before
+    assert json.loads((out / "config.json").read_text())["rounds"] == 2
+
+
+def test_resume_after_a_nonfinite_stop_stops_again_with_the_same_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--set", "lr=1e30", *TINY]
+    assert main(["run", "--quiet", "--out", str(out), *args]) == 1
+    first = _last_line_error(capsys)
+    assert main(["run", "--quiet", "--out", str(out), "--resume"]) == 1
+    assert _last_line_error(capsys) == first and "round 1: non-finite update" in first
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "nonfinite=skip"]) == 0
+
+
+def test_a_run_stopped_before_its_first_checkpoint_can_start_again(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    assert main(["run", "--quiet", "--out", str(out), "--resume"]) == 2
+    assert "start it again without --resume" in _one_line_error(capsys)
+    assert main(["run", "--quiet", "--out", str(out), *TINY]) == 0
+
+
+def test_a_run_without_checkpoints_is_neither_resumed_nor_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out), *TINY, "--set", "checkpoint_every=0"]) == 0
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(out), "--resume"]) == 2
+    assert "delete it or choose another --out" in _one_line_error(capsys)
+    assert main(["run", "--quiet", "--out", str(out), *TINY]) == 2
+    assert "without checkpoints (checkpoint_every=0), which cannot be resumed" in _one_line_error(capsys)
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_a_host_devices_run_resumes_without_xla_flags(tmp_path):
+    """The resumed process sets the device count from the run's config before JAX starts."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(out)]
+    first = subprocess.run([*command, *TINY, "--set", "host_devices=2"], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([*command, "--resume", "--set", "rounds=3"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "summary.json").read_text())["devices"] == 2
+
+
+# ----- what a run reports -------------------------------------------------------------------------
+
+
+def test_rounds_where_every_update_was_skipped_report_no_train_loss(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--quiet", "--set", "lr=1e30", "nonfinite=skip", *TINY]) == 0
+    line = capsys.readouterr().out.strip()
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train_loss"] is None and r["nonfinite_skipped"] > 0 for r in rows)
+    skipped = int(sum(r["nonfinite_skipped"] for r in rows))
+    assert line.endswith(f"{skipped} non-finite client update(s) skipped (see nonfinite_skipped in metrics.jsonl)")
+
+
+def test_lock_is_released_when_a_run_ends(tmp_path):
+    out = tmp_path / "run"
+    with RunDirectory(out).locked():
+        with RunDirectory(out).locked():  # re-entrant within a process
+            pass
+    start = time.time()
+    with RunDirectory(out).locked():
+        pass
+    assert time.time() - start < 1
