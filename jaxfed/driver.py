@@ -264,6 +264,7 @@ def saved_config(out_dir: str | Path, log=None) -> Config:
 
     A run on ``host_devices`` gets them set from its ``config.json`` first, before reading the
     checkpoint starts JAX's backend (the count cannot change once it has started)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
     check_out_dir(out_dir)
     host_devices = written_config(out_dir).get("host_devices")
     if host_devices:

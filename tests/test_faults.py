@@ -290,3 +290,43 @@ def test_lock_is_released_when_a_run_ends(tmp_path):
     with RunDirectory(out).locked():
         pass
     assert time.time() - start < 1
+
+
+# ----- damaged checkpoints ------------------------------------------------------------------------
+
+CHECKPOINTED = ["--set", "num_clients=4", "rounds=4", "eval_every=2", "checkpoint_every=2"]
+
+
+def _flip_state_byte(step: Path) -> None:
+    data_file = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(data_file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    data_file.write_bytes(bytes(data))
+
+
+def _edit_record(step: Path) -> None:
+    record_file = step / "run" / "metadata"
+    record = json.loads(record_file.read_text())
+    record["rows"][-1]["personalized_acc_mean"] = 0.99
+    record_file.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage", [_flip_state_byte, _edit_record], ids=["a flipped state bit", "an edited record"])
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage, tmp_path, capsys):
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
+    assert main(["run", "--quiet", "--out", str(out), *CHECKPOINTED]) == 0
+    damage(out / "checkpoints" / "4")
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=4"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    warnings = [line for line in err.splitlines() if "is unreadable" in line]
+    assert len(warnings) == 1 and "differs from what was saved (digest mismatch)" in warnings[0]
+    assert (out / "checkpoints" / "4.unreadable").is_dir()
+    rows = [(out / name / "metrics.jsonl").read_text() for name in ("",)]
+    want = [json.loads(r) for r in (reference / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(r) for r in rows[0].splitlines()]
+    for row in (*want, *got):
+        row.pop("round_seconds"), row.pop("wall_seconds")
+    assert got == want

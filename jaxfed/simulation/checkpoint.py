@@ -5,8 +5,10 @@
 - :class:`RunCheckpoints`: the numbered checkpoints of a run directory (``DIR/checkpoints/<round>``),
   each holding the simulation state and a JSON record of the run so far (config, metrics rows,
   pending per-round metrics). Orbax writes each one into a temporary directory and renames it
-  when complete, so a run killed mid-save leaves the previous checkpoints intact; a checkpoint
-  that fails to restore (truncated, corrupt) is skipped for the previous one with a warning.
+  when complete, so a run killed mid-save leaves the previous checkpoints intact. Each record
+  carries SHA-256 digests of the state's arrays and of the record itself, checked on restore:
+  a checkpoint that fails to restore or to verify (truncated, corrupt, bit-flipped, edited) is
+  skipped for the previous one with a one-line warning.
 
 Everything random in a run derives from the config's seed and the round counter held in the
 state, so state + config are all a resume needs.
@@ -14,6 +16,11 @@ state, so state + config are all a resume needs.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import hashlib
+import json
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +31,50 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 STATE, RECORD = "state", "run"
+INTEGRITY = "integrity"
+_WARNED: set[Path] = set()  # unreadable checkpoints already reported in this process
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose contents differ from the digests recorded when it was saved."""
+
+
+def tree_digest(tree) -> str:
+    """SHA-256 over every leaf's shape, dtype and bytes (PRNG keys by their key data)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        array = np.ascontiguousarray(jax.device_get(leaf))
+        digest.update(f"{array.shape}{array.dtype.str}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def record_digest(record: dict) -> str:
+    """SHA-256 of a record's JSON (keys sorted), its integrity entry left out."""
+    body = {k: v for k, v in record.items() if k != INTEGRITY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(record: dict, state) -> dict:
+    """``record`` with the digests of ``state`` and of itself."""
+    return {**record, INTEGRITY: {"state": tree_digest(state), "record": record_digest(record)}}
+
+
+def verify_record(record: dict) -> dict:
+    """``record`` if its digest matches (records saved before digests pass unchecked)."""
+    integrity = record.get(INTEGRITY)
+    if integrity is not None and integrity.get("record") != record_digest(record):
+        raise CorruptCheckpointError("its run record differs from what was saved (digest mismatch)")
+    return record
+
+
+def verify_state(state, record: dict):
+    integrity = record.get(INTEGRITY)
+    if integrity is not None and integrity.get("state") != tree_digest(state):
+        raise CorruptCheckpointError("its state differs from what was saved (digest mismatch)")
+    return state
 
 
 def abstract_like(tree):
@@ -89,6 +140,7 @@ class RunCheckpoints:
         if (self.directory / str(round_)).is_dir():
             return
         self.directory.mkdir(parents=True, exist_ok=True)
+        record = sealed(record, state)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)})
         self._manager.save(round_, args=args, force=True)
 
@@ -96,14 +148,17 @@ class RunCheckpoints:
         self._manager.wait_until_finished()
 
     def read_record(self, round_: int) -> dict:
-        return self._manager.restore(round_, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
+        """The run record of checkpoint ``round_``, verified against its digest."""
+        args = ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()})
+        return verify_record(self._manager.restore(round_, args=args)[RECORD])
 
     def restore(self, round_: int, like) -> tuple[Any, dict]:
         args = ocp.args.Composite(
             **{STATE: ocp.args.StandardRestore(abstract_like(like)), RECORD: ocp.args.JsonRestore()}
         )
         restored = self._manager.restore(round_, args=args)
-        return restored[STATE], restored[RECORD]
+        record = verify_record(restored[RECORD])
+        return verify_state(restored[STATE], record), record
 
     def newest(self, load: Callable[[int], Any], warn: Callable[[str], None] | None = None):
         """``(round, load(round))`` for the newest checkpoint that ``load`` reads without error,
@@ -111,10 +166,13 @@ class RunCheckpoints:
         warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         for round_ in reversed(self.rounds()):
             try:
-                return round_, load(round_)
+                with _quiet_abandoned_reads():
+                    return round_, load(round_)
             except Exception as err:  # a truncated or corrupt checkpoint: any reader error
-                reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-                warn(f"checkpoint {self.directory / str(round_)} is unreadable ({reason}); using an older one")
+                where = self.directory / str(round_)
+                if where not in _WARNED:  # one line per checkpoint, however often it is read
+                    _WARNED.add(where)
+                    warn(f"checkpoint {where} is unreadable ({_reason(err)}); using an older one")
         return None
 
     def set_aside(self, round_: int) -> Path:
@@ -129,3 +187,24 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+    """A failed orbax restore abandons its other reads: their coroutines would each print an
+    "Exception ignored" traceback when collected. Collect them here, silently."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = hook
+
+
+def _reason(err: BaseException) -> str:
+    """The first sentence of a reader error, without TensorStore's spec dump."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    return text.splitlines()[0].split(" See full TensorStore details")[0][:200]
