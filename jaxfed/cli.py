@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from jaxfed.config import Config, read_config_file
-from jaxfed.errors import ConfigError, NonFiniteUpdateError
+from jaxfed.errors import ConfigError, NonFiniteUpdateError, StorageFullError
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -252,11 +252,15 @@ def _bench(args) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    quiet_library_logs()
     try:
         return {"run": _run, "sweep": _sweep, "plot": _plot, "list": _list, "bench": _bench}[args.command](args)
     except ConfigError as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except StorageFullError as err:
+        print(f"jaxfed: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("jaxfed: interrupted", file=sys.stderr)
         return 130
@@ -265,6 +269,14 @@ def main(argv=None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def quiet_library_logs() -> None:
+    """Orbax logs each failed background write as absl ERROR lines with tracebacks; the CLI
+    reports failures itself, in one line."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
 if __name__ == "__main__":

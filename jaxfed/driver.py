@@ -20,7 +20,7 @@ import jax
 from jaxfed.build import build, split_host
 from jaxfed.config import Config
 from jaxfed.data import describe
-from jaxfed.errors import NonFiniteUpdateError
+from jaxfed.errors import NonFiniteUpdateError, StorageFullError, is_storage_full
 from jaxfed.rundir import (
     LoopSettings,
     RunDirectory,
@@ -126,7 +126,9 @@ def drive(
 
     Under ``nonfinite=error`` a member whose client update is non-finite stops the loop after
     every member's last good state is checkpointed: :class:`NonFiniteUpdateError` names the round
-    and clients, and its ``checkpoint`` attribute where that member's state is.
+    and clients, and its ``checkpoint`` attribute where that member's state is. A full disk
+    during a checkpoint or metrics write raises :class:`StorageFullError` (one line; the newest
+    complete checkpoint stays readable for ``--resume``).
     """
     from tqdm import tqdm
 
@@ -147,7 +149,8 @@ def drive(
     schedule = chunk_schedule(
         done, settings.rounds, settings.eval_every, settings.rounds_per_call, settings.checkpoint_every
     )
-    try:
+
+    def run_calls(state, done):
         for length, evaluate, checkpoint in schedule:
             compile_before, tick = members.compile_seconds, time.perf_counter()
             state, metrics = members.run_rounds(state, length)
@@ -178,9 +181,32 @@ def drive(
                 save_all(state)
         for directory in dirs:
             directory.checkpoints.wait()
+        return state
+
+    try:
+        return run_calls(state, done)
+    except Exception as err:
+        if not is_storage_full(err):
+            raise
+        raise storage_full(dirs[0], err) from None
     finally:
         bar.close()
-    return state
+
+
+def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullError:
+    """The one-line error of a full disk, after closing the checkpointer (its background writes
+    would otherwise print tracebacks at exit)."""
+    try:
+        directory.checkpoints.close()
+    except Exception:  # the failed write again: already being reported
+        pass
+    intact = directory.checkpoints.rounds()
+    kept = f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
+    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    return StorageFullError(
+        f"no space left while writing {directory.path} ({reason}); {kept}: "
+        f"free space, then continue with `jaxfed run --out {directory.path} --resume`"
+    )
 
 
 def run_simulation(

@@ -22,3 +22,23 @@ class NonFiniteUpdateError(RuntimeError):
         self.round, self.client_ids, self.state, self.metrics = round, client_ids, state, metrics
         shown = ", ".join(map(str, client_ids[:20])) + (", ..." if len(client_ids) > 20 else "")
         super().__init__(f"round {round}: non-finite update (NaN or inf) from client(s) {shown}")
+
+
+class StorageFullError(RuntimeError):
+    """The run directory's disk filled up (or hit its quota) while a checkpoint or the metrics
+    were written; the newest complete checkpoint is intact. The CLI exits with code 1."""
+
+
+STORAGE_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
+
+
+def is_storage_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps) is a full disk: an OSError with ENOSPC / EDQUOT, or
+    TensorStore's RESOURCE_EXHAUSTED as orbax re-raises it."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in STORAGE_FULL_ERRNOS:
+            return True
+        if "RESOURCE_EXHAUSTED" in str(err) or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

@@ -149,13 +149,18 @@ class RunDirectory:
         whose run stopped before either (config.json alone) holds nothing to lose."""
         return bool(self.checkpoints.rounds()) or self.logged_rows() > 0
 
+    def stopped_before_first_checkpoint(self) -> bool:
+        """A run that checkpoints, stopped before its first checkpoint completed: what it logged
+        is recomputed by starting it again."""
+        return not self.checkpoints.rounds() and written_config(self.path).get("checkpoint_every", 0) > 0
+
     def refuse_existing(self) -> None:
         """A ConfigError if a run is here already (a new run must not overwrite it)."""
         if self.checkpoints.rounds():
             raise ConfigError(
                 f"--out {self.path}: already holds a run; pass --resume to continue it, or choose another --out"
             )
-        if self.holds_run():
+        if self.holds_run() and not self.stopped_before_first_checkpoint():
             raise ConfigError(
                 f"--out {self.path}: holds the results of a run without checkpoints (checkpoint_every=0), "
                 "which cannot be resumed; choose another --out, or delete it to start again"
@@ -169,15 +174,15 @@ class RunDirectory:
         if key in _HELD_LOCKS:
             _HELD_LOCKS[key][1] += 1
         else:
-            made = not self.path.exists()
-            _HELD_LOCKS[key] = [_acquire_lock(self.path), 1, made]
+            empty = not self.path.is_dir() or not any(self.path.iterdir())
+            _HELD_LOCKS[key] = [_acquire_lock(self.path), 1, empty]
         try:
             yield self
         finally:
             _HELD_LOCKS[key][1] -= 1
             if not _HELD_LOCKS[key][1]:
-                fd, _, made = _HELD_LOCKS.pop(key)
-                if made and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
+                fd, _, empty = _HELD_LOCKS.pop(key)
+                if empty and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
                     (self.path / LOCK_FILE).unlink()  # a run that wrote nothing leaves no directory
                     self.path.rmdir()
                 os.close(fd)  # closing the descriptor releases the flock
@@ -200,7 +205,7 @@ class RunDirectory:
             raise ConfigError(f"--resume: {self.path} does not exist; start the run without --resume")
         again = (
             "delete it or choose another --out to run again"
-            if self.holds_run()
+            if self.holds_run() and not self.stopped_before_first_checkpoint()
             else "start it again without --resume (it stopped before its first checkpoint)"
         )
         raise ConfigError(f"--resume: no readable checkpoint in {self.checkpoints.directory}; {again}")
@@ -236,7 +241,7 @@ class RunDirectory:
         write_plots(self.path, rows, log)
 
 
-_HELD_LOCKS: dict[str, list] = {}  # absolute path -> [descriptor, holders in this process, made by us]
+_HELD_LOCKS: dict[str, list] = {}  # absolute path -> [descriptor, holders in this process, was empty]
 LOCK_FILE = ".lock"
 
 

@@ -18,7 +18,8 @@ import pytest
 from jaxfed.cli import main
 from jaxfed.data import Dataset, federate
 from jaxfed.data.validate import DataError
-from jaxfed.rundir import RunDirectory, new_run_dir
+from jaxfed.errors import ConfigError
+from jaxfed.rundir import TIMING_KEYS, RunDirectory, new_run_dir
 
 TINY = ["--set", "num_clients=4", "rounds=2", "eval_every=1", "checkpoint_every=1"]
 
@@ -28,6 +29,12 @@ def _one_line_error(capsys) -> str:
     assert len(err.splitlines()) == 1, err
     assert err.startswith("jaxfed: error: ")
     return err
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows without their timing fields."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def _last_line_error(capsys) -> str:
@@ -330,3 +337,161 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage
     for row in (*want, *got):
         row.pop("round_seconds"), row.pop("wall_seconds")
     assert got == want
+
+
+# ----- downloads ----------------------------------------------------------------------------------
+
+
+def test_download_without_tensorflow_fails_in_seconds(tmp_path, capsys, monkeypatch):
+    from jaxfed.data import datasets
+
+    monkeypatch.setattr(datasets, "tensorflow_installed", lambda: False)
+    start = time.time()
+    args = ["--dataset", "mnist", "--data-dir", str(tmp_path / "data"), "--set", "download=true"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "out"), *args]) == 2
+    assert "TFDS needs TensorFlow to prepare 'mnist': pip install 'jaxfed[tfds]'" in _one_line_error(capsys)
+    assert time.time() - start < 30 and not (tmp_path / "out").exists()
+
+
+def test_download_without_internet_fails_in_seconds(monkeypatch):
+    from jaxfed.data import datasets
+
+    monkeypatch.setattr(datasets, "tensorflow_installed", lambda: True)
+    monkeypatch.setattr(datasets, "DOWNLOAD_HOST", ("127.0.0.1", 9))  # nothing listens on discard
+    with pytest.raises(ConfigError, match="127.0.0.1 is unreachable .*put cifar10.npz"):
+        datasets.check_can_download("cifar10", timeout=2.0)
+
+
+# ----- disk full ----------------------------------------------------------------------------------
+
+
+def _disk_full_on(monkeypatch, cls, method, nth):
+    calls = {"n": 0}
+    original = getattr(cls, method)
+
+    def failing(self, *args):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise OSError(28, "No space left on device")
+        return original(self, *args)
+
+    monkeypatch.setattr(cls, method, failing)
+
+
+@pytest.mark.parametrize("target", ["metrics", "checkpoint"])
+def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(target, tmp_path, capsys, monkeypatch):
+    from jaxfed.simulation.checkpoint import RunCheckpoints
+
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
+    with monkeypatch.context() as patch:
+        if target == "metrics":
+            _disk_full_on(patch, RunDirectory, "append_row", 2)  # the round-4 row
+        else:
+            _disk_full_on(patch, RunCheckpoints, "save", 2)  # the round-4 checkpoint
+        capsys.readouterr()
+        assert main(["run", "--quiet", "--out", str(out), *CHECKPOINTED]) == 1
+        err = _last_line_error(capsys)
+    assert "no space left while writing" in err and "the checkpoint of round 2 is intact" in err
+    assert main(["run", "--quiet", "--out", str(out), "--resume"]) == 0
+    assert _rows(out) == _rows(reference)
+
+
+# ----- killed anywhere ----------------------------------------------------------------------------
+
+KILLER = """
+import json, os, signal, sys
+from jaxfed import cli, driver, rundir
+from jaxfed.simulation import checkpoint
+
+point, nth = sys.argv[1], int(sys.argv[2])
+calls = [0]
+
+def reached():
+    calls[0] += 1
+    return calls[0] == nth
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def before(cls, name, action=die):
+    original = getattr(cls, name)
+    def wrapped(self, *args):
+        if reached():
+            action(self, *args) if action is not die else die()
+        return original(self, *args)
+    setattr(cls, name, wrapped)
+
+def half_a_row(self, row):
+    line = json.dumps(row) + "\\n"
+    with open(self.metrics_path, "a") as f:
+        f.write(line[: len(line) // 2])
+    die()
+
+def after(cls, name):
+    original = getattr(cls, name)
+    def wrapped(self, *args):
+        result = original(self, *args)
+        if reached():
+            die()
+        return result
+    setattr(cls, name, wrapped)
+
+if point == "in a compiled call":
+    after(driver.OneSimulation, "run_rounds")
+elif point == "before an evaluation row":
+    before(rundir.RunRecord, "add_row")
+elif point == "inside a metrics write":
+    before(rundir.RunDirectory, "append_row", half_a_row)
+elif point == "inside a checkpoint write":
+    after(checkpoint.RunCheckpoints, "save")
+elif point == "before the last wait":
+    before(checkpoint.RunCheckpoints, "wait")
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+KILL_POINTS = [
+    ("in a compiled call", 1),
+    ("in a compiled call", 5),
+    ("before an evaluation row", 2),
+    ("inside a metrics write", 1),
+    ("inside a metrics write", 3),
+    ("inside a checkpoint write", 1),
+    ("inside a checkpoint write", 3),
+    ("before the last wait", 1),
+]
+KILL_RUN = ["--quiet", "--set", "num_clients=4", "rounds=8", "eval_every=2", "checkpoint_every=2", "rounds_per_call=1"]
+
+
+def _state_digest(run_dir: Path, round_: int) -> str:
+    return json.loads((run_dir / "checkpoints" / str(round_) / "run" / "metadata").read_text())["integrity"]["state"]
+
+
+@pytest.fixture(scope="module")
+def left_alone(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alone") / "run"
+    assert main(["run", "--out", str(out), *KILL_RUN]) == 0
+    return out
+
+
+@pytest.mark.parametrize("point, nth", KILL_POINTS, ids=[f"{p} {n}" for p, n in KILL_POINTS])
+def test_killed_anywhere_the_run_continues_bit_for_bit(point, nth, tmp_path, left_alone):
+    out = tmp_path / "run"
+    env = dict(os.environ)  # the suite's XLA_FLAGS, as the in-process run left alone had
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, point, str(nth), "run", "--out", str(out), *KILL_RUN],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    again = ["--resume"] if RunDirectory(out).checkpoints.rounds() else KILL_RUN  # what the resume error says
+    resumed = subprocess.run(
+        [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(out), *again],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _rows(out) == _rows(left_alone)
+    assert _state_digest(out, 8) == _state_digest(left_alone, 8)

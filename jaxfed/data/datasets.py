@@ -112,6 +112,7 @@ def _load_tfds(name: str, data_dir: str | None, download: bool):
     if not prepared:
         if not download:
             raise ConfigError(how)
+        check_can_download(name)
         builder.download_and_prepare()
     source = builder.as_data_source()
 
@@ -121,3 +122,30 @@ def _load_tfds(name: str, data_dir: str | None, download: bool):
         return np.stack([e["image"] for e in examples]), np.array([e["label"] for e in examples])
 
     return dict(zip(ARRAYS, (*split("train"), *split("test"))))
+
+
+DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where TFDS fetches these datasets from
+
+
+def check_can_download(name: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, not after minutes of retries: TFDS needs TensorFlow to prepare image
+    datasets, and a reachable download host."""
+    npz_hint = f"or put {name}.npz (x_train, y_train, x_test, y_test) in --data-dir (README: Data)"
+    if not tensorflow_installed():
+        raise ConfigError(
+            f"download: TFDS needs TensorFlow to prepare '{name}': pip install 'jaxfed[tfds]', {npz_hint}"
+        )
+    import socket
+
+    try:
+        socket.create_connection(DOWNLOAD_HOST, timeout=timeout).close()
+    except OSError as err:
+        raise ConfigError(
+            f"download: {DOWNLOAD_HOST[0]} is unreachable ({err.strerror or err}); no internet? {npz_hint}"
+        ) from None
+
+
+def tensorflow_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow") is not None
