@@ -164,20 +164,20 @@ class Config(Options):
         keys are read as the final algorithm's."""
         parsed = [_split_pair(pair) for pair in pairs]
         run_types = field_types(Config)
-        run_changes, option_values, scoped = {}, {}, []
-        for key, raw in parsed:
-            if "." in key:  # ALGORITHM.key: applies only when that algorithm runs
-                scoped.append((*key.split(".", 1), raw))
-            elif key in self.run_keys():
-                run_changes[key] = parse_value(key, raw, run_types[key])
-            else:
-                option_values[key] = raw
+        run_changes = {
+            key: parse_value(key, raw, run_types[key]) for key, raw in parsed if key in self.run_keys()
+        }
         for plugin in run_changes.get("plugins", self.plugins):
             _import_plugin(plugin)
         algorithm = run_changes.get("algorithm", self.algorithm)
-        for scope, key, raw in scoped:
-            _options_class(scope)  # an unknown algorithm is an error, not a silently ignored key
-            if scope == algorithm:
+        option_values = {}  # in the pairs' order: a later pair wins, scoped (a file's section) or not
+        for key, raw in parsed:
+            if "." in key:  # ALGORITHM.key: applies only when that algorithm runs
+                scope, key = key.split(".", 1)
+                _options_class(scope)  # an unknown algorithm is an error, not a silently ignored key
+                if scope == algorithm:
+                    option_values[key] = raw
+            elif key not in self.run_keys():
                 option_values[key] = raw
         options = self.options if algorithm == self.algorithm and self.options is not None else None
         options_class = _options_class(algorithm)

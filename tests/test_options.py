@@ -183,3 +183,10 @@ def test_clip_norm_bounds_each_local_step(mlp, digits_federation):
         diffs = jax.tree.leaves(jax.tree.map(lambda a, b: np.float64(a) - np.float64(b), params, server.params))
         moved[clip] = np.sqrt(sum(np.sum(d**2) for d in diffs))
     assert moved[0.01] <= 0.5 * 0.01 * (1 + 1e-4) < moved[0.0]
+
+
+def test_a_later_pair_wins_over_a_config_file_section():
+    """``--set`` comes after the ``--config`` files, so it overrides their ``[ALGORITHM]`` sections."""
+    section_then_set = Config().with_overrides(["algorithm=fedara", "fedara.lambda=2", "lambda=0"])
+    set_then_section = Config().with_overrides(["algorithm=fedara", "lambda=0", "fedara.lambda=2"])
+    assert section_then_set.options.lambda_ == 0.0 and set_then_section.options.lambda_ == 2.0
