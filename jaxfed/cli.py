@@ -214,14 +214,21 @@ def _list(args) -> int:
         print(f"options ({spec.options.__name__}; --set key=value):")
         _print_keys(spec.options.describe())
         return 0
-    print("algorithms:   " + ", ".join(registry.names()) + "   (jaxfed list ALGORITHM: its options)")
     names = [*DATASETS, *SYNTHETIC_TASKS]
-    print("datasets:     " + ", ".join(f"{name} (model {default_model(name)})" for name in names))
-    print("models:       " + ", ".join(MODELS))
-    print("partitioners: " + ", ".join(PARTITIONERS))
+    _print_list("algorithms", [*registry.names(), "(jaxfed list ALGORITHM: its options)"])
+    _print_list("datasets", [f"{name} (model {default_model(name)})" for name in names])
+    _print_list("models", MODELS)
+    _print_list("partitioners", PARTITIONERS)
     print("run keys (--set key=value):")
     _print_keys(Config.describe())
     return 0
+
+
+def _print_list(title: str, items) -> None:
+    """``title: a, b, c`` wrapped at 100 columns under the first item."""
+    import textwrap
+
+    print(textwrap.fill(", ".join(items), width=100, initial_indent=f"{title + ':':<14}", subsequent_indent=" " * 14))
 
 
 def _print_keys(rows) -> None:

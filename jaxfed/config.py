@@ -164,9 +164,7 @@ class Config(Options):
         keys are read as the final algorithm's."""
         parsed = [_split_pair(pair) for pair in pairs]
         run_types = field_types(Config)
-        run_changes = {
-            key: parse_value(key, raw, run_types[key]) for key, raw in parsed if key in self.run_keys()
-        }
+        run_changes = {key: parse_value(key, raw, run_types[key]) for key, raw in parsed if key in self.run_keys()}
         for plugin in run_changes.get("plugins", self.plugins):
             _import_plugin(plugin)
         algorithm = run_changes.get("algorithm", self.algorithm)

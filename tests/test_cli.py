@@ -168,3 +168,11 @@ def test_cohort_evaluation_without_the_fixed_cohort_is_a_one_line_error(tmp_path
     assert main(["run", "--set", "eval_clients=cohort", "--out", str(tmp_path / "r"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "jaxfed: error: eval_clients: cohort needs sampling=fixed (one cohort trains every round)"
+
+
+def test_list_lines_fit_100_columns_and_defaults_are_unquoted(capsys):
+    for args in (["list"], ["list", "fedara"]):
+        assert main(args) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert max(len(line) for line in lines) <= 100
+        assert "  num_clients = 20" in lines or "  batch_size = 16" in lines
