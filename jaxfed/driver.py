@@ -151,7 +151,9 @@ def drive(
     )
 
     def run_calls(state, done):
-        for length, evaluate, checkpoint in schedule:
+        for call, (length, evaluate, checkpoint) in enumerate(schedule):
+            compiling = " (compiling first)" if call == 0 else ""
+            bar.set_description(f"{desc}: rounds {done + 1}-{done + length}{compiling}")  # what runs now
             compile_before, tick = members.compile_seconds, time.perf_counter()
             state, metrics = members.run_rounds(state, length)
             seconds = (time.perf_counter() - tick - (members.compile_seconds - compile_before)) / length
