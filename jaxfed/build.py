@@ -46,6 +46,7 @@ def build(config: Config) -> Built:
     config.validate()
     if config.host_devices:
         split_host(config.host_devices)
+    jax.config.update("jax_default_matmul_precision", None if config.matmul_precision == "default" else "highest")
     pooled_eval_model = None
     if config.dataset in SYNTHETIC_TASKS:
         dataset, model, train_parts, test_parts = _synthetic_task(config)

@@ -24,6 +24,7 @@ from jaxfed.options import (
     field_types,
     key_of,
     non_negative,
+    one_of,
     option,
     parse_value,
     positive,
@@ -113,6 +114,12 @@ class Config(Options):
         "CPU only: split the host into this many JAX devices (XLA_FLAGS --xla_force_host_platform_device_count, "
         "set before JAX starts); 0 = as JAX starts. 2 on a 2-core CPU runs W2 1.7x faster",
         check=non_negative,
+    )
+    matmul_precision: str = option(
+        "default",
+        "default (XLA's: TF32 matmuls and convolutions on recent NVIDIA GPUs) or highest (full float32 on "
+        "every platform; CPU results are the same either way)",
+        check=one_of("default", "highest"),
     )
     client_chunk: int = option(
         -1,

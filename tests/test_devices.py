@@ -78,3 +78,16 @@ def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):
     started = len(jax.devices("cpu"))
     with pytest.raises(ConfigError, match=f"host_devices: JAX had started with {started} CPU device"):
         build(Config(host_devices=started + 1))
+
+
+def test_matmul_precision_highest_is_set_for_the_run_and_default_resets_it():
+    import jax
+
+    from jaxfed.build import build
+    from jaxfed.config import Config
+
+    small = ["num_clients=4", "rounds=1"]
+    build(Config().with_overrides([*small, "matmul_precision=highest"]))
+    assert jax.config.jax_default_matmul_precision == "highest"
+    build(Config().with_overrides(small))
+    assert jax.config.jax_default_matmul_precision is None
