@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxfed import distributed
 from jaxfed.config import Config, read_config_file
 from jaxfed.errors import ConfigError, NonFiniteUpdateError, StorageFullError
 
@@ -35,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
         help="continue the run in --out from its newest checkpoint (its saved config, with --set applied on top)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    processes = run.add_argument_group(
+        "a run across processes (jax.distributed; each flag also from $JAXFED_COORDINATOR, "
+        "$JAXFED_NUM_PROCESSES, $JAXFED_PROCESS_ID)"
+    )
+    processes.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same in every process")
+    processes.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    processes.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (0 writes the files)")
     sweep = commands.add_parser(
         "sweep", help="run configurations differing in seed and/or lr as one compiled program, a run directory each"
     )
@@ -136,10 +144,15 @@ def _run(args) -> int:
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the run directory to continue")
+    processes = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
+    if processes is not None:
+        if not args.out:
+            raise ConfigError("--coordinator: needs --out DIR, the run directory every process shares")
+        distributed.start(*processes)  # before anything below starts JAX's backend
     config = config_from_args(args, saved_config(args.out) if args.resume else None)
     out = args.out or new_run_dir(f"runs/{config.algorithm}_{config.dataset}")
     try:
-        s = run(config, out, resume=args.resume, progress=not args.quiet)
+        s = run(config, out, resume=args.resume, progress=not args.quiet and distributed.is_primary())
     except NonFiniteUpdateError as err:
         saved = getattr(err, "checkpoint", None)
         where = f"; last good state saved in {saved}" if saved else ""
@@ -149,6 +162,8 @@ def _run(args) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
+    if not distributed.is_primary():
+        return 0
     kind = "mse" if s["task"] == "regression" else "acc"
     global_part = f", global {kind} {s[f'global_{kind}']:.4f}" if s[f"global_{kind}"] is not None else ""
     print(

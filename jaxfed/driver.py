@@ -20,6 +20,7 @@ import jax
 from jaxfed.build import build, split_host
 from jaxfed.config import Config
 from jaxfed.data import describe
+from jaxfed.distributed import to_host
 from jaxfed.errors import NonFiniteUpdateError, StorageFullError, is_storage_full
 from jaxfed.rundir import (
     LoopSettings,
@@ -65,7 +66,7 @@ class OneSimulation:
 
     def run_rounds(self, state, num_rounds):
         state, metrics = self.sim.run_rounds(state, num_rounds, raise_nonfinite=False)
-        return state, [jax.device_get(metrics)]
+        return state, [to_host(metrics)]
 
     def evaluate(self, state):
         return [self.sim.evaluate(state)]

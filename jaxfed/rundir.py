@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxfed.config import Config
+from jaxfed.distributed import is_primary
 from jaxfed.errors import ConfigError
 from jaxfed.simulation.checkpoint import RunCheckpoints
 
@@ -169,7 +170,11 @@ class RunDirectory:
     @contextlib.contextmanager
     def locked(self):
         """Hold this directory's lock (creating the directory) for the ``with`` block: a
-        ConfigError if another process holds it. Re-entrant within a process."""
+        ConfigError if another process holds it. Re-entrant within a process. In a run across
+        processes the primary alone locks: the others are part of its run."""
+        if not is_primary():
+            yield self
+            return
         key = str(self.path.absolute())
         if key in _HELD_LOCKS:
             _HELD_LOCKS[key][1] += 1
@@ -216,18 +221,23 @@ class RunDirectory:
         if restored is None:
             self.newest_checkpoint_record(log)  # raises, saying what to do
         round_, (state, saved) = restored
-        for newer in [r for r in self.checkpoints.rounds() if r > round_]:
+        for newer in [r for r in self.checkpoints.rounds() if r > round_] if is_primary() else []:
             log(f"moved the unreadable checkpoint to {self.checkpoints.set_aside(newer)}")
         log(f"resuming from round {round_} ({self.checkpoints.directory / str(round_)})")
         return state, RunRecord(saved["config"], saved)
 
     def start(self, config: dict, rows: list[dict]) -> None:
-        """Create the directory, write ``config.json`` and ``metrics.jsonl`` (the rows so far)."""
+        """Create the directory, write ``config.json`` and ``metrics.jsonl`` (the rows so far).
+        This and the other writes of files are the primary process's alone."""
+        if not is_primary():
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_rows(self.metrics_path, rows)
 
     def append_row(self, row: dict) -> None:
+        if not is_primary():
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -237,6 +247,8 @@ class RunDirectory:
 
     def finish(self, summary: dict, rows: list[dict], log) -> None:
         """Write ``summary.json`` and the plots."""
+        if not is_primary():
+            return
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_plots(self.path, rows, log)
 

@@ -91,3 +91,63 @@ def test_matmul_precision_highest_is_set_for_the_run_and_default_resets_it():
     assert jax.config.jax_default_matmul_precision == "highest"
     build(Config().with_overrides(small))
     assert jax.config.jax_default_matmul_precision is None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _jaxfed_processes(out, args, count=2):
+    """``jaxfed run`` as ``count`` processes on loopback (one CPU device each)."""
+    import subprocess
+    import sys
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    shared = {**os.environ, "JAXFED_COORDINATOR": coordinator, "JAXFED_NUM_PROCESSES": str(count)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(out), *args],
+            env={**shared, "JAXFED_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(count)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-2000:]
+    return outputs
+
+
+def test_two_processes_run_as_one_process_with_two_devices_and_resume(tmp_path):
+    """jax.distributed on loopback: the same rows, bit for bit, as one process over two host
+    devices (the same mesh); stopped at round 4 and resumed by both processes, the same again."""
+    import json
+    import subprocess
+    import sys
+
+    run = ["--set", "num_clients=8", "eval_every=2", "checkpoint_every=2"]
+    env = dict(os.environ)  # the suite's XLA_FLAGS, as the processes below have
+    one = subprocess.run(
+        [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(tmp_path / "one"), *run]
+        + ["--set", "rounds=6", "host_devices=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    outputs = _jaxfed_processes(tmp_path / "two", [*run, "--set", "rounds=4"])
+    assert "fedavg on digits" in outputs[0][0] and "fedavg on digits" not in outputs[1][0]  # the primary reports
+    _jaxfed_processes(tmp_path / "two", ["--resume", "--set", "rounds=6"])
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(r).items() if k not in ("round_seconds", "wall_seconds")} for r in lines]
+
+    assert rows("two") == rows("one") and [r["round"] for r in rows("two")] == [2, 4, 6]
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["devices"] == 2

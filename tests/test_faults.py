@@ -495,3 +495,21 @@ def test_killed_anywhere_the_run_continues_bit_for_bit(point, nth, tmp_path, lef
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _rows(out) == _rows(left_alone)
     assert _state_digest(out, 8) == _state_digest(left_alone, 8)
+
+
+# ----- runs across processes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"], "needs --out DIR"),
+        (["--coordinator", "127.0.0.1:1234", "--out", "{out}"], "--num-processes, --process-id: needed too"),
+        (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2", "--out", "{out}"], "must be in 0..1"),
+        (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0", "--out", "{out}"], "HOST:PORT"),
+    ],
+)
+def test_bad_process_settings_are_one_line(args, expected, tmp_path, capsys):
+    args = [str(tmp_path / "out") if a == "{out}" else a for a in args]
+    assert main(["run", "--quiet", *args]) == 2
+    assert expected in _one_line_error(capsys)

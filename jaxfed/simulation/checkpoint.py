@@ -45,6 +45,8 @@ def tree_digest(tree) -> str:
     for leaf in jax.tree.leaves(tree):
         if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:  # replicated over processes
+            leaf = leaf.addressable_data(0)
         array = np.ascontiguousarray(jax.device_get(leaf))
         digest.update(f"{array.shape}{array.dtype.str}".encode())
         digest.update(array.tobytes())
