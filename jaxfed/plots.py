@@ -56,14 +56,21 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
 
 
 def run_labels(configs: list[dict]) -> list[str]:
-    """The algorithm, then ``key=value`` for every config key whose value differs between runs."""
-    keys = sorted({k for c in configs for k in c} - UNLABELLED_KEYS)
-    differing = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
-    labels = []
-    for config in configs:
-        parts = [str(config.get("algorithm", "?"))] + [f"{k}={config.get(k)}" for k in differing]
-        labels.append(" ".join(parts))
-    return labels
+    """The algorithm, then ``key=value`` for every key (run key or algorithm option) that every
+    run has and whose value differs between them."""
+    flat = [_flat(config) for config in configs]
+    shared = set.intersection(*(set(f) for f in flat)) if flat else set()
+    differing = [k for k in sorted(shared - UNLABELLED_KEYS) if len({json.dumps(f[k]) for f in flat}) > 1]
+    return [" ".join([str(f.get("algorithm", "?"))] + [f"{k}={_show(f[k])}" for k in differing]) for f in flat]
+
+
+def _flat(config: dict) -> dict:
+    """A config's run keys and its algorithm's options in one dict."""
+    return {**(config.get("options") or {}), **{k: v for k, v in config.items() if k != "options"}}
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_mean") -> Path:
@@ -102,6 +109,12 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_me
         title=f"{name} vs communication",
         xscale="log" if log_x else "linear",
     )
+    if log_x:  # plain labels at 1, 2, 5 x 10^k, none on the minor ticks: they overlapped
+        from matplotlib import ticker
+
+        by_bytes.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        by_bytes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        by_bytes.xaxis.set_minor_formatter(ticker.NullFormatter())
     for ax in (by_round, by_bytes):
         ax.grid(alpha=0.3)
     by_round.legend(fontsize="small")

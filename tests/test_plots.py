@@ -55,3 +55,14 @@ def test_plot_of_something_that_is_not_a_run_is_one_line_exit_2(tmp_path, capsys
     _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5], 1e6)
     assert main(["plot", str(tmp_path / "a"), "--metric", "accuracy"]) == 2
     assert "--metric: unknown 'accuracy'" in capsys.readouterr().err
+
+
+def test_labels_name_differing_options_and_never_dump_an_options_dict():
+    from jaxfed.plots import run_labels
+
+    floral = {"algorithm": "floral", "seed": 0, "options": {"lr": 0.1, "rho": 0.01, "num_adaptors": 4}}
+    other_rho = {**floral, "options": {**floral["options"], "rho": 0.1}}
+    configs = [floral, other_rho, {"algorithm": "fedavg", "seed": 0, "options": {"lr": 0.1}}]
+    assert run_labels(configs[:2]) == ["floral rho=0.01", "floral rho=0.1"]
+    assert run_labels([configs[0], configs[2]]) == ["floral", "fedavg"]
+    assert run_labels([configs[0], {**configs[2], "seed": 1}]) == ["floral seed=0", "fedavg seed=1"]
