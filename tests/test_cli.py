@@ -176,3 +176,9 @@ def test_list_lines_fit_100_columns_and_defaults_are_unquoted(capsys):
         lines = capsys.readouterr().out.splitlines()
         assert max(len(line) for line in lines) <= 100
         assert "  num_clients = 20" in lines or "  batch_size = 16" in lines
+
+
+def test_the_progress_bar_names_the_rounds_running(tmp_path, capsys):
+    assert main(["run", "--out", str(tmp_path / "r"), "--set", "num_clients=4", "rounds=6", "rounds_per_call=3"]) == 0
+    err = capsys.readouterr().err
+    assert "rounds 1-3 (compiling first)" in err and "rounds 4-5" in err
