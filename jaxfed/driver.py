@@ -21,7 +21,7 @@ from jaxfed.build import build, split_host
 from jaxfed.config import Config
 from jaxfed.data import describe
 from jaxfed.distributed import to_host
-from jaxfed.errors import NonFiniteUpdateError, StorageFullError, is_storage_full
+from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
 from jaxfed.rundir import (
     LoopSettings,
     RunDirectory,
@@ -205,9 +205,8 @@ def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullErro
         pass
     intact = directory.checkpoints.rounds()
     kept = f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
-    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
     return StorageFullError(
-        f"no space left while writing {directory.path} ({reason}); {kept}: "
+        f"no space left while writing {directory.path} ({first_line(err, 160)}); {kept}: "
         f"free space, then continue with `jaxfed run --out {directory.path} --resume`"
     )
 

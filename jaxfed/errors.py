@@ -42,3 +42,12 @@ def is_storage_full(err: BaseException) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """An error's first line (its type's name when it has no message), cut at ``limit``
+    characters and before TensorStore's spec dump: the reason shown in a one-line message."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    return text.splitlines()[0].split(" See full TensorStore details")[0][:limit]

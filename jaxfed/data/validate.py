@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, first_line
 
 SPLITS = (("x_train", "y_train"), ("x_test", "y_test"))
 ARRAYS = tuple(name for pair in SPLITS for name in pair)
@@ -48,9 +48,9 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
     except ValueError as err:
         if "pickle" in str(err):
             raise DataError(f"{where}: holds object arrays (pickles), which are never loaded; save numeric arrays")
-        raise DataError(f"{where}: unreadable ({_first_line(err)})") from None
+        raise DataError(f"{where}: unreadable ({first_line(err)})") from None
     except (zipfile.BadZipFile, OSError, EOFError, KeyError) as err:
-        raise DataError(f"{where}: truncated or corrupt ({_first_line(err)})") from None
+        raise DataError(f"{where}: truncated or corrupt ({first_line(err)})") from None
 
 
 def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | None, *, images: bool = True) -> None:
@@ -128,8 +128,3 @@ def _check_targets(source: str, name: str, y: np.ndarray, num_classes: int | Non
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= num_classes:
         raise DataError(f"{source}: {name} has labels {low}..{high}; this dataset's are 0..{num_classes - 1}")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__

@@ -30,6 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxfed.errors import first_line
+
 STATE, RECORD = "state", "run"
 INTEGRITY = "integrity"
 _WARNED: set[Path] = set()  # unreadable checkpoints already reported in this process
@@ -174,7 +176,7 @@ class RunCheckpoints:
                 where = self.directory / str(round_)
                 if where not in _WARNED:  # one line per checkpoint, however often it is read
                     _WARNED.add(where)
-                    warn(f"checkpoint {where} is unreadable ({_reason(err)}); using an older one")
+                    warn(f"checkpoint {where} is unreadable ({first_line(err)}); using an older one")
         return None
 
     def set_aside(self, round_: int) -> Path:
@@ -202,11 +204,3 @@ def _quiet_abandoned_reads():
     finally:
         gc.collect()
         sys.unraisablehook = hook
-
-
-def _reason(err: BaseException) -> str:
-    """The first sentence of a reader error, without TensorStore's spec dump."""
-    text = str(err).strip()
-    if not text:
-        return type(err).__name__
-    return text.splitlines()[0].split(" See full TensorStore details")[0][:200]
