@@ -1,4 +1,4 @@
-"""The command line: ``jaxfed run``, ``jaxfed sweep``, ``jaxfed plot``, ``jaxfed list``, ``jaxfed bench``.
+"""The command line: ``jaxfed run``, ``sweep``, ``plot``, ``report``, ``list``, ``bench``.
 
 User mistakes end with one line on stderr and exit code 2, never a traceback; a run stopped by
 a non-finite client update ends with one line and exit code 1.
@@ -62,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
         "--metric",
         default="personalized_acc_mean",
         help="personalized_acc_mean (default), personalized_acc_weighted or global_acc",
+    )
+    report = commands.add_parser(
+        "report", help="a table (mean ± std over seeds), per-seed CSV/JSON and a spread plot of variants"
+    )
+    report.add_argument(
+        "variants",
+        nargs="+",
+        metavar="[NAME=]DIR",
+        help="a variant: a directory of run directories over seeds (a sweep's), or one run directory",
+    )
+    report.add_argument("--out", required=True, help="directory for report.md, .json, .csv and .png")
+    report.add_argument(
+        "--claim", action="append", default=[], metavar="A>B", help="judge 'variant A beats B' (repeatable)"
     )
     listing = commands.add_parser(
         "list", help="list algorithms, datasets, models, partitioners and run keys; with ALGORITHM, its options"
@@ -216,6 +229,22 @@ def _plot(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from jaxfed.report import write_report
+
+    variants = {}
+    for given in args.variants:
+        name, sep, directory = given.partition("=")
+        name, directory = (name, directory) if sep else (Path(given).name, given)
+        if name in variants:
+            raise ConfigError(f"report: variant name '{name}' given twice; write NAME=DIR")
+        variants[name] = Path(directory)
+    files = write_report(variants, Path(args.out), args.claim)
+    print(files["md"].read_text(), end="")
+    print(f"-> {', '.join(str(f) for f in files.values())}")
+    return 0
+
+
 def _list(args) -> int:
     from jaxfed.algorithms import registry
     from jaxfed.data import DATASETS, PARTITIONERS, SYNTHETIC_TASKS, default_model
@@ -276,7 +305,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     quiet_library_logs()
     try:
-        return {"run": _run, "sweep": _sweep, "plot": _plot, "list": _list, "bench": _bench}[args.command](args)
+        commands = {"run": _run, "sweep": _sweep, "plot": _plot, "report": _report, "list": _list, "bench": _bench}
+        return commands[args.command](args)
     except ConfigError as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_USAGE

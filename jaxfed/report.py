@@ -1,0 +1,204 @@
+"""Results with error bars: variants of an experiment, each run over several seeds, as one table,
+one per-seed file and one plot of the curves with their spread.
+
+A *variant* is a directory whose run directories (``<variant>/<member>/summary.json``, e.g. the
+members ``seed0_lr0.05 ...`` of a ``jaxfed sweep``) are the same configuration over different
+seeds; a variant that is itself one run directory counts as one seed. :func:`collect` reads
+them, :func:`summarize` gives mean and sample standard deviation per metric, :func:`verdict`
+judges a claim "A above B" against the seeds' spread (a difference under two standard errors is
+inconclusive), and :func:`write_report` writes ``report.md``, ``report.json``, ``report.csv``
+and ``report.png``. ``jaxfed report`` is the command; every paper's experiment script uses it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from jaxfed.errors import ConfigError
+from jaxfed.plots import read_run
+
+SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
+
+
+class Variant(NamedTuple):
+    name: str
+    runs: list[Path]  # run directories, one per seed
+    summaries: list[dict]
+    rows: list[list[dict]]  # each run's metrics rows
+
+
+def run_dirs(directory: Path) -> list[Path]:
+    """The run directories of a variant: itself, or its subdirectories holding a summary."""
+    directory = Path(directory)
+    if (directory / "summary.json").exists():
+        return [directory]
+    return sorted(p for p in directory.iterdir() if (p / "summary.json").exists()) if directory.is_dir() else []
+
+
+def collect(variants: dict[str, Path]) -> list[Variant]:
+    """``{name: directory}`` -> the variants' runs, summaries and rows (a ConfigError for a
+    directory without finished runs)."""
+    collected = []
+    for name, directory in variants.items():
+        runs = run_dirs(directory)
+        if not runs:
+            raise ConfigError(f"report: {directory} holds no finished run (no summary.json in it or below it)")
+        summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
+        collected.append(Variant(name, runs, summaries, [read_run(run)[1] for run in runs]))
+    return collected
+
+
+def headline_metric(variant: Variant) -> str:
+    """``personalized_acc_mean``, or ``personalized_mse_mean`` for a regression task."""
+    return "personalized_mse_mean" if variant.summaries[0].get("task") == "regression" else "personalized_acc_mean"
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarize(variant: Variant, metrics: tuple[str, ...]) -> dict[str, tuple[float, float] | None]:
+    """``{metric: (mean, std)}`` over the variant's seeds (None where a run lacks the metric)."""
+    out = {}
+    for metric in metrics:
+        values = [s.get(metric) for s in variant.summaries]
+        out[metric] = mean_std(values) if all(v is not None for v in values) else None
+    return out
+
+
+class Verdict(NamedTuple):
+    difference: float  # mean(A) - mean(B), in the claim's direction
+    standard_error: float
+    outcome: str  # reproduced, not reproduced or inconclusive
+
+
+def verdict(a: list[float], b: list[float], higher_is_better: bool = True) -> Verdict:
+    """The claim "A is better than B" judged against the seeds' spread: reproduced when the
+    difference exceeds :data:`SE_FACTOR` standard errors, not reproduced when it is that far the
+    other way, inconclusive otherwise (always inconclusive with one seed on either side)."""
+    (mean_a, std_a), (mean_b, std_b) = mean_std(a), mean_std(b)
+    difference = (mean_a - mean_b) * (1 if higher_is_better else -1)
+    se = math.sqrt(std_a**2 / len(a) + std_b**2 / len(b))
+    if len(a) < 2 or len(b) < 2:
+        return Verdict(difference, se, "inconclusive")
+    if difference > SE_FACTOR * se:
+        return Verdict(difference, se, "reproduced")
+    if difference < -SE_FACTOR * se:
+        return Verdict(difference, se, "not reproduced")
+    return Verdict(difference, se, "inconclusive")
+
+
+def parse_claim(text: str) -> tuple[str, str]:
+    """``"A>B"`` -> ``("A", "B")``."""
+    a, sep, b = text.partition(">")
+    if not sep or not a.strip() or not b.strip():
+        raise ConfigError(f"--claim: expected 'VARIANT>VARIANT', got '{text}'")
+    return a.strip(), b.strip()
+
+
+def _fmt(stat: tuple[float, float] | None, digits: int = 4) -> str:
+    return "n/a" if stat is None else f"{stat[0]:.{digits}f} ± {stat[1]:.{digits}f}"
+
+
+def _megabytes(stat: tuple[float, float] | None) -> str:
+    return "n/a" if stat is None else f"{stat[0] / 1e6:.1f} MB"
+
+
+def markdown(variants: list[Variant], claims: list[tuple[str, str]] = ()) -> str:
+    """The table (mean ± std over seeds) and, for each claim, its verdict."""
+    metric = headline_metric(variants[0])
+    kind = "mse" if metric.endswith("mse_mean") else "acc"
+    lines = [
+        f"| variant | seeds | personalized {kind} (mean ± std) | global {kind} | uploaded | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in variants:
+        stats = summarize(v, (metric, f"global_{kind}", "bytes_up_total"))
+        per_seed = ", ".join(f"{s[metric]:.4f}" for s in v.summaries)
+        lines.append(
+            f"| {v.name} | {len(v.runs)} | {_fmt(stats[metric])} | {_fmt(stats[f'global_{kind}'])} | "
+            f"{_megabytes(stats['bytes_up_total'])} | {per_seed} |"
+        )
+    by_name = {v.name: v for v in variants}
+    if claims:
+        better = "lower" if kind == "mse" else "higher"
+        header = f"| claim ({better} {metric} is better) | difference | standard error | verdict |"
+        lines += ["", header, "|---|---|---|---|"]
+        for a, b in claims:
+            for name in (a, b):
+                if name not in by_name:
+                    raise ConfigError(f"--claim: unknown variant '{name}'; variants: {', '.join(by_name)}")
+            result = verdict(
+                [s[metric] for s in by_name[a].summaries], [s[metric] for s in by_name[b].summaries], kind == "acc"
+            )
+            lines.append(f"| {a} > {b} | {result.difference:+.4f} | {result.standard_error:.4f} | {result.outcome} |")
+    return "\n".join(lines) + "\n"
+
+
+def per_seed_records(variants: list[Variant]) -> list[dict]:
+    """One record per run: the variant, the run directory and its summary's numbers."""
+    keep = (
+        "seed", "personalized_acc_mean", "personalized_mse_mean", "global_acc", "global_mse",
+        "best_personalized_acc", "bytes_up_total", "bytes_total", "rounds",
+    )  # fmt: skip
+    records = []
+    for v in variants:
+        for run, summary in zip(v.runs, v.summaries):
+            seed = read_run(run)[0].get("seed")
+            records.append({"variant": v.name, "run": str(run), **{k: summary.get(k) for k in keep}, "seed": seed})
+    return records
+
+
+def plot(variants: list[Variant], out_file: Path) -> Path:
+    """The headline metric against the round: each variant's mean over seeds, its spread (±1
+    std) shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = headline_metric(variants[0])
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    for v in variants:
+        rounds = sorted({r["round"] for rows in v.rows for r in rows if r.get(metric) is not None})
+        stats = []
+        for round_ in rounds:
+            values = [r[metric] for rows in v.rows for r in rows if r["round"] == round_ and r.get(metric) is not None]
+            stats.append(mean_std(values))
+        means = [m for m, _ in stats]
+        line = ax.plot(rounds, means, marker=".", label=f"{v.name} (n={len(v.runs)})")[0]
+        ax.fill_between(rounds, [m - s for m, s in stats], [m + s for m, s in stats], color=line.get_color(), alpha=0.2)
+    name = metric.replace("_", " ")
+    ax.set(xlabel="round", ylabel=name, title=f"{name}: mean over seeds, ±1 std shaded")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(out_file, dpi=110)
+    plt.close(fig)
+    return out_file
+
+
+def write_report(variants: dict[str, Path], out_dir: Path, claims: list[str] = ()) -> dict[str, Path]:
+    """``report.md`` (the table and the verdicts), ``report.json`` and ``report.csv`` (per seed),
+    ``report.png`` (the curves with their spread) in ``out_dir``."""
+    collected = collect(variants)
+    parsed = [parse_claim(c) for c in claims]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {name: out_dir / f"report.{name}" for name in ("md", "json", "csv", "png")}
+    files["md"].write_text(markdown(collected, parsed))
+    records = per_seed_records(collected)
+    files["json"].write_text(json.dumps(records, indent=2) + "\n")
+    with open(files["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    plot(collected, files["png"])
+    return files
