@@ -44,11 +44,19 @@ def _parser() -> argparse.ArgumentParser:
     processes.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
     processes.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (0 writes the files)")
     sweep = commands.add_parser(
-        "sweep", help="run configurations differing in seed and/or lr as one compiled program, a run directory each"
+        "sweep", help="run seeds x lrs x --grid keys as compiled programs, one run directory per configuration"
     )
     _add_config_arguments(sweep)
     sweep.add_argument("--seeds", default="", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
     sweep.add_argument("--lrs", default="", help="comma-separated client learning rates (default: the config's lr)")
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="sweep any run key or option too (repeatable; the grid is seeds x lrs x every --grid); options "
+        "a round takes as numbers run in one compiled program, other keys in one per group",
+    )
     sweep.add_argument(
         "--out",
         help="parent directory of the members' run directories seed<S>_lr<LR> "
@@ -200,15 +208,16 @@ def _sweep(args) -> int:
     from pathlib import Path
 
     from jaxfed.rundir import new_run_dir
-    from jaxfed.sweep import member_name, run_sweep, sweep_configs
+    from jaxfed.sweep import run_grid, sweep_configs
 
     base = config_from_args(args)
-    configs = sweep_configs(base, _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float))
+    grid = dict(_grid_axis(text) for text in args.grid)
+    seeds, lrs = _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float)
+    configs = sweep_configs(base, seeds, lrs, grid)
     root = Path(args.out) if args.out else new_run_dir(f"runs/sweep_{base.algorithm}_{base.dataset}")
-    outs = [root / member_name(c) for c in configs]
     start = time.perf_counter()
     try:
-        summaries = run_sweep(configs, outs, progress=not args.quiet)
+        outs, summaries = run_grid(configs, root, list(grid), progress=not args.quiet)
     except NonFiniteUpdateError as err:
         print(f"jaxfed: error: {err}; last good states saved in {root}/*/checkpoints", file=sys.stderr)
         return EXIT_FAILED
@@ -217,6 +226,17 @@ def _sweep(args) -> int:
         print(f"{out}: personalized {kind} {s[f'personalized_{kind}_mean']:.4f}" + skipped_note(s))
     print(f"{len(configs)} configurations in {time.perf_counter() - start:.1f} s -> {root}")
     return 0
+
+
+def _grid_axis(text: str) -> tuple[str, list[str]]:
+    """``KEY=V1,V2,...`` -> ``(KEY, [V1, V2, ...])``."""
+    key, sep, values = text.partition("=")
+    split = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not key.strip() or not split:
+        raise ConfigError(f"--grid: expected KEY=V1,V2,..., got '{text}'")
+    if key.strip() in ("seed", "lr"):
+        raise ConfigError(f"--grid: sweep {key.strip()} with --{key.strip()}s")
+    return key.strip(), split
 
 
 def _plot(args) -> int:

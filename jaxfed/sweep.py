@@ -1,17 +1,21 @@
-"""Vectorized sweeps: S configurations that differ only in ``seed`` and/or ``lr``, run as one
-compiled program with an experiment axis over the whole simulation (vmapped on accelerators;
-``member_chunk`` picks, as ``client_chunk`` does for clients).
+"""Vectorized sweeps: configurations that differ in ``seed`` and in algorithm options a round can
+take as traced numbers (``lr``, ``mu``, ``lambda``, ...), run as one compiled program with an
+experiment axis over the whole simulation (vmapped on accelerators; ``member_chunk`` picks, as
+``client_chunk`` does for clients). A grid over keys that change shapes or Python control flow
+(ranks, tiers, pack sizes, ``momentum``, run keys) runs as one such program per group of members
+sharing those keys' values (:func:`shape_groups`), from one command.
 
-``run_sweep(configs, out_dirs)`` is what ``jaxfed sweep`` calls. Each configuration gets its own
-run directory, written as ``jaxfed run`` writes it (``config.json``, ``metrics.jsonl``,
-``summary.json``, plots, ``checkpoints/``), so any member can be plotted with the others or
-continued alone with ``jaxfed run --out DIR --resume``.
+``run_sweep(configs, out_dirs)`` runs one group; ``run_grid`` every group; ``jaxfed sweep`` calls
+it. Each configuration gets its own run directory, written as ``jaxfed run`` writes it
+(``config.json``, ``metrics.jsonl``, ``summary.json``, plots, ``checkpoints/``), so any member can
+be plotted with the others or continued alone with ``jaxfed run --out DIR --resume``.
 
 How the members are stacked: each configuration is built as ``jaxfed run`` would build it (its
 seed partitions the data on the host); the per-client index tables are padded to a common width
 (padding is masked and the shuffles do not depend on it, so a member computes what it would
 alone) and only the data arrays that differ between members get the experiment axis. The root
-key and the client learning rate are traced, so one compiled program serves every member.
+key and the traced option values are arguments of the compiled program, so one program serves
+every member of a group.
 """
 
 from __future__ import annotations
@@ -37,41 +41,98 @@ from jaxfed.errors import ConfigError
 from jaxfed.rundir import LoopSettings, RunDirectory, RunRecord, summary
 from jaxfed.simulation.engine import default_client_chunk
 
-SWEEP_KEYS = ("seed", "lr")  # what may differ between the members of a sweep
 
-
-def sweep_configs(base: Config, seeds=(), lrs=()) -> list[Config]:
-    """The grid ``seeds x lrs`` over ``base`` (an empty list keeps ``base``'s value), validated."""
+def sweep_configs(base: Config, seeds=(), lrs=(), grid: dict[str, list[str]] | None = None) -> list[Config]:
+    """The grid ``seeds x lrs x grid`` over ``base`` (an empty list keeps ``base``'s value; ``grid``
+    maps any key, run key or option, to its values as text), validated."""
     seeds = list(seeds) or [base.seed]
-    lrs = list(lrs) or [base.options.lr]
-    for option, values in (("--seeds", seeds), ("--lrs", lrs)):
+    axes = {"lr": [repr(float(lr)) for lr in lrs]} if lrs else {}
+    axes.update(grid or {})
+    for option, values in (("--seeds", seeds), *((f"--grid {k}", v) for k, v in axes.items())):
         if len(set(values)) < len(values):
-            raise ConfigError(f"{option}: values repeat in {values}; each member needs its own directory")
-    return [
-        dataclasses.replace(base, seed=s, options=dataclasses.replace(base.options, lr=lr)).validate()
-        for s, lr in itertools.product(seeds, lrs)
-    ]
+            raise ConfigError(f"{option}: values repeat in {list(values)}; each member needs its own directory")
+    configs = []
+    for seed in seeds:
+        for combination in itertools.product(*axes.values()):
+            pairs = [f"{key}={value}" for key, value in zip(axes, combination)]
+            configs.append(dataclasses.replace(base.with_overrides(pairs), seed=seed).validate())
+    return configs
 
 
-def member_name(config: Config) -> str:
-    """A member's run directory name: ``seed<seed>_lr<lr>``."""
-    return f"seed{config.seed}_lr{config.options.lr:g}"
+def member_name(config: Config, keys=()) -> str:
+    """A member's run directory name: ``seed<seed>_lr<lr>``, then ``_<key><value>`` for each
+    other swept key."""
+    values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
+    extra = "".join(f"_{key}{_short(values[key])}" for key in keys if key not in ("seed", "lr"))
+    return f"seed{config.seed}_lr{config.options.lr:g}{extra}"
 
 
-def check_sweepable(configs: list[Config]) -> None:
-    """One-line ConfigError unless the configs differ only in :data:`SWEEP_KEYS`."""
-    if not configs:
-        raise ConfigError("sweep: no configurations (give --seeds and/or --lrs)")
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+def differing_keys(configs: list[Config]) -> list[str]:
+    """The run keys and option keys whose values differ between ``configs`` (``algorithm`` when the
+    option classes do)."""
     first = configs[0]
-    for config in configs[1:]:
-        differ = [k for k in Config.run_keys() if k not in SWEEP_KEYS and getattr(config, k) != getattr(first, k)]
-        if type(config.options) is not type(first.options):
-            differ.append("algorithm")
-        else:
-            mine, theirs = config.options.to_dict(), first.options.to_dict()
-            differ += [k for k in mine if k not in SWEEP_KEYS and mine[k] != theirs[k]]
-        if differ:
-            raise ConfigError(f"sweep: members may differ only in {', '.join(SWEEP_KEYS)}; they differ in {differ}")
+    keys = {k for c in configs for k in Config.run_keys() if getattr(c, k) != getattr(first, k)}
+    if any(type(c.options) is not type(first.options) for c in configs):
+        return sorted(keys | {"algorithm"})
+    firsts = first.options.to_dict()
+    keys |= {k for c in configs for k, v in c.options.to_dict().items() if v != firsts[k]}
+    return sorted(keys)
+
+
+def traceable_keys(configs: list[Config]) -> list[str]:
+    """The float options among ``configs``' differing keys that a round accepts as traced
+    numbers: each is tried by tracing one round with it traced (a key used in Python control
+    flow or for a shape, e.g. ``momentum`` (``momentum or None``), is not)."""
+    candidates = [
+        k
+        for k in differing_keys(configs)
+        if k not in Config.run_keys() and isinstance(configs[0].options.to_dict().get(k), float)
+    ]
+    return [k for k in candidates if _traces(configs[0], k)]
+
+
+def _traces(config: Config, key: str) -> bool:
+    template = build(config).simulation
+    name = type(config.options).field_for(key).name
+
+    def one_round(value):
+        options = dataclasses.replace(config.options, **{name: value})
+        algorithm = registry.get(config.algorithm).build(template.model, options, config)
+        member = template.variant(jax.random.key(0), algorithm)
+        return member.rounds_pure(member.init_pure(), template.data, 1)
+
+    try:
+        jax.eval_shape(one_round, jnp.float32(getattr(config.options, name)))
+        return True
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError, TypeError):
+        return False
+
+
+def shape_groups(configs: list[Config], traced=()) -> list[list[int]]:
+    """Indices of ``configs`` grouped so that a group differs only in ``seed`` and the ``traced``
+    options (:func:`traceable_keys`): one compiled sweep each."""
+    static = [k for k in differing_keys(configs) if k not in ("seed", *traced)]
+    groups: dict[str, list[int]] = {}
+    for i, config in enumerate(configs):
+        values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
+        groups.setdefault(repr([values.get(k) for k in static]), []).append(i)
+    return list(groups.values())
+
+
+def check_sweepable(configs: list[Config], traced=("lr",)) -> None:
+    """One-line ConfigError unless the configs differ only in ``seed`` and the ``traced`` options."""
+    if not configs:
+        raise ConfigError("sweep: no configurations (give --seeds, --lrs and/or --grid)")
+    differ = [k for k in differing_keys(configs) if k not in ("seed", *traced)]
+    if differ:
+        allowed = ", ".join(("seed", *traced))
+        raise ConfigError(f"sweep: members of one compiled sweep may differ only in {allowed}; they differ in {differ}")
 
 
 def _pad_columns(table: np.ndarray, width: int) -> np.ndarray:
@@ -100,27 +161,33 @@ class Sweep:
     """The members' simulations as one: ``init()``, ``run_rounds(states, n)`` and
     ``evaluate(states)`` act on states stacked along a leading experiment axis."""
 
-    def __init__(self, configs: list[Config]):
-        check_sweepable(configs)
+    def __init__(self, configs: list[Config], traced=None):
+        traced = ["lr", *(k for k in (traced or ()) if k != "lr")]
+        check_sweepable(configs, traced)
         self.configs = configs
         self.built = [build(c) for c in configs]
         self.template = self.built[0].simulation
         self.num_members, self.nonfinite = len(configs), self.template.nonfinite
         self.data, self.data_axes = stack_data([b.simulation.data for b in self.built])
         self.seeds = jnp.asarray([c.seed for c in configs], jnp.uint32)
-        self.lrs = jnp.asarray([c.options.lr for c in configs], jnp.float32)
+        self.values = {}  # option field -> [members]: the traced values
+        for key in traced:
+            name = type(configs[0].options).field_for(key).name
+            self.values[name] = jnp.asarray([getattr(c.options, name) for c in configs], jnp.float32)
         chunk = configs[0].member_chunk
         self.member_chunk = default_client_chunk(jax.devices()[0].platform) if chunk < 0 else chunk
         self.compile_seconds = 0.0
         self._executables: dict[int, object] = {}
-        self._init = jax.jit(self._over_members(lambda seed, lr, state, data: self._member(seed, lr).init_pure()))
+        self._init = jax.jit(
+            self._over_members(lambda seed, values, state, data: self._member(seed, values).init_pure())
+        )
         self._evaluate = jax.jit(
-            self._over_members(lambda seed, lr, state, data: self._member(seed, lr).evaluate_pure(state, data))
+            self._over_members(lambda seed, values, state, data: self._member(seed, values).evaluate_pure(state, data))
         )
 
     def _over_members(self, member_fn):
-        """``(seeds, lrs, states, data) -> outputs stacked over members`` of
-        ``member_fn(seed, lr, state, data)``: vmapped over the experiment axis (``member_chunk=0``)
+        """``(seeds, values, states, data) -> outputs stacked over members`` of
+        ``member_fn(seed, values, state, data)``: vmapped over the experiment axis (``member_chunk=0``)
         or ``lax.map`` over chunks of ``member_chunk`` vmapped members (1: one after another, in
         the same compiled program; the default on CPU, where batched matmuls gain nothing)."""
         chunk = self.member_chunk
@@ -128,13 +195,13 @@ class Sweep:
             return jax.vmap(member_fn, in_axes=(0, 0, 0, self.data_axes))
         own_fields = [name for name, axis in vars(self.data_axes).items() if axis == 0]
 
-        def mapped(seeds, lrs, states, data):
+        def mapped(seeds, values, states, data):
             def one(args):
-                seed, lr, state, own = args
-                return member_fn(seed, lr, state, data.replace(**own))
+                seed, member_values, state, own = args
+                return member_fn(seed, member_values, state, data.replace(**own))
 
             own = {name: getattr(data, name) for name in own_fields}
-            return jax.lax.map(one, (seeds, lrs, states, own), batch_size=chunk if chunk > 1 else None)
+            return jax.lax.map(one, (seeds, values, states, own), batch_size=chunk if chunk > 1 else None)
 
         return mapped
 
@@ -142,25 +209,25 @@ class Sweep:
     def num_devices(self) -> int:
         return self.template.num_devices
 
-    def _member(self, seed, lr):
-        """The template simulation with this member's root key and client learning rate (traced)."""
+    def _member(self, seed, values):
+        """The template simulation with this member's root key and traced option values."""
         config = self.configs[0]
-        options = dataclasses.replace(config.options, lr=lr)
+        options = dataclasses.replace(config.options, **values)
         algorithm = registry.get(config.algorithm).build(self.template.model, options, config)
         return self.template.variant(jax.random.key(seed), algorithm)
 
     def init(self):
-        return self._init(self.seeds, self.lrs, None, self.data)
+        return self._init(self.seeds, self.values, None, self.data)
 
     def run_rounds(self, states, num_rounds: int):
         """``num_rounds`` rounds of every member in one compiled call: the stacked states and each
         member's metrics (arrays with a leading round axis)."""
         if num_rounds not in self._executables:
             start = time.perf_counter()
-            lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.lrs, states, self.data)
+            lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, states, self.data)
             self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
-        states, metrics = self._executables[num_rounds](self.seeds, self.lrs, states, self.data)
+        states, metrics = self._executables[num_rounds](self.seeds, self.values, states, self.data)
         metrics = jax.device_get(metrics)
         return states, [jax.tree.map(lambda m, i=i: m[i], metrics) for i in range(self.num_members)]  # host rows
 
@@ -169,18 +236,41 @@ class Sweep:
         return gather_clients(states, index)
 
     def members_run(self, num_rounds: int):
-        """``(seeds, lrs, states, data) -> (states, metrics)``: every member's ``num_rounds`` rounds
-        (not jitted)."""
+        """``(seeds, values, states, data) -> (states, metrics)``: every member's ``num_rounds``
+        rounds (not jitted)."""
         return self._over_members(
-            lambda seed, lr, state, data: self._member(seed, lr).rounds_pure(state, data, num_rounds)
+            lambda seed, values, state, data: self._member(seed, values).rounds_pure(state, data, num_rounds)
         )
 
     def evaluate(self, states) -> list[dict]:
-        metrics = jax.device_get(self._evaluate(self.seeds, self.lrs, states, self.data))
+        metrics = jax.device_get(self._evaluate(self.seeds, self.values, states, self.data))
         return [{k: float(v[i]) for k, v in metrics.items()} for i in range(len(self.configs))]
 
 
-def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None) -> list[dict]:
+def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None):
+    """Every member of ``configs`` into ``root/<member_name>``: one compiled sweep per
+    :func:`shape_groups` group, one group after another. Returns ``(out_dirs, summaries)`` in the
+    order of ``configs``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    outs = [Path(root) / member_name(c, keys) for c in configs]
+    if len(set(outs)) < len(outs):
+        raise ConfigError("sweep: two members would share a run directory; give each swept key distinct values")
+    traced = traceable_keys(configs)
+    groups = shape_groups(configs, traced)
+    summaries: list[dict | None] = [None] * len(configs)
+    for number, group in enumerate(groups, 1):
+        if len(groups) > 1:
+            log(f"sweep group {number}/{len(groups)}: {len(group)} member(s), one compiled program")
+        members, dirs = [configs[i] for i in group], [outs[i] for i in group]
+        results = run_sweep(members, dirs, progress=progress, log=log, traced=traced)
+        for i, result in zip(group, results):
+            summaries[i] = result
+    return outs, summaries
+
+
+def run_sweep(
+    configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None, traced=()
+) -> list[dict]:
     """Run the members of a sweep together (:func:`jaxfed.driver.drive`, the loop ``jaxfed run``
     uses); write one run directory each; return their summaries.
 
@@ -197,12 +287,12 @@ def run_sweep(configs: list[Config], out_dirs: list[str | Path], *, progress: bo
             locks.enter_context(directory.locked())
             if directory.holds_run():
                 raise ConfigError(f"--out {directory.path}: already holds a run; choose another --out")
-        return _run_members(configs, dirs, start, progress, log)
+        return _run_members(configs, dirs, start, progress, log, traced)
 
 
-def _run_members(configs, dirs, start, progress, log) -> list[dict]:
+def _run_members(configs, dirs, start, progress, log, traced) -> list[dict]:
     config = configs[0]
-    sweep = Sweep(configs)
+    sweep = Sweep(configs, traced)
     records = [RunRecord(c.to_dict()) for c in configs]
     for c, directory in zip(configs, dirs):
         directory.start(c.to_dict(), [])

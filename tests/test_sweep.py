@@ -14,7 +14,17 @@ from jaxfed.config import Config
 from jaxfed.driver import run
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.rundir import TIMING_KEYS
-from jaxfed.sweep import Sweep, check_sweepable, member_name, run_sweep, stack_data, sweep_configs
+from jaxfed.sweep import (
+    Sweep,
+    check_sweepable,
+    member_name,
+    run_grid,
+    run_sweep,
+    shape_groups,
+    stack_data,
+    sweep_configs,
+    traceable_keys,
+)
 
 TINY = ["num_clients=12", "participation=0.5", "rounds=2", "eval_every=1", "rounds_per_call=1", "checkpoint_every=2"]
 
@@ -79,7 +89,7 @@ def test_a_member_that_diverges_stops_the_sweep_with_its_state_saved(tmp_path):
 def test_one_line_errors(tmp_path, capsys):
     base = Config().with_overrides(TINY)
     with pytest.raises(ConfigError, match="differ only in seed, lr; they differ in \\['rounds'\\]"):
-        check_sweepable([base, base.with_overrides(["rounds=3"])])
+        check_sweepable([base, base.with_overrides(["rounds=3"])], ["lr"])
     with pytest.raises(ConfigError, match="--seeds: values repeat"):
         sweep_configs(base, seeds=[1, 1])
     with pytest.raises(ConfigError, match="lr"):
@@ -100,5 +110,46 @@ def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
     config = Config().with_overrides([*TINY, f"algorithm={algorithm}"])
     sweep = Sweep(sweep_configs(config, lrs=[0.05, 0.1]))
     states = jax.eval_shape(sweep.init)
-    _, metrics = jax.eval_shape(sweep.members_run(1), sweep.seeds, sweep.lrs, states, sweep.data)
+    _, metrics = jax.eval_shape(sweep.members_run(1), sweep.seeds, sweep.values, states, sweep.data)
     assert metrics["train_loss"].shape == (2, 1)
+
+
+def test_a_traceable_option_sweeps_in_one_program_and_members_match_alone(tmp_path):
+    """fedprox's mu is an option a round takes as a number: one compiled program for the grid."""
+    base = Config().with_overrides([*TINY, "algorithm=fedprox"])
+    configs = sweep_configs(base, seeds=[0], grid={"mu": ["0.0", "0.5"]})
+    assert traceable_keys(configs) == ["mu"] and shape_groups(configs, ["mu"]) == [[0, 1]]
+    outs, summaries = run_grid(configs, tmp_path / "grid", ["mu"], progress=False, log=lambda m: None)
+    assert [o.name for o in outs] == ["seed0_lr0.05_mu0", "seed0_lr0.05_mu0.5"]
+    assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]
+    run(configs[1], tmp_path / "alone", progress=False)
+    for a, b in zip(rows(outs[1]), rows(tmp_path / "alone")):
+        for key in a:  # mu traced instead of folded into the program: equal to float32 rounding
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_key_used_in_python_control_flow_sweeps_as_one_program_per_value(tmp_path):
+    """momentum picks optax.sgd(momentum=momentum or None): not traceable, so each value is its
+    own group (and each member is then exactly its run alone)."""
+    messages = []
+    configs = sweep_configs(Config().with_overrides(TINY), seeds=[0], grid={"momentum": ["0.0", "0.5"]})
+    assert traceable_keys(configs) == []
+    outs, _ = run_grid(configs, tmp_path / "grid", ["momentum"], progress=False, log=messages.append)
+    assert messages == [f"sweep group {i}/2: 1 member(s), one compiled program" for i in (1, 2)]
+    run(configs[1], tmp_path / "alone", progress=False)
+    assert rows(outs[1]) == rows(tmp_path / "alone")
+
+
+@pytest.mark.parametrize(
+    "grid, expected",
+    [
+        ("mu", "--grid: expected KEY=V1,V2,..., got 'mu'"),
+        ("seed=1,2", "--grid: sweep seed with --seeds"),
+        ("mu=0.1,0.1", "--grid mu: values repeat"),
+        ("colour=1,2", "colour"),
+    ],
+)
+def test_grid_mistakes_are_one_line(grid, expected, tmp_path, capsys):
+    assert main(["sweep", "fedprox", "--grid", grid, "--out", str(tmp_path / "s"), "--set", "rounds=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
