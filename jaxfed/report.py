@@ -108,8 +108,10 @@ def _fmt(stat: tuple[float, float] | None, digits: int = 4) -> str:
     return "n/a" if stat is None else f"{stat[0]:.{digits}f} ± {stat[1]:.{digits}f}"
 
 
-def _megabytes(stat: tuple[float, float] | None) -> str:
-    return "n/a" if stat is None else f"{stat[0] / 1e6:.1f} MB"
+def _bytes(stat: tuple[float, float] | None) -> str:
+    from jaxfed.rundir import human_bytes
+
+    return "n/a" if stat is None else human_bytes(stat[0])
 
 
 def markdown(variants: list[Variant], claims: list[tuple[str, str]] = ()) -> str:
@@ -125,7 +127,7 @@ def markdown(variants: list[Variant], claims: list[tuple[str, str]] = ()) -> str
         per_seed = ", ".join(f"{s[metric]:.4f}" for s in v.summaries)
         lines.append(
             f"| {v.name} | {len(v.runs)} | {_fmt(stats[metric])} | {_fmt(stats[f'global_{kind}'])} | "
-            f"{_megabytes(stats['bytes_up_total'])} | {per_seed} |"
+            f"{_bytes(stats['bytes_up_total'])} | {per_seed} |"
         )
     by_name = {v.name: v for v in variants}
     if claims:

@@ -3,12 +3,15 @@
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
 #   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 3 runs),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
+# SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
+# std, per-seed values, spread plot, verdicts of the paper's claims).
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedara); summary.json in each.
 set -euo pipefail
 data_dir=$1; shift
 setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
 [[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../lib.sh"
 runs=${RUNS:-runs/fedara}
 [[ -f "$here/$setting.conf" ]] || { echo "run.sh: unknown setting '$setting'; see $here/*.conf" >&2; exit 2; }
 for variant in fedara fedara_lambda0 fedhm; do
@@ -16,7 +19,6 @@ for variant in fedara fedara_lambda0 fedhm; do
     fedara_lambda0) args=(fedara --set lambda=0) ;;
     *) args=("$variant") ;;
   esac
-  # A run that fails (a diverged one, say) is reported and the sweep goes on.
-  jaxfed run "${args[@]}" --config "$here/$setting.conf" --data-dir "$data_dir" --quiet \
-    --out "$runs/$setting/$variant" "$@" || echo "run.sh: $variant failed (exit $?)" >&2
+  run_variant "$runs/$setting/$variant" "${args[@]}" --config "$here/$setting.conf" --data-dir "$data_dir" "$@"
 done
+report_variants "$runs/$setting" "fedara>fedhm" "fedara>fedara_lambda0"

@@ -4,12 +4,15 @@
 #   reduced: Fashion-MNIST, 30 rounds of 2 epochs (about 17 minutes per run on 2 CPU cores: 32.5 s per round; 4 runs)
 #   fmnist, cifar10: the paper's settings (100 rounds of 5 epochs: an accelerator's job)
 #   fmnist_authors: fmnist as the authors' code runs it (fixed cohort, merge=full, all_below, E=3, drop_last)
+# SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
+# std, per-seed values, spread plot, verdicts of the paper's claims).
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedcspack); summary.json in each.
 set -euo pipefail
 data_dir=$1; shift
 setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
 [[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../lib.sh"
 runs=${RUNS:-runs/fedcspack}
 [[ -f "$here/$setting.conf" ]] || { echo "run.sh: unknown setting '$setting'; allowed: reduced, fmnist, fmnist_authors, cifar10" >&2; exit 2; }
 for variant in fedcspack fedavg fedcspack_cos fedcspack_kl; do
@@ -18,7 +21,6 @@ for variant in fedcspack fedavg fedcspack_cos fedcspack_kl; do
     fedcspack_kl) args=(fedcspack --set weight=kl) ;;
     *) args=("$variant") ;;
   esac
-  # A run that fails (a diverged one, say) is reported and the sweep goes on.
-  jaxfed run "${args[@]}" --config "$here/$setting.conf" --data-dir "$data_dir" --quiet \
-    --out "$runs/$setting/$variant" "$@" || echo "run.sh: $variant failed (exit $?)" >&2
+  run_variant "$runs/$setting/$variant" "${args[@]}" --config "$here/$setting.conf" --data-dir "$data_dir" "$@"
 done
+report_variants "$runs/$setting" "fedcspack>fedavg" "fedcspack>fedcspack_cos" "fedcspack>fedcspack_kl"

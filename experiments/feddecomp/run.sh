@@ -3,6 +3,8 @@
 # Usage: experiments/feddecomp/run.sh DATA_DIR [reduced|cifar10] [-- --set key=value ...]
 #   reduced: Fashion-MNIST, alpha 0.1 and 0.5 (about 15 minutes per run on 2 CPU cores, 8 runs)
 #   cifar10: the paper's CIFAR-10 / ResNet-8 setting, alpha 0.1, 0.5 and 1.0 (an accelerator's job)
+# SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/alpha<alpha>/report/
+# (mean ± std, per-seed values, spread plot, verdicts of the paper's claims).
 # Run directories: $RUNS/<setting>/alpha<alpha>/<variant> (RUNS defaults to runs/feddecomp);
 # summary.json in each.
 set -euo pipefail
@@ -10,6 +12,7 @@ data_dir=$1; shift
 setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
 [[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../lib.sh"
 runs=${RUNS:-runs/feddecomp}
 case $setting in
   reduced) alphas=(0.1 0.5) ;;
@@ -20,9 +23,8 @@ for alpha in "${alphas[@]}"; do
   for variant in feddecomp feddecomp_simultaneous fedavg local; do
     algorithm=${variant%_simultaneous}
     extra=(); [[ $variant == feddecomp_simultaneous ]] && extra=(--set schedule=simultaneous)
-    # A run that fails (a diverged one, say) is reported and the sweep goes on.
-    jaxfed run "$algorithm" --config "$here/$setting.conf" --data-dir "$data_dir" --quiet \
-      --out "$runs/$setting/alpha$alpha/$variant" --set alpha="$alpha" "${extra[@]}" "$@" ||
-      echo "run.sh: $variant at alpha $alpha failed (exit $?)" >&2
+    run_variant "$runs/$setting/alpha$alpha/$variant" "$algorithm" --config "$here/$setting.conf" \
+      --data-dir "$data_dir" --set alpha="$alpha" "${extra[@]}" "$@"
   done
+  report_variants "$runs/$setting/alpha$alpha" "feddecomp>fedavg" "feddecomp>local" "feddecomp>feddecomp_simultaneous"
 done

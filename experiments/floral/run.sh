@@ -6,12 +6,15 @@
 #        minutes on 2 CPU cores in all), paper (the authors' synthetic and MNIST settings, full
 #        and reduced data: an accelerator's job), cifar (CIFAR-10 rotation / label shift and
 #        CIFAR-100 label groups; needs cifar10.npz / cifar100 in DATA_DIR).
+# SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<task>/report/ (mean ± std,
+# per-seed values, spread plot, verdicts of floral > fedavg and floral > local_adaptor).
 # Run directories: $RUNS/<task>/<variant> (RUNS defaults to runs/floral); summary.json in each.
 set -euo pipefail
 data_dir=$1; shift
 set_name=${1:-reduced}; [[ $# -gt 0 ]] && shift
 [[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../lib.sh"
 runs=${RUNS:-runs/floral}
 
 # task -> config files and keys
@@ -52,7 +55,7 @@ for task in "${tasks[@]}"; do
       *) args=("$variant") ;;
     esac
     # shellcheck disable=SC2086  # task_args holds several words on purpose
-    jaxfed run "${args[@]}" ${task_args[$task]} --data-dir "$data_dir" --quiet \
-      --out "$runs/$task/$variant" "$@" || echo "run.sh: $task/$variant failed (exit $?)" >&2
+    run_variant "$runs/$task/$variant" "${args[@]}" ${task_args[$task]} --data-dir "$data_dir" "$@"
   done
+  report_variants "$runs/$task" "floral>fedavg" "floral>local_adaptor"
 done
