@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# FedLoRU against FedLoRA (the same low-rank model, never accumulated) and FedAvg; pFedLoRU
+# (personal + global low-rank pairs) and mFedLoRU (nested ranks per tier) against FedHM.
+# Usage: experiments/fedloru/run.sh DATA_DIR [reduced] [-- --set key=value ...]
+#   reduced: MNIST / FedAvg CNN, 100 clients, 20% per round, 60 rounds (see reduced.conf)
+# SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
+# std, per-seed values, spread plot, verdicts of fedloru > fedlora and mfedloru > fedhm; FedLoRU
+# "within a few points of FedAvg at a fraction of the upload" reads off the table).
+# Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedloru); summary.json in each.
+set -euo pipefail
+data_dir=$1; shift
+setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
+[[ ${1:-} == "--" ]] && shift
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../lib.sh"
+runs=${RUNS:-runs/fedloru}
+[[ -f "$here/$setting.conf" ]] || { echo "run.sh: unknown setting '$setting'; see $here/*.conf" >&2; exit 2; }
+for variant in fedavg fedlora fedloru pfedloru mfedloru fedhm; do
+  run_variant "$runs/$setting/$variant" "$variant" --config "$here/$setting.conf" --data-dir "$data_dir" "$@"
+done
+report_variants "$runs/$setting" "fedloru>fedlora" "mfedloru>fedhm" "pfedloru>fedloru"
