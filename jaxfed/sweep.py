@@ -87,14 +87,15 @@ def differing_keys(configs: list[Config]) -> list[str]:
 
 def traceable_keys(configs: list[Config]) -> list[str]:
     """The float options among ``configs``' differing keys that a round accepts as traced
-    numbers: each is tried by tracing one round with it traced (a key used in Python control
-    flow or for a shape, e.g. ``momentum`` (``momentum or None``), is not)."""
+    numbers: each but ``lr`` (traced in every sweep, tests/test_sweep.py checks every algorithm)
+    is tried by tracing one round with it traced (a key used in Python control flow or for a
+    shape, e.g. ``momentum`` (``momentum or None``), is not)."""
     candidates = [
         k
         for k in differing_keys(configs)
         if k not in Config.run_keys() and isinstance(configs[0].options.to_dict().get(k), float)
     ]
-    return [k for k in candidates if _traces(configs[0], k)]
+    return [k for k in candidates if k == "lr" or _traces(configs[0], k)]  # every algorithm traces lr
 
 
 def _traces(config: Config, key: str) -> bool:

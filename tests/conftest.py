@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -64,3 +65,12 @@ def with_random_lora_updates(server, seed):
     keys = iter(jax.random.split(jax.random.key(seed), 16))
     loras = {k: lowrank.LoRA(f.down, 0.3 * jax.random.normal(next(keys), f.up.shape)) for k, f in server.loras.items()}
     return server._replace(loras=loras)
+
+
+def metrics_rows(run_dir) -> list[dict]:
+    """A run directory's metrics.jsonl rows without their timing fields (the only ones that differ
+    between runs of one config)."""
+    from jaxfed.rundir import TIMING_KEYS
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]

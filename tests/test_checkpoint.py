@@ -13,22 +13,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import metrics_rows as _rows
 
 from jaxfed import load_state, save_state
 from jaxfed.build import build
 from jaxfed.cli import main
 from jaxfed.config import Config
 from jaxfed.driver import chunk_schedule
-from jaxfed.rundir import LOCK_FILE, TIMING_KEYS
+from jaxfed.rundir import LOCK_FILE
 from jaxfed.simulation import SimState
 
 SMALL = ["--quiet", "--set", "num_clients=8", "--set", "local_epochs=1", "--set", "eval_every=2"]
-
-
-def _rows(run_dir):
-    """metrics.jsonl rows without the timing fields (the only ones that differ between runs)."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def _final_leaves(run_dir, round_):

@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import metrics_rows
 
 SCRIPT = textwrap.dedent(
     """
@@ -145,9 +146,6 @@ def test_two_processes_run_as_one_process_with_two_devices_and_resume(tmp_path):
     assert "fedavg on digits" in outputs[0][0] and "fedavg on digits" not in outputs[1][0]  # the primary reports
     _jaxfed_processes(tmp_path / "two", ["--resume", "--set", "rounds=6"])
 
-    def rows(name):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(r).items() if k not in ("round_seconds", "wall_seconds")} for r in lines]
-
-    assert rows("two") == rows("one") and [r["round"] for r in rows("two")] == [2, 4, 6]
+    assert metrics_rows(tmp_path / "two") == metrics_rows(tmp_path / "one")
+    assert [r["round"] for r in metrics_rows(tmp_path / "two")] == [2, 4, 6]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["devices"] == 2

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import metrics_rows as _rows
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.cli import main
 from jaxfed.data import ClientData
-from jaxfed.rundir import TIMING_KEYS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCAFFOLD = str(EXAMPLES / "scaffold.py")
@@ -29,11 +29,6 @@ SCAFFOLD = str(EXAMPLES / "scaffold.py")
 def scaffold_module():
     registry.import_plugin(SCAFFOLD)
     return sys.modules["jaxfed_plugin_scaffold"]
-
-
-def _rows(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def test_scaffold_runs_from_the_cli_with_its_own_option_and_resumes_bit_for_bit(tmp_path, capsys):

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import metrics_rows as _rows
 
 from jaxfed.cli import main
 from jaxfed.data import Dataset, federate
 from jaxfed.data.validate import DataError
 from jaxfed.errors import ConfigError
-from jaxfed.rundir import TIMING_KEYS, RunDirectory, new_run_dir
+from jaxfed.rundir import RunDirectory, new_run_dir
 
 TINY = ["--set", "num_clients=4", "rounds=2", "eval_every=1", "checkpoint_every=1"]
 
@@ -29,12 +30,6 @@ def _one_line_error(capsys) -> str:
     assert len(err.splitlines()) == 1, err
     assert err.startswith("jaxfed: error: ")
     return err
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl rows without their timing fields."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def _last_line_error(capsys) -> str:

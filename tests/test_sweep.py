@@ -7,13 +7,13 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_federation
+from conftest import metrics_rows as rows
 
 from jaxfed.algorithms import registry
 from jaxfed.cli import main
 from jaxfed.config import Config
 from jaxfed.driver import run
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.rundir import TIMING_KEYS
 from jaxfed.sweep import (
     Sweep,
     check_sweepable,
@@ -27,11 +27,6 @@ from jaxfed.sweep import (
 )
 
 TINY = ["num_clients=12", "participation=0.5", "rounds=2", "eval_every=1", "rounds_per_call=1", "checkpoint_every=2"]
-
-
-def rows(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def test_the_grid_and_its_directory_names():

@@ -7,13 +7,11 @@
 # std, per-seed values, spread plot, verdicts of the paper's claims).
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedara); summary.json in each.
 set -euo pipefail
-data_dir=$1; shift
-setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
-[[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../lib.sh"
-runs=${RUNS:-runs/fedara}
-[[ -f "$here/$setting.conf" ]] || { echo "run.sh: unknown setting '$setting'; see $here/*.conf" >&2; exit 2; }
+read_run_args fedara "$@"
+set -- "${extra_args[@]}"
+require_conf
 for variant in fedara fedara_lambda0 fedhm; do
   case $variant in
     fedara_lambda0) args=(fedara --set lambda=0) ;;

@@ -8,13 +8,11 @@
 # std, per-seed values, spread plot, verdicts of the paper's claims).
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedcspack); summary.json in each.
 set -euo pipefail
-data_dir=$1; shift
-setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
-[[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../lib.sh"
-runs=${RUNS:-runs/fedcspack}
-[[ -f "$here/$setting.conf" ]] || { echo "run.sh: unknown setting '$setting'; allowed: reduced, fmnist, fmnist_authors, cifar10" >&2; exit 2; }
+read_run_args fedcspack "$@"
+set -- "${extra_args[@]}"
+require_conf
 for variant in fedcspack fedavg fedcspack_cos fedcspack_kl; do
   case $variant in
     fedcspack_cos) args=(fedcspack --set weight=cos) ;;

@@ -8,12 +8,10 @@
 # Run directories: $RUNS/<setting>/alpha<alpha>/<variant> (RUNS defaults to runs/feddecomp);
 # summary.json in each.
 set -euo pipefail
-data_dir=$1; shift
-setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
-[[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../lib.sh"
-runs=${RUNS:-runs/feddecomp}
+read_run_args feddecomp "$@"
+set -- "${extra_args[@]}"
 case $setting in
   reduced) alphas=(0.1 0.5) ;;
   cifar10) alphas=(0.1 0.5 1.0) ;;

@@ -8,13 +8,11 @@
 # "within a few points of FedAvg at a fraction of the upload" reads off the table).
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedloru); summary.json in each.
 set -euo pipefail
-data_dir=$1; shift
-setting=${1:-reduced}; [[ $# -gt 0 ]] && shift
-[[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../lib.sh"
-runs=${RUNS:-runs/fedloru}
-[[ -f "$here/$setting.conf" ]] || { echo "run.sh: unknown setting '$setting'; see $here/*.conf" >&2; exit 2; }
+read_run_args fedloru "$@"
+set -- "${extra_args[@]}"
+require_conf
 for variant in fedavg fedlora fedloru pfedloru mfedloru fedhm; do
   run_variant "$runs/$setting/$variant" "$variant" --config "$here/$setting.conf" --data-dir "$data_dir" "$@"
 done

@@ -10,16 +10,14 @@
 # per-seed values, spread plot, verdicts of floral > fedavg and floral > local_adaptor).
 # Run directories: $RUNS/<task>/<variant> (RUNS defaults to runs/floral); summary.json in each.
 set -euo pipefail
-data_dir=$1; shift
-set_name=${1:-reduced}; [[ $# -gt 0 ]] && shift
-[[ ${1:-} == "--" ]] && shift
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../lib.sh"
-runs=${RUNS:-runs/floral}
+read_run_args floral "$@"
+set -- "${extra_args[@]}"
 
 # task -> config files and keys
 declare -A task_args
-case $set_name in
+case $setting in
   reduced)
     tasks=(synthetic_linear synthetic_mlp mnist_rotation mnist_label_shift)
     task_args[synthetic_linear]="--config $here/synthetic_linear.conf --config $here/reduced_synthetic.conf"
@@ -39,7 +37,7 @@ case $set_name in
     task_args[cifar10_rotation]="--config $here/cifar10.conf --set cluster_task=rotation"
     task_args[cifar10_label_shift]="--config $here/cifar10.conf --set cluster_task=label_shift"
     task_args[cifar100]="--config $here/cifar100.conf" ;;
-  *) echo "run.sh: unknown set '$set_name'; allowed: reduced, paper, cifar" >&2; exit 2 ;;
+  *) echo "run.sh: unknown set '$setting'; allowed: reduced, paper, cifar" >&2; exit 2 ;;
 esac
 
 for task in "${tasks[@]}"; do
