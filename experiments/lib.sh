@@ -37,18 +37,41 @@ run_variant() {
   fi
 }
 
-# report_variants DIR [CLAIM...]: every variant directory in DIR (but report/) into DIR/report;
-# a CLAIM is 'A>B' ("variant A beats B"). Variants that did not finish are left out.
+# report_variants DIR [CLAIM...] [--OPTION=VALUE...]: every variant directory in DIR (but report/)
+# into DIR/report; a CLAIM is 'A>B' ("variant A beats B") or 'A>B-0.03' ("A at most 0.03 below
+# B"); jaxfed report options pass through as written (--paper=fedavg=84.39, --relative-to=fedavg).
+# Variants that did not finish are left out, and so are the claims and paper numbers naming them.
 report_variants() {
   local dir=$1; shift
-  local variants=() claims=() name
+  local variants=() names=() options=() name arg
   for path in "$dir"/*/; do
     name=$(basename "$path")
     [[ $name == report ]] && continue
     if [[ -f $path/summary.json ]] || compgen -G "$path*/summary.json" > /dev/null; then
       variants+=("$name=$path")
+      names+=("$name")
     fi
   done
-  for claim in "$@"; do claims+=(--claim "$claim"); done
-  jaxfed report "${variants[@]}" "${claims[@]}" --out "$dir/report" || echo "run.sh: no report for $dir" >&2
+  for arg in "$@"; do
+    if [[ $arg == --* ]]; then
+      _names_finished "${arg#*=}" && options+=("$arg")
+    else
+      _names_finished "$arg" && options+=(--claim "$arg")
+    fi
+  done
+  jaxfed report "${variants[@]}" "${options[@]}" --out "$dir/report" || echo "run.sh: no report for $dir" >&2
+}
+
+# _names_finished TEXT: TEXT (a claim 'A>B[-M]', 'VARIANT=NUMBER' or 'VARIANT') names only
+# variants in $names; otherwise a note on stderr.
+_names_finished() {
+  local text=$1 part
+  text=${text%%=*}
+  for part in ${text//>/ }; do
+    part=${part%-[0-9.]*}
+    if [[ " ${names[*]} " != *" $part "* ]]; then
+      echo "run.sh: '$1' left out of the report: $part did not finish" >&2
+      return 1
+    fi
+  done
 }

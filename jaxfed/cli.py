@@ -82,7 +82,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--out", required=True, help="directory for report.md, .json, .csv and .png")
     report.add_argument(
-        "--claim", action="append", default=[], metavar="A>B", help="judge 'variant A beats B' (repeatable)"
+        "--claim",
+        action="append",
+        default=[],
+        metavar="A>B[-MARGIN]",
+        help="judge 'variant A beats B' (A>B) or 'A is at most MARGIN worse than B' (A>B-0.03); repeatable",
+    )
+    report.add_argument(
+        "--paper",
+        action="append",
+        default=[],
+        metavar="VARIANT=NUMBER",
+        help="the paper's reported number for a variant, shown beside ours as written (repeatable)",
+    )
+    report.add_argument(
+        "--relative-to", metavar="VARIANT", help="also show upload and total traffic as a fraction of this variant's"
     )
     listing = commands.add_parser(
         "list", help="list algorithms, datasets, models, partitioners and run keys; with ALGORITHM, its options"
@@ -259,7 +273,7 @@ def _report(args) -> int:
         if name in variants:
             raise ConfigError(f"report: variant name '{name}' given twice; write NAME=DIR")
         variants[name] = Path(directory)
-    files = write_report(variants, Path(args.out), args.claim)
+    files = write_report(variants, Path(args.out), args.claim, args.paper, args.relative_to)
     print(files["md"].read_text(), end="")
     print(f"-> {', '.join(str(f) for f in files.values())}")
     return 0

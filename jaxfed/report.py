@@ -5,9 +5,11 @@ A *variant* is a directory whose run directories (``<variant>/<member>/summary.j
 members ``seed0_lr0.05 ...`` of a ``jaxfed sweep``) are the same configuration over different
 seeds; a variant that is itself one run directory counts as one seed. :func:`collect` reads
 them, :func:`summarize` gives mean and sample standard deviation per metric, :func:`verdict`
-judges a claim "A above B" against the seeds' spread (a difference under two standard errors is
-inconclusive), and :func:`write_report` writes ``report.md``, ``report.json``, ``report.csv``
-and ``report.png``. ``jaxfed report`` is the command; every paper's experiment script uses it.
+judges a claim "A above B" (or "A above B minus a margin": "within a few points of B") against
+the seeds' spread (a difference under two standard errors is inconclusive), and
+:func:`write_report` writes ``report.md`` (with the papers' numbers beside ours where given, and
+traffic relative to a reference variant), ``report.json``, ``report.csv`` and ``report.png``.
+``jaxfed report`` is the command; every paper's experiment script uses it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -80,12 +83,13 @@ class Verdict(NamedTuple):
     outcome: str  # reproduced, not reproduced or inconclusive
 
 
-def verdict(a: list[float], b: list[float], higher_is_better: bool = True) -> Verdict:
-    """The claim "A is better than B" judged against the seeds' spread: reproduced when the
-    difference exceeds :data:`SE_FACTOR` standard errors, not reproduced when it is that far the
-    other way, inconclusive otherwise (always inconclusive with one seed on either side)."""
+def verdict(a: list[float], b: list[float], higher_is_better: bool = True, margin: float = 0.0) -> Verdict:
+    """The claim "A is better than B" (with a ``margin``: "A is no more than ``margin`` worse
+    than B") judged against the seeds' spread: reproduced when the difference (plus the margin)
+    exceeds :data:`SE_FACTOR` standard errors, not reproduced when it is that far the other way,
+    inconclusive otherwise (always inconclusive with one seed on either side)."""
     (mean_a, std_a), (mean_b, std_b) = mean_std(a), mean_std(b)
-    difference = (mean_a - mean_b) * (1 if higher_is_better else -1)
+    difference = (mean_a - mean_b) * (1 if higher_is_better else -1) + margin
     se = math.sqrt(std_a**2 / len(a) + std_b**2 / len(b))
     if len(a) < 2 or len(b) < 2:
         return Verdict(difference, se, "inconclusive")
@@ -96,12 +100,34 @@ def verdict(a: list[float], b: list[float], higher_is_better: bool = True) -> Ve
     return Verdict(difference, se, "inconclusive")
 
 
-def parse_claim(text: str) -> tuple[str, str]:
-    """``"A>B"`` -> ``("A", "B")``."""
-    a, sep, b = text.partition(">")
-    if not sep or not a.strip() or not b.strip():
-        raise ConfigError(f"--claim: expected 'VARIANT>VARIANT', got '{text}'")
-    return a.strip(), b.strip()
+class Claim(NamedTuple):
+    better: str  # variant A
+    than: str  # variant B
+    margin: float = 0.0  # "A > B - margin": A within ``margin`` of B, or above it
+
+    def __str__(self) -> str:
+        return f"{self.better} > {self.than}" + (f" − {self.margin:g}" if self.margin else "")
+
+
+_CLAIM = re.compile(r"^\s*(?P<a>[^>]+?)\s*>\s*(?P<b>[^>]+?)(?:\s*-\s*(?P<margin>\d+(?:\.\d*)?|\.\d+))?\s*$")
+
+
+def parse_claim(text: str) -> Claim:
+    """``"A>B"`` -> ``Claim("A", "B")``; ``"A>B-0.03"`` -> ``Claim("A", "B", 0.03)`` (A at most
+    0.03 worse than B). A variant name ending in ``-NUMBER`` cannot be the B of a claim."""
+    match = _CLAIM.match(text)
+    if not match:
+        raise ConfigError(f"--claim: expected 'VARIANT>VARIANT' or 'VARIANT>VARIANT-MARGIN', got '{text}'")
+    return Claim(match["a"], match["b"], float(match["margin"] or 0.0))
+
+
+def parse_paper_value(text: str) -> tuple[str, str]:
+    """``"fedavg=84.39"`` -> ``("fedavg", "84.39")``: a paper's reported number for a variant,
+    shown as written (papers report percent, fractions or "n/a")."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise ConfigError(f"--paper: expected 'VARIANT=NUMBER', got '{text}'")
+    return name.strip(), value.strip()
 
 
 def _fmt(stat: tuple[float, float] | None, digits: int = 4) -> str:
@@ -114,34 +140,58 @@ def _bytes(stat: tuple[float, float] | None) -> str:
     return "n/a" if stat is None else human_bytes(stat[0])
 
 
-def markdown(variants: list[Variant], claims: list[tuple[str, str]] = ()) -> str:
-    """The table (mean ± std over seeds) and, for each claim, its verdict."""
+def _ratio(value: float | None, reference: float | None) -> str:
+    return "" if value is None or not reference else f" ({value / reference:.3f})"
+
+
+def _variant_named(by_name: dict[str, Variant], name: str, option: str) -> Variant:
+    if name not in by_name:
+        raise ConfigError(f"{option}: unknown variant '{name}'; variants: {', '.join(by_name)}")
+    return by_name[name]
+
+
+def markdown(
+    variants: list[Variant],
+    claims: list[Claim] = (),
+    paper: dict[str, str] | None = None,
+    relative_to: str | None = None,
+) -> str:
+    """The table (mean ± std over seeds; the paper's number per variant where ``paper`` gives
+    one; upload and total traffic, as a fraction of ``relative_to``'s too) and each claim's
+    verdict."""
     metric = headline_metric(variants[0])
     kind = "mse" if metric.endswith("mse_mean") else "acc"
-    lines = [
-        f"| variant | seeds | personalized {kind} (mean ± std) | global {kind} | uploaded | per seed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for v in variants:
-        stats = summarize(v, (metric, f"global_{kind}", "bytes_up_total"))
-        per_seed = ", ".join(f"{s[metric]:.4f}" for s in v.summaries)
-        lines.append(
-            f"| {v.name} | {len(v.runs)} | {_fmt(stats[metric])} | {_fmt(stats[f'global_{kind}'])} | "
-            f"{_bytes(stats['bytes_up_total'])} | {per_seed} |"
-        )
     by_name = {v.name: v for v in variants}
+    paper = paper or {}
+    for name in paper:
+        _variant_named(by_name, name, "--paper")
+    traffic = ("bytes_up_total", "bytes_total")
+    reference = {}
+    if relative_to is not None:
+        stats = summarize(_variant_named(by_name, relative_to, "--relative-to"), traffic)
+        reference = {m: stats[m][0] if stats[m] else None for m in traffic}
+    columns = ["variant", "seeds", f"personalized {kind} (mean ± std)"] + (["paper"] if paper else [])
+    columns += [f"global {kind}", "uploaded", "total traffic", "per seed"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for v in variants:
+        stats = summarize(v, (metric, f"global_{kind}", *traffic))
+        cells = [v.name, str(len(v.runs)), _fmt(stats[metric])] + ([paper.get(v.name, "")] if paper else [])
+        cells.append(_fmt(stats[f"global_{kind}"]))
+        cells += [_bytes(stats[m]) + _ratio(stats[m] and stats[m][0], reference.get(m)) for m in traffic]
+        cells.append(", ".join(f"{s[metric]:.4f}" for s in v.summaries))
+        lines.append("| " + " | ".join(cells) + " |")
+    if relative_to is not None:
+        lines += ["", f"Traffic in brackets: the fraction of {relative_to}'s."]
     if claims:
         better = "lower" if kind == "mse" else "higher"
         header = f"| claim ({better} {metric} is better) | difference | standard error | verdict |"
         lines += ["", header, "|---|---|---|---|"]
-        for a, b in claims:
-            for name in (a, b):
-                if name not in by_name:
-                    raise ConfigError(f"--claim: unknown variant '{name}'; variants: {', '.join(by_name)}")
+        for claim in claims:
+            a, b = (_variant_named(by_name, name, "--claim") for name in (claim.better, claim.than))
             result = verdict(
-                [s[metric] for s in by_name[a].summaries], [s[metric] for s in by_name[b].summaries], kind == "acc"
+                [s[metric] for s in a.summaries], [s[metric] for s in b.summaries], kind == "acc", claim.margin
             )
-            lines.append(f"| {a} > {b} | {result.difference:+.4f} | {result.standard_error:.4f} | {result.outcome} |")
+            lines.append(f"| {claim} | {result.difference:+.4f} | {result.standard_error:.4f} | {result.outcome} |")
     return "\n".join(lines) + "\n"
 
 
@@ -187,15 +237,23 @@ def plot(variants: list[Variant], out_file: Path) -> Path:
     return out_file
 
 
-def write_report(variants: dict[str, Path], out_dir: Path, claims: list[str] = ()) -> dict[str, Path]:
+def write_report(
+    variants: dict[str, Path],
+    out_dir: Path,
+    claims: list[str] = (),
+    paper: list[str] = (),
+    relative_to: str | None = None,
+) -> dict[str, Path]:
     """``report.md`` (the table and the verdicts), ``report.json`` and ``report.csv`` (per seed),
-    ``report.png`` (the curves with their spread) in ``out_dir``."""
+    ``report.png`` (the curves with their spread) in ``out_dir``. ``claims`` as ``"A>B"`` or
+    ``"A>B-MARGIN"``, ``paper`` as ``"VARIANT=NUMBER"``."""
     collected = collect(variants)
     parsed = [parse_claim(c) for c in claims]
+    table = markdown(collected, parsed, dict(parse_paper_value(p) for p in paper), relative_to)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {name: out_dir / f"report.{name}" for name in ("md", "json", "csv", "png")}
-    files["md"].write_text(markdown(collected, parsed))
+    files["md"].write_text(table)
     records = per_seed_records(collected)
     files["json"].write_text(json.dumps(records, indent=2) + "\n")
     with open(files["csv"], "w", newline="") as f:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxfed.cli import main
-from jaxfed.report import collect, markdown, verdict, write_report
+from jaxfed.report import Claim, collect, markdown, parse_claim, verdict, write_report
 
 
-def _fake_run(directory, seed, final, task="classification"):
+def _fake_run(directory, seed, final, task="classification", upload=2e6):
     """A finished run directory: config, two metrics rows, a summary ending at ``final``."""
     directory.mkdir(parents=True)
     kind = "mse" if task == "regression" else "acc"
@@ -19,13 +19,19 @@ def _fake_run(directory, seed, final, task="classification"):
         {"round": 10, f"personalized_{kind}_mean": final, "bytes_up_total": 2e6},
     ]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = {"task": task, f"personalized_{kind}_mean": final, f"global_{kind}": final - 0.01, "bytes_up_total": 2e6}
+    summary = {
+        "task": task,
+        f"personalized_{kind}_mean": final,
+        f"global_{kind}": final - 0.01,
+        "bytes_up_total": upload,
+        "bytes_total": 3 * upload,
+    }
     (directory / "summary.json").write_text(json.dumps(summary))
 
 
-def _variant(root, name, finals, task="classification"):
+def _variant(root, name, finals, task="classification", upload=2e6):
     for seed, final in enumerate(finals):
-        _fake_run(root / name / f"seed{seed}_lr0.05", seed, final, task)
+        _fake_run(root / name / f"seed{seed}_lr0.05", seed, final, task, upload)
     return root / name
 
 
@@ -56,10 +62,45 @@ def test_verdict_against_two_standard_errors(a, b, outcome):
     assert result.standard_error == pytest.approx(se)
 
 
+@pytest.mark.parametrize(
+    "text, claim",
+    [
+        ("a>b", Claim("a", "b")),
+        (" fedloru > fedavg-0.03 ", Claim("fedloru", "fedavg", 0.03)),
+        ("floral>floral_oracle-.02", Claim("floral", "floral_oracle", 0.02)),
+        ("x-1>y", Claim("x-1", "y")),
+    ],
+)
+def test_claims_parse_with_an_optional_margin(text, claim):
+    assert parse_claim(text) == claim
+
+
+def test_a_margin_claim_is_judged_on_the_difference_plus_the_margin():
+    a, b = [0.95, 0.96, 0.955], [0.97, 0.975, 0.972]  # A about 0.017 below B, spread about 0.003
+    se = np.sqrt(np.var(a, ddof=1) / 3 + np.var(b, ddof=1) / 3)
+    assert verdict(a, b).outcome == "not reproduced"
+    within = verdict(a, b, margin=0.03)
+    assert within.difference == pytest.approx(np.mean(a) - np.mean(b) + 0.03) and within.outcome == "reproduced"
+    assert within.standard_error == pytest.approx(se)
+    assert verdict(a, b, margin=0.017).outcome == "inconclusive"
+
+
+def test_paper_numbers_and_traffic_relative_to_a_variant(tmp_path):
+    variants = collect(
+        {"fedcspack": _variant(tmp_path, "s", [0.9, 0.91], upload=1e6), "fedavg": _variant(tmp_path, "f", [0.88, 0.87])}
+    )
+    table = markdown(variants, [parse_claim("fedcspack>fedavg")], {"fedavg": "84.39"}, relative_to="fedavg")
+    lines = table.splitlines()
+    assert lines[0].startswith("| variant | seeds | personalized acc (mean ± std) | paper | global acc | uploaded |")
+    assert "| fedavg | 2 | 0.8750 ± 0.0071 | 84.39 | 0.8650 ± 0.0071 | 2.0 MB (1.000) | 6.0 MB (1.000) |" in table
+    assert "| fedcspack | 2 | 0.9050 ± 0.0071 |  | 0.8950 ± 0.0071 | 1.0 MB (0.500) | 3.0 MB (0.500) |" in table
+    assert "| fedcspack > fedavg | +0.0300 |" in table
+
+
 def test_lower_is_better_for_regression(tmp_path):
     low = _variant(tmp_path, "low", [0.01, 0.012, 0.011], "regression")
     high = _variant(tmp_path, "high", [0.5, 0.52, 0.51], "regression")
-    table = markdown(collect({"low": low, "high": high}), [("low", "high")])
+    table = markdown(collect({"low": low, "high": high}), [Claim("low", "high")])
     assert "personalized mse" in table and "| low > high | +0." in table and "| reproduced |" in table
 
 
@@ -76,8 +117,11 @@ def test_write_report_writes_the_table_per_seed_files_and_the_plot(tmp_path):
     "args, expected",
     [
         (["{empty}"], "holds no finished run"),
-        (["{a}", "--claim", "a"], "--claim: expected 'VARIANT>VARIANT', got 'a'"),
+        (["{a}", "--claim", "a"], "--claim: expected 'VARIANT>VARIANT' or 'VARIANT>VARIANT-MARGIN', got 'a'"),
         (["{a}", "--claim", "a>zzz"], "--claim: unknown variant 'zzz'"),
+        (["{a}", "--paper", "a"], "--paper: expected 'VARIANT=NUMBER', got 'a'"),
+        (["{a}", "--paper", "b=0.9"], "--paper: unknown variant 'b'"),
+        (["{a}", "--relative-to", "fedavg"], "--relative-to: unknown variant 'fedavg'"),
     ],
 )
 def test_report_mistakes_are_one_line(args, expected, tmp_path, capsys):
@@ -86,3 +130,34 @@ def test_report_mistakes_are_one_line(args, expected, tmp_path, capsys):
     assert main(["report", *[paths.get(x, x) for x in args], "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_experiment_scripts_report_finished_variants_and_drop_what_names_the_rest(tmp_path):
+    """experiments/lib.sh report_variants: claims and options naming a variant that did not
+    finish are left out with a note, the rest reach jaxfed report."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    _variant(tmp_path, "fedavg", [0.80, 0.81, 0.82])
+    _variant(tmp_path, "fedloru", [0.79, 0.80, 0.81], upload=5e5)
+    (tmp_path / "fedlora").mkdir()  # started, never finished
+    lib = Path(__file__).parents[1] / "experiments" / "lib.sh"
+    script = (
+        f"source {lib}; report_variants {tmp_path} 'fedloru>fedavg-0.05' 'fedloru>fedlora' "
+        "--paper=fedavg=84.39 --paper=fedlora=80.0 --relative-to=fedavg"
+    )
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "| fedloru > fedavg − 0.05 | +0.0400 |" in table and "reproduced" in table
+    assert "| fedavg | 3 | 0.8100 ± 0.0100 | 84.39 |" in table and "500.0 KB (0.250)" in table
+    assert "fedlora" not in table.replace("fedloru", "")
+    notes = done.stderr.splitlines()
+    assert "run.sh: 'fedloru>fedlora' left out of the report: fedlora did not finish" in notes
+    assert "run.sh: 'fedlora=80.0' left out of the report: fedlora did not finish" in notes
