@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FedCSPACK against FedAvg, and its weight ablation (|cos + KL|, |cos|, |KL|).
 # Usage: experiments/fedcspack/run.sh DATA_DIR [reduced|fmnist|fmnist_authors|cifar10] [-- --set key=value ...]
-#   reduced: Fashion-MNIST, 30 rounds of 2 epochs (about 17 minutes per run on 2 CPU cores: 32.5 s per round; 4 runs)
+#   reduced: Fashion-MNIST, 30 rounds of 2 epochs (2 CPU cores: about 7 minutes per run; with SEEDS=0,1,2 about 20 minutes per variant, 4 variants)
 #   fmnist, cifar10: the paper's settings (100 rounds of 5 epochs: an accelerator's job)
 #   fmnist_authors: fmnist as the authors' code runs it (fixed cohort, merge=full, all_below, E=3, drop_last)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±

@@ -1,16 +1,18 @@
-"""The results table of a FLoRAL sweep: one row per variant, one column per task.
+"""The results table of a FLoRAL run.sh: one row per variant, one column per task.
 
     python experiments/floral/table.py runs/floral
 
 Each cell is the last evaluation's personalized metric (MSE on the synthetic tasks, accuracy on
-the image tasks), from ``<runs>/<task>/<variant>/summary.json``.
+the image tasks) from ``<runs>/<task>/<variant>/``: one run directory, or a sweep's seeds (then
+mean ± sample std, through ``jaxfed.report``; each task's ``report/`` holds the verdicts).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from jaxfed.report import collect, headline_metric, run_dirs, summarize
 
 VARIANTS = [
     "fedavg",
@@ -24,12 +26,13 @@ VARIANTS = [
 ]
 
 
-def cell(summary_file: Path) -> str:
-    if not summary_file.exists():
+def cell(directory: Path) -> str:
+    if not directory.is_dir() or not run_dirs(directory):
         return "-"
-    s = json.loads(summary_file.read_text())
-    kind = "mse" if s.get("task") == "regression" else "acc"
-    return f"{s[f'personalized_{kind}_mean']:.4f}"
+    (variant,) = collect({directory.name: directory})
+    metric = headline_metric(variant)
+    mean, std = summarize(variant, (metric,))[metric]
+    return f"{mean:.4f} ± {std:.4f}" if len(variant.runs) > 1 else f"{mean:.4f}"
 
 
 def main(runs: str) -> None:
@@ -39,7 +42,7 @@ def main(runs: str) -> None:
     print("|---" * (len(tasks) + 1) + "|")
     for variant in VARIANTS:
         if any((root / t / variant).exists() for t in tasks):
-            print(f"| {variant} | " + " | ".join(cell(root / t / variant / "summary.json") for t in tasks) + " |")
+            print(f"| {variant} | " + " | ".join(cell(root / t / variant) for t in tasks) + " |")
 
 
 if __name__ == "__main__":
