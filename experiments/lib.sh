@@ -52,6 +52,10 @@ report_variants() {
       names+=("$name")
     fi
   done
+  if [[ ${#variants[@]} -eq 0 ]]; then
+    echo "run.sh: no variant in $dir finished; no report" >&2
+    return 0
+  fi
   for arg in "$@"; do
     if [[ $arg == --* ]]; then
       _names_finished "${arg#*=}" && options+=("$arg")

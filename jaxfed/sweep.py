@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms import registry
-from jaxfed.build import build
+from jaxfed.build import build, split_host
 from jaxfed.config import Config
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
@@ -248,11 +248,22 @@ class Sweep:
         return [{k: float(v[i]) for k, v in metrics.items()} for i in range(len(self.configs))]
 
 
+def split_host_for(configs: list[Config]) -> None:
+    """Split the host into the members' ``host_devices`` before anything starts JAX's backend (as
+    ``jaxfed run`` does); one process has one device count, so the members must share it."""
+    counts = sorted({c.host_devices for c in configs})
+    if len(counts) > 1:
+        raise ConfigError(f"host_devices: a sweep runs on one set of devices, got {counts}; run one sweep per value")
+    if counts and counts[0]:
+        split_host(counts[0])
+
+
 def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None):
     """Every member of ``configs`` into ``root/<member_name>``: one compiled sweep per
     :func:`shape_groups` group, one group after another. Returns ``(out_dirs, summaries)`` in the
     order of ``configs``."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    split_host_for(configs)
     outs = [Path(root) / member_name(c, keys) for c in configs]
     if len(set(outs)) < len(outs):
         raise ConfigError("sweep: two members would share a run directory; give each swept key distinct values")
@@ -280,6 +291,7 @@ def run_sweep(
     directory); the others can be continued with ``jaxfed run --resume``.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    split_host_for(configs)
     start = time.perf_counter()
     config = configs[0]
     dirs = [RunDirectory(d, config.keep_checkpoints) for d in out_dirs]

@@ -270,6 +270,22 @@ def test_a_host_devices_run_resumes_without_xla_flags(tmp_path):
     assert json.loads((out / "summary.json").read_text())["devices"] == 2
 
 
+def test_a_sweep_splits_the_host_before_jax_starts(tmp_path):
+    """`jaxfed sweep --set host_devices=2` from a fresh process (it failed: JAX had started)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "jaxfed.cli", "sweep", "--quiet", "--seeds", "0,1", "--out", str(tmp_path)]
+    done = subprocess.run([*command, *TINY, "--set", "host_devices=2"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads((d / "summary.json").read_text())["devices"] for d in sorted(tmp_path.iterdir())] == [2, 2]
+
+
+def test_a_sweep_over_host_devices_is_a_one_line_error(tmp_path, capsys):
+    args = ["sweep", "--quiet", "--out", str(tmp_path / "s"), *TINY, "--grid", "host_devices=1,2"]
+    assert main(args) == 2
+    assert "host_devices: a sweep runs on one set of devices, got [1, 2]" in _one_line_error(capsys)
+    assert not (tmp_path / "s").exists()
+
+
 # ----- what a run reports -------------------------------------------------------------------------
 
 
