@@ -6,7 +6,8 @@ members ``seed0_lr0.05 ...`` of a ``jaxfed sweep``) are the same configuration o
 seeds; a variant that is itself one run directory counts as one seed. :func:`collect` reads
 them, :func:`summarize` gives mean and sample standard deviation per metric, :func:`verdict`
 judges a claim "A above B" (or "A above B minus a margin": "within a few points of B") against
-the seeds' spread (a difference under two standard errors is inconclusive), and
+the seeds' spread (a difference under two standard errors is inconclusive; unpaired, the
+conservative test, with the paired standard error over shared seeds shown beside it), and
 :func:`write_report` writes ``report.md`` (with the papers' numbers beside ours where given, and
 traffic relative to a reference variant), ``report.json``, ``report.csv`` and ``report.png``.
 ``jaxfed report`` is the command; every paper's experiment script uses it.
@@ -100,6 +101,21 @@ def verdict(a: list[float], b: list[float], higher_is_better: bool = True, margi
     return Verdict(difference, se, "inconclusive")
 
 
+def paired_standard_error(a: dict[int, float], b: dict[int, float]) -> float | None:
+    """The standard error of the per-seed differences ``a[seed] - b[seed]`` when both variants
+    ran the same seeds (at least two): the runs of one seed share their partition and
+    initialization, so pairing removes what the seeds do to both. None otherwise."""
+    if set(a) != set(b) or len(a) < 2:
+        return None
+    return mean_std([a[seed] - b[seed] for seed in a])[1] / math.sqrt(len(a))
+
+
+def by_seed(variant: Variant, metric: str) -> dict[int, float]:
+    """``{seed: metric}`` over the variant's runs (a run without a seed in its config counts as
+    seed 0, as ``jaxfed run`` defaults)."""
+    return {read_run(run)[0].get("seed", 0): s[metric] for run, s in zip(variant.runs, variant.summaries)}
+
+
 class Claim(NamedTuple):
     better: str  # variant A
     than: str  # variant B
@@ -184,14 +200,18 @@ def markdown(
         lines += ["", f"Traffic in brackets: the fraction of {relative_to}'s."]
     if claims:
         better = "lower" if kind == "mse" else "higher"
-        header = f"| claim ({better} {metric} is better) | difference | standard error | verdict |"
-        lines += ["", header, "|---|---|---|---|"]
+        columns = ["difference", "standard error", "verdict", "paired standard error"]
+        header = f"| claim ({better} {metric} is better) | " + " | ".join(columns) + " |"
+        lines += ["", header, "|" + "---|" * (len(columns) + 1)]
         for claim in claims:
             a, b = (_variant_named(by_name, name, "--claim") for name in (claim.better, claim.than))
             result = verdict(
                 [s[metric] for s in a.summaries], [s[metric] for s in b.summaries], kind == "acc", claim.margin
             )
-            lines.append(f"| {claim} | {result.difference:+.4f} | {result.standard_error:.4f} | {result.outcome} |")
+            paired = paired_standard_error(by_seed(a, metric), by_seed(b, metric))
+            cells = [str(claim), f"{result.difference:+.4f}", f"{result.standard_error:.4f}", result.outcome]
+            cells.append("n/a" if paired is None else f"{paired:.4f}")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

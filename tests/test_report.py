@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxfed.cli import main
-from jaxfed.report import Claim, collect, markdown, parse_claim, verdict, write_report
+from jaxfed.report import Claim, collect, markdown, paired_standard_error, parse_claim, verdict, write_report
 
 
 def _fake_run(directory, seed, final, task="classification", upload=2e6):
@@ -161,3 +161,23 @@ def test_experiment_scripts_report_finished_variants_and_drop_what_names_the_res
     notes = done.stderr.splitlines()
     assert "run.sh: 'fedloru>fedlora' left out of the report: fedlora did not finish" in notes
     assert "run.sh: 'fedlora=80.0' left out of the report: fedlora did not finish" in notes
+
+
+def test_the_paired_standard_error_is_that_of_the_per_seed_differences(tmp_path):
+    a, b = [0.8415, 0.9255, 0.9020], [0.8330, 0.9265, 0.9035]
+    variants = collect({"a": _variant(tmp_path, "a", a), "b": _variant(tmp_path, "b", b)})
+    table = markdown(variants, [Claim("a", "b")])
+    differences = np.subtract(a, b)
+    paired = np.std(differences, ddof=1) / np.sqrt(len(a))
+    unpaired = np.sqrt(np.var(a, ddof=1) / 3 + np.var(b, ddof=1) / 3)
+    assert f"| a > b | {np.mean(differences):+.4f} | {unpaired:.4f} | inconclusive | {paired:.4f} |" in table
+
+
+def test_no_paired_standard_error_unless_both_variants_ran_the_same_seeds(tmp_path):
+    a = _variant(tmp_path, "a", [0.90, 0.91, 0.92])
+    b = _variant(tmp_path, "b", [0.80, 0.81])  # seeds 0, 1 against 0, 1, 2
+    c = _variant(tmp_path, "c", [0.80])  # one seed
+    table = markdown(collect({"a": a, "b": b, "c": c}), [Claim("a", "b"), Claim("c", "a")])
+    assert table.count("| n/a |") == 2
+    assert paired_standard_error({0: 0.9, 1: 0.8}, {1: 0.6, 0: 0.7}) == pytest.approx(0.0)  # by seed, not order
+    assert paired_standard_error({0: 0.9, 2: 0.8}, {0: 0.7, 1: 0.6}) is None
