@@ -33,6 +33,7 @@ class Variant(NamedTuple):
     runs: list[Path]  # run directories, one per seed
     summaries: list[dict]
     rows: list[list[dict]]  # each run's metrics rows
+    seeds: list[int | None]  # each run's seed, as its config.json gives it
 
 
 def run_dirs(directory: Path) -> list[Path]:
@@ -52,7 +53,8 @@ def collect(variants: dict[str, Path]) -> list[Variant]:
         if not runs:
             raise ConfigError(f"report: {directory} holds no finished run (no summary.json in it or below it)")
         summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
-        collected.append(Variant(name, runs, summaries, [read_run(run)[1] for run in runs]))
+        configs, rows = zip(*(read_run(run) for run in runs))
+        collected.append(Variant(name, runs, summaries, list(rows), [c.get("seed") for c in configs]))
     return collected
 
 
@@ -113,7 +115,7 @@ def paired_standard_error(a: dict[int, float], b: dict[int, float]) -> float | N
 def by_seed(variant: Variant, metric: str) -> dict[int, float]:
     """``{seed: metric}`` over the variant's runs (a run without a seed in its config counts as
     seed 0, as ``jaxfed run`` defaults)."""
-    return {read_run(run)[0].get("seed", 0): s[metric] for run, s in zip(variant.runs, variant.summaries)}
+    return {0 if seed is None else seed: s[metric] for seed, s in zip(variant.seeds, variant.summaries)}
 
 
 class Claim(NamedTuple):
@@ -223,8 +225,7 @@ def per_seed_records(variants: list[Variant]) -> list[dict]:
     )  # fmt: skip
     records = []
     for v in variants:
-        for run, summary in zip(v.runs, v.summaries):
-            seed = read_run(run)[0].get("seed")
+        for run, summary, seed in zip(v.runs, v.summaries, v.seeds):
             records.append({"variant": v.name, "run": str(run), **{k: summary.get(k) for k in keep}, "seed": seed})
     return records
 
