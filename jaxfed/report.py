@@ -175,21 +175,24 @@ def markdown(
     relative_to: str | None = None,
 ) -> str:
     """The table (mean ± std over seeds; the paper's number per variant where ``paper`` gives
-    one; upload and total traffic, as a fraction of ``relative_to``'s too) and each claim's
-    verdict."""
+    one; upload and total traffic, as a fraction of ``relative_to``'s too; where some variant's
+    clients keep part of the broadcast between rounds, the total traffic with that cache too) and
+    each claim's verdict."""
     metric = headline_metric(variants[0])
     kind = "mse" if metric.endswith("mse_mean") else "acc"
     by_name = {v.name: v for v in variants}
     paper = paper or {}
     for name in paper:
         _variant_named(by_name, name, "--paper")
-    traffic = ("bytes_up_total", "bytes_total")
+    traffic = ("bytes_up_total", "bytes_total") + (("bytes_total_cached",) if _any_cache(variants) else ())
     reference = {}
     if relative_to is not None:
         stats = summarize(_variant_named(by_name, relative_to, "--relative-to"), traffic)
         reference = {m: stats[m][0] if stats[m] else None for m in traffic}
     columns = ["variant", "seeds", f"personalized {kind} (mean ± std)"] + (["paper"] if paper else [])
-    columns += [f"global {kind}", "uploaded", "total traffic", "per seed"]
+    columns += [f"global {kind}", "uploaded", "total traffic"]
+    columns += ["total traffic, clients caching"] if "bytes_total_cached" in traffic else []
+    columns += ["per seed"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for v in variants:
         stats = summarize(v, (metric, f"global_{kind}", *traffic))
@@ -200,6 +203,12 @@ def markdown(
         lines.append("| " + " | ".join(cells) + " |")
     if relative_to is not None:
         lines += ["", f"Traffic in brackets: the fraction of {relative_to}'s."]
+    if "bytes_total_cached" in traffic:
+        lines += [
+            "",
+            "Total traffic, clients caching: each client keeps what it downloaded (FedLoRU family: the "
+            "frozen W) and downloads only what changed since (summary: bytes_total_cached).",
+        ]
     if claims:
         better = "lower" if kind == "mse" else "higher"
         columns = ["difference", "standard error", "verdict", "paired standard error"]
@@ -217,11 +226,20 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def _any_cache(variants: list[Variant]) -> bool:
+    """Whether some run's clients download less when they keep what they received before."""
+    return any(
+        s.get("bytes_total_cached") is not None and s["bytes_total_cached"] != s["bytes_total"]
+        for v in variants
+        for s in v.summaries
+    )
+
+
 def per_seed_records(variants: list[Variant]) -> list[dict]:
     """One record per run: the variant, the run directory and its summary's numbers."""
     keep = (
         "seed", "personalized_acc_mean", "personalized_mse_mean", "global_acc", "global_mse",
-        "best_personalized_acc", "bytes_up_total", "bytes_total", "rounds",
+        "best_personalized_acc", "bytes_up_total", "bytes_total", "bytes_total_cached", "rounds",
     )  # fmt: skip
     records = []
     for v in variants:

@@ -63,6 +63,16 @@ class LoopSettings(NamedTuple):
         return cls(*(getattr(config, key) for key in cls._fields))
 
 
+# (running total, per-round metric): the sums a run record carries through resume.
+TOTALS = (
+    ("bytes_up", "bytes_up"),
+    ("bytes_down", "bytes_down"),
+    ("bytes_down_cached", "bytes_down_cached"),
+    ("nonfinite", "nonfinite_clients"),
+)
+TOTALLED_METRICS = frozenset(metric for _, metric in TOTALS)
+
+
 class RunRecord:
     """Everything a run has logged so far, as JSON: stored in each checkpoint.
 
@@ -76,7 +86,9 @@ class RunRecord:
         self.config = config
         self.rows: list[dict] = record.get("rows", [])
         self.pending: dict[str, list[float]] = record.get("pending", {})
-        self.totals: dict[str, float] = record.get("totals", {"bytes_up": 0.0, "bytes_down": 0.0, "nonfinite": 0.0})
+        self.totals: dict[str, float] = record.get("totals", {total: 0.0 for total, _ in TOTALS})
+        # A record from before bytes_down_cached: every download was counted whole then.
+        self.totals.setdefault("bytes_down_cached", self.totals["bytes_down"])
         self.round_times: list[float] = record.get("round_times", [])
         self.wall_before = float(record.get("wall_seconds", 0.0))
         self.devices = record.get("devices")
@@ -88,7 +100,7 @@ class RunRecord:
             if key == "nonfinite_ids":
                 continue
             self.pending.setdefault(key, []).extend(float(v) for v in np.asarray(values).reshape(count))
-        for total, key in (("bytes_up", "bytes_up"), ("bytes_down", "bytes_down"), ("nonfinite", "nonfinite_clients")):
+        for total, key in TOTALS:
             self.totals[total] += float(np.sum(np.asarray(metrics[key], np.float64)))
         self.round_times += [seconds_per_round] * count
 
@@ -97,15 +109,18 @@ class RunRecord:
         global_key = "global_mse" if is_regression_row(evaluation) else "global_acc"
         row = {"round": round_, **evaluation, global_key: evaluation.get(global_key)}
         for key, values in self.pending.items():
-            if key not in ("bytes_up", "bytes_down", "nonfinite_clients"):
+            if key not in TOTALLED_METRICS:
                 used = [v for v in values if not np.isnan(v)]  # NaN: a round where no client's update was used
                 row[key] = float(np.mean(used)) if used else None
         row.update(
             bytes_up_round=self.pending["bytes_up"][-1] if window else 0.0,
             bytes_down_round=self.pending["bytes_down"][-1] if window else 0.0,
+            bytes_down_cached_round=self.pending.get("bytes_down_cached", [0.0])[-1] if window else 0.0,
             bytes_up_total=self.totals["bytes_up"],
             bytes_down_total=self.totals["bytes_down"],
+            bytes_down_cached_total=self.totals["bytes_down_cached"],
             bytes_total=self.totals["bytes_up"] + self.totals["bytes_down"],
+            bytes_total_cached=self.totals["bytes_up"] + self.totals["bytes_down_cached"],
             nonfinite_skipped=float(sum(self.pending.get("nonfinite_clients", []))),
             round_seconds=float(np.mean(self.round_times[-window:])) if window else None,
             wall_seconds=self.wall_before + wall,
@@ -405,6 +420,8 @@ def summary(sim, record: RunRecord, wall: float, *, partition: Any = None) -> di
         "bytes_up_total": final["bytes_up_total"],
         "bytes_down_total": final["bytes_down_total"],
         "bytes_total": final["bytes_up_total"] + final["bytes_down_total"],
+        "bytes_down_cached_total": final["bytes_down_cached_total"],
+        "bytes_total_cached": final["bytes_up_total"] + final["bytes_down_cached_total"],
         "nonfinite_skipped_total": record.totals["nonfinite"],
         "round_seconds_median": float(np.median(record.round_times)),
         "compile_seconds": sim.compile_seconds,

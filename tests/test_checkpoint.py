@@ -187,3 +187,16 @@ def test_keep_checkpoints_keeps_the_newest(tmp_path):
     args = ["--set", "rounds=5", "--set", "checkpoint_every=1", "--set", "keep_checkpoints=2"]
     assert main(["run", "--out", str(tmp_path / "run"), *SMALL, *args]) == 0
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4", "5"]
+
+
+def test_a_resumed_fedloru_run_counts_the_cached_download_as_one_left_alone(tmp_path):
+    """Each client's W round is client state and the cached total a run-record total: both
+    survive a resume, so the rows (bytes_down_cached_* included) match the run left alone."""
+    fedloru = ["fedloru", *SMALL, "--set", "participation=0.5", "--set", "checkpoint_every=2"]
+    fedloru += ["--set", "lora_rank=4", "--set", "accumulate_every=2"]
+    assert main(["run", *fedloru, "--out", str(tmp_path / "alone"), "--set", "rounds=6"]) == 0
+    assert main(["run", *fedloru, "--out", str(tmp_path / "a"), "--set", "rounds=2"]) == 0
+    assert main(["run", "--out", str(tmp_path / "a"), "--resume", "--quiet", "--set", "rounds=6"]) == 0
+    rows = _rows(tmp_path / "a")
+    assert rows == _rows(tmp_path / "alone")
+    assert 0 < rows[-1]["bytes_down_cached_total"] < rows[-1]["bytes_down_total"]

@@ -10,7 +10,7 @@ from jaxfed.algorithms.fedloru import Upload, fedloru
 from jaxfed.cli import main
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, sampling
 
 
 def _algorithm(mlp, **options):
@@ -107,6 +107,51 @@ def test_merged_travels_only_when_it_can_be_non_zero(mlp):
         alg = fedloru(mlp, lora_rank=4, reinit=reinit, accumulate_every=accumulate_every)
         server, _ = alg.init(jax.random.key(0))
         assert (alg.broadcast(server, 0).merged is not None) == sent, (reinit, accumulate_every)
+
+
+@pytest.mark.parametrize(
+    "name, accumulate_every, reinit, rank",
+    [("fedlora", 0, True, 4), ("fedloru", 2, True, 4), ("fedloru", 2, False, 4), ("fedloru", 1, True, 60)]
+    + [("pfedloru", 3, True, 4)],
+)
+def test_download_when_clients_keep_w_matches_a_hand_count(
+    mlp, digits_federation, name, accumulate_every, reinit, rank
+):
+    """``bytes_down_cached``: each client downloads W (fc2's kernel) at its first participation,
+    later only the rank-r factors of each accumulation it missed (``reinit``; none without it), or
+    W if smaller; ``bytes_down`` counts the whole broadcast every time."""
+    from jaxfed.algorithms import registry
+
+    spec = registry.get(name)
+    options = dict(lr=0.05, local_epochs=1, batch_size=32, lora_rank=rank)
+    if name != "fedlora":
+        options.update(accumulate_every=accumulate_every, reinit=reinit)
+    sim = Simulation(spec.build(mlp, spec.options(**options), None), mlp, digits_federation, participation=0.3)
+    rounds = 7
+    _, metrics = sim.run_rounds(sim.init(), rounds)
+
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(mlp.init(jax.random.key(0))["params"]))
+    w_bytes = 200 * 200 * 4  # fc2, the one adapted layer
+    factor_bytes = (200 * rank + rank * 200) * 4
+    sends_merged = accumulate_every > 0 and not reinit
+    broadcast = param_bytes + factor_bytes * (2 if sends_merged else 1)
+    held = {}  # client -> the round whose W it holds
+    for r in range(rounds):
+        ids = np.asarray(sampling.sample_clients(sim.root, sampling.round_key(sim.root, r), 10, sim.num_sampled))
+        expected = 0
+        for k in ids.tolist():
+            if k not in held:
+                refresh = w_bytes
+            elif accumulate_every and reinit:
+                missed = r // accumulate_every - held[k] // accumulate_every
+                refresh = min(w_bytes, missed * factor_bytes)
+            else:
+                refresh = 0
+            expected += broadcast - w_bytes + refresh
+            held[k] = r
+        assert float(metrics["bytes_down"][r]) == len(ids) * broadcast
+        assert float(metrics["bytes_down_cached"][r]) == expected, r
+    assert float(metrics["bytes_down_cached"].sum()) < float(metrics["bytes_down"].sum())
 
 
 @pytest.mark.parametrize("name", ["fedlora", "fedloru", "pfedloru", "mfedloru"])

@@ -9,8 +9,9 @@ from jaxfed.cli import main
 from jaxfed.report import Claim, collect, markdown, paired_standard_error, parse_claim, verdict, write_report
 
 
-def _fake_run(directory, seed, final, task="classification", upload=2e6):
-    """A finished run directory: config, two metrics rows, a summary ending at ``final``."""
+def _fake_run(directory, seed, final, task="classification", upload=2e6, cached=None):
+    """A finished run directory: config, two metrics rows, a summary ending at ``final`` (total
+    traffic with clients caching: ``cached``, or all of it)."""
     directory.mkdir(parents=True)
     kind = "mse" if task == "regression" else "acc"
     (directory / "config.json").write_text(json.dumps({"algorithm": "fedavg", "seed": seed}))
@@ -25,13 +26,14 @@ def _fake_run(directory, seed, final, task="classification", upload=2e6):
         f"global_{kind}": final - 0.01,
         "bytes_up_total": upload,
         "bytes_total": 3 * upload,
+        "bytes_total_cached": 3 * upload if cached is None else cached,
     }
     (directory / "summary.json").write_text(json.dumps(summary))
 
 
-def _variant(root, name, finals, task="classification", upload=2e6):
+def _variant(root, name, finals, task="classification", upload=2e6, cached=None):
     for seed, final in enumerate(finals):
-        _fake_run(root / name / f"seed{seed}_lr0.05", seed, final, task, upload)
+        _fake_run(root / name / f"seed{seed}_lr0.05", seed, final, task, upload, cached)
     return root / name
 
 
@@ -95,6 +97,16 @@ def test_paper_numbers_and_traffic_relative_to_a_variant(tmp_path):
     assert "| fedavg | 2 | 0.8750 ± 0.0071 | 84.39 | 0.8650 ± 0.0071 | 2.0 MB (1.000) | 6.0 MB (1.000) |" in table
     assert "| fedcspack | 2 | 0.9050 ± 0.0071 |  | 0.8950 ± 0.0071 | 1.0 MB (0.500) | 3.0 MB (0.500) |" in table
     assert "| fedcspack > fedavg | +0.0300 |" in table
+
+
+def test_traffic_with_clients_caching_is_a_column_only_where_it_differs(tmp_path):
+    plain = {"fedavg": _variant(tmp_path, "f", [0.88, 0.87])}
+    assert "caching" not in markdown(collect(plain), relative_to="fedavg")
+    cached = {**plain, "fedloru": _variant(tmp_path, "l", [0.86, 0.87], upload=1e6, cached=1.5e6)}
+    table = markdown(collect(cached), relative_to="fedavg")
+    assert "| uploaded | total traffic | total traffic, clients caching | per seed |" in table
+    assert "| 2.0 MB (1.000) | 6.0 MB (1.000) | 6.0 MB (1.000) |" in table
+    assert "| 1.0 MB (0.500) | 3.0 MB (0.500) | 1.5 MB (0.250) |" in table
 
 
 def test_lower_is_better_for_regression(tmp_path):

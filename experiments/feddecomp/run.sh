@@ -5,6 +5,7 @@
 #   cifar10: the paper's CIFAR-10 / ResNet-8 setting, alpha 0.1, 0.5 and 1.0 (an accelerator's job)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/alpha<alpha>/report/
 # (mean ± std, per-seed values, spread plot, verdicts of the paper's claims).
+# ALPHAS=0.1: only those alphas (comma-separated), e.g. to split a CPU run across sessions.
 # Run directories: $RUNS/<setting>/alpha<alpha>/<variant> (RUNS defaults to runs/feddecomp);
 # summary.json in each.
 set -euo pipefail
@@ -17,6 +18,7 @@ case $setting in
   cifar10) alphas=(0.1 0.5 1.0) ;;
   *) echo "run.sh: unknown setting '$setting'; allowed: reduced, cifar10" >&2; exit 2 ;;
 esac
+[[ -n ${ALPHAS:-} ]] && IFS=, read -r -a alphas <<< "$ALPHAS"
 for alpha in "${alphas[@]}"; do
   for variant in feddecomp feddecomp_simultaneous fedavg local; do
     algorithm=${variant%_simultaneous}

@@ -27,6 +27,9 @@ Optional:
 - ``eval_server(server_state, tier)``: what ``eval_params`` receives for the clients of ``tier``,
   computed once per tier at evaluation (default: the server state itself).
 - ``message_bytes(message_up)``: the bytes one client's upload really takes (default: its arrays).
+- ``download_bytes(message_down, client_state, round) -> bytes``: what one client of this round
+  must download when it keeps what it received before (its ``client_state``, before the update,
+  says what that is): the engine's ``bytes_down_cached``. Default: the whole ``message_down``.
 - ``init_client(client_state, client_id) -> client_state``: a client's own starting state.
 - ``eval_model``: the model ``eval_params``' variables belong to when it is not the run's model.
 - ``evaluates_global``: True where every client's personalized model is the global model; the
@@ -83,6 +86,7 @@ class FederatedAlgorithm(NamedTuple):
     global_params: GlobalParamsFn | None = None
     num_tiers: int | None = None
     message_bytes: Callable[[PyTree], jax.Array] | None = None
+    download_bytes: Callable[[PyTree, PyTree, jax.Array], jax.Array] | None = None
     eval_server: Callable[[PyTree, int], PyTree] | None = None
     init_client: Callable[[PyTree, jax.Array], PyTree] | None = None
     eval_model: Any = None

@@ -20,6 +20,11 @@ with ``reinit`` the factors restart (``down`` Kaiming, ``up`` 0), otherwise they
   nested factors of the updates of both factors, ``down + D1 D2`` and ``up + U1 U2`` with
   ``down, up`` frozen, and uploads ``(D1, D2, U1, U2)``; a tier with ``r_k = r`` trains ``down, up``
   as FedLoRU. The server recovers each client's rank-r factors and aggregates as FedLoRU.
+
+Download (``download_bytes``): a client keeps the W it last received, so it downloads the frozen
+kernels only once, then, after accumulations it missed, their folded factors (``reinit``: one
+rank-r set per accumulation; without ``reinit`` none, W - W_old = s (merged - merged_old) comes
+with the broadcast) or W again when that is smaller. ``bytes_down`` still counts W every round.
 """
 
 from __future__ import annotations
@@ -31,9 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.training import split_variables, train_parameters
-from jaxfed.core import lowrank, tree_select, weighted_mean
+from jaxfed.core import lowrank, tree_bytes, tree_select, weighted_mean
 from jaxfed.nn.layers import choose_layers
 from jaxfed.options import TrainingOptions, at_least, each, non_negative, one_of, option, rank_ratio, resolve
 
@@ -194,11 +198,22 @@ class Upload(NamedTuple):
     nested: Any = None
 
 
+NO_W = -1  # a client's w_round before its first download
+
+
+class LowRankClient(NamedTuple):
+    """A FedLoRU-family client: model statistics and the round whose W it holds (``NO_W``: none)."""
+
+    model_state: Any
+    w_round: jax.Array
+
+
 class PersonalClient(NamedTuple):
-    """pFedLoRU's client: model statistics and the private personal pair."""
+    """pFedLoRU's client: model statistics, the private personal pair and the round whose W it holds."""
 
     model_state: Any
     personal: Any  # {layer: LoRA}
+    w_round: jax.Array
 
 
 def _broadcaster(options):
@@ -211,6 +226,32 @@ def _broadcaster(options):
         return Broadcast(server_state.params, server_state.loras, server_state.merged if sends_merged else None)
 
     return broadcast
+
+
+def _download_counter(adapted: _Adapted, options):
+    """``download_bytes(message, client_state, round_)``: the broadcast without the frozen kernels
+    W, plus what brings the client's W (from round ``client_state.w_round``) up to this round's:
+    all of W on a first download, else ``min(W, missed accumulations x rank-r factors)`` (with
+    ``reinit``; without it ``merged`` in the broadcast already carries the change)."""
+    accumulate_every, reinit = _accumulation(options)
+
+    def download_bytes(message: Broadcast, client_state, round_):
+        frozen = tree_bytes(adapted.split(message.params)[1])
+        held = client_state.w_round
+        refresh = jnp.float32(0.0)
+        if accumulate_every and reinit:
+            missed = round_ // accumulate_every - held // accumulate_every  # accumulations since round w_round
+            refresh = jnp.minimum(frozen, missed.astype(jnp.float32) * tree_bytes(message.loras))
+        refresh = jnp.where(held == NO_W, jnp.float32(frozen), refresh)
+        return tree_bytes(message) - frozen + refresh
+
+    return download_bytes
+
+
+def _w_round(client_state, data) -> jax.Array:
+    """The round whose W a client holds after this update: this one (kept as is where the caller
+    gives no round)."""
+    return jnp.asarray(client_state.w_round if data.round is None else data.round, jnp.int32)
 
 
 def _upload(trained: dict) -> Upload:
@@ -244,7 +285,7 @@ def _server_init(model, adapted: _Adapted, init: str = "lora"):
         if init == "authors":
             params, loras = pure_low_rank_start(jax.random.fold_in(lora_rng, 1), params, loras)
         server = ServerState(params, loras, _zeros_like(loras), jnp.int32(0), jax.random.key_data(server_rng))
-        return server, ClientStats(model_state)
+        return server, LowRankClient(model_state, jnp.int32(NO_W))
 
     return init_fn
 
@@ -310,7 +351,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
             to_params=to_params,
             **options.batching(),
         )
-        return ClientStats(model_state), _upload(trained), metrics
+        return LowRankClient(model_state, _w_round(client_state, data)), _upload(trained), metrics
 
     return FederatedAlgorithm(
         name=name,
@@ -323,6 +364,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,
+        download_bytes=_download_counter(adapted, options),
     )
 
 
@@ -350,7 +392,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     def init(rng):
         server_rng, personal_rng = jax.random.split(rng)
         server, client = server_init(server_rng)
-        return server, PersonalClient(client.model_state, personal.fresh(personal_rng))
+        return server, PersonalClient(client.model_state, personal.fresh(personal_rng), client.w_round)
 
     def client_update(message, client_state, data, rng):
         optimizer = options.optimizer(data.round)  # this round's learning rate
@@ -384,7 +426,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
             **batching,
         )
         metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
-        return PersonalClient(model_state, personal_pair), _upload(trained), metrics
+        return PersonalClient(model_state, personal_pair, _w_round(client_state, data)), _upload(trained), metrics
 
     def eval_params(server_state, client_state):
         shared = global_params(server_state)["params"]
@@ -401,6 +443,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
         ),
         eval_params=eval_params,
         global_params=None if adapted.has_private_stats else global_params,
+        download_bytes=_download_counter(adapted, options),
     )
 
 
@@ -475,7 +518,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
             to_params=to_params,
             **options.batching(),
         )
-        return ClientStats(model_state), _upload(trained), metrics
+        return LowRankClient(model_state, _w_round(client_state, data)), _upload(trained), metrics
 
     def receive(server_state, message, tier):
         """A client's upload as its rank-r factors ``(down + D1 D2, up + U1 U2)``."""
@@ -497,6 +540,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         evaluates_global=not adapted.has_private_stats,
         num_tiers=len(tier_ranks),
         receive=receive,
+        download_bytes=_download_counter(adapted, options),
     )
 
 

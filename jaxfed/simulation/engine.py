@@ -76,6 +76,7 @@ class _Group(NamedTuple):
     messages_up: Any
     client_metrics: Any
     bad: jax.Array  # a real client whose update holds NaN / inf
+    down_bytes: jax.Array  # [clients]: what each must download, keeping what it received before
     kept: jax.Array | None = None  # whose update counts: set by the round's non-finite policy
 
     def without_bad_clients(self) -> _Group:
@@ -292,8 +293,18 @@ class Simulation:
         shared = (message_down, client_data.x, client_data.y, state.round)
         new_states, messages_up, client_metrics = self._map_clients(update, shared, per_client)
         is_real = ids < self.num_clients
-        bad = is_real & ~finite_rows((new_states, messages_up, client_metrics), len(ids))
-        return _Group(tier, ids, is_real, client_data.count, message_down, new_states, messages_up, client_metrics, bad)
+        updated = (new_states, messages_up, client_metrics)
+        bad = is_real & ~finite_rows(updated, len(ids))
+        down_bytes = self._download_bytes(message_down, per_client[0], state.round, len(ids))
+        return _Group(tier, ids, is_real, client_data.count, message_down, *updated, bad, down_bytes)
+
+    def _download_bytes(self, message_down, client_states, round_, count: int) -> jax.Array:
+        """``[clients]``: the bytes each of ``count`` clients must download when it keeps what it
+        received in earlier rounds (``download_bytes``; default: all of ``message_down``)."""
+        if self.algorithm.download_bytes is None:
+            return jnp.full(count, float(tree_bytes(message_down)), jnp.float32)
+        per_client = jax.vmap(self.algorithm.download_bytes, in_axes=(None, 0, None))
+        return per_client(message_down, client_states, round_).astype(jnp.float32)
 
     def _received(self, server, group: _Group):
         """The group's uploads as the server decodes them (``receive``, per client), in the shape
@@ -340,6 +351,7 @@ class Simulation:
             **trained,
             "bytes_up": sum(jnp.sum(jnp.where(g.is_real, b, 0.0)) for g, b in zip(groups, client_bytes)),
             "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
+            "bytes_down_cached": sum(jnp.sum(jnp.where(g.is_real, g.down_bytes, 0.0)) for g in groups),
             "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),
             "nonfinite_ids": jnp.concatenate([jnp.where(g.bad, g.ids, -1) for g in groups]),
         }
