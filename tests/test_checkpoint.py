@@ -117,6 +117,31 @@ def test_sigkill_then_resume_matches_the_run_left_alone(tmp_path):
     _assert_bitwise(_final_leaves(killed_dir, 24), _final_leaves(alone_dir, 24))
 
 
+SAVE_SHARDED = """
+import sys, jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxfed import save_state
+mesh = Mesh(np.array(jax.devices()), ("clients",))
+x = np.arange(4.0 * jax.device_count()).reshape(jax.device_count(), 4).astype(np.float32)
+state = {"clients": jax.device_put(x, NamedSharding(mesh, PartitionSpec("clients"))), "round": np.int32(3)}
+save_state(sys.argv[1], state)
+"""
+
+
+def test_a_state_saved_on_more_devices_loads_without_like(tmp_path):
+    """A checkpoint sharded over more devices than this process has (a run on 8 devices read on a
+    laptop) loads onto this process's first device."""
+    saved_on = jax.device_count() + 1
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={saved_on}")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SAVE_SHARDED, str(tmp_path / "s")], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    state = load_state(tmp_path / "s")
+    np.testing.assert_array_equal(state["clients"], np.arange(4.0 * saved_on).reshape(saved_on, 4))
+    assert int(state["round"]) == 3 and state["clients"].sharding.device_set == {jax.local_devices()[0]}
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """SMALL for 8 rounds, checkpoints every 2, left alone."""

@@ -108,11 +108,20 @@ def load_state(path: str | Path, like=None):
 
     ``like`` (a state of the same structure, e.g. ``simulation.init()``, or its
     ``jax.eval_shape``) gives the structure, dtypes and device placement of the result; without
-    it the result is nested dicts of arrays.
+    it the result is nested dicts of arrays on this process's first device, however many devices
+    the state was saved from.
     """
     path = Path(path).absolute()
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(path, abstract_like(like) if like is not None else None)
+        target = abstract_like(like) if like is not None else _on_first_device(checkpointer.metadata(path))
+        return checkpointer.restore(path, target)
+
+
+def _on_first_device(metadata):
+    """The saved arrays' shapes and dtypes, placed on this process's first device."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    tree = getattr(metadata, "item_metadata", metadata)
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
 
 
 class RunCheckpoints:
