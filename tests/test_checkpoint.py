@@ -225,3 +225,20 @@ def test_a_resumed_fedloru_run_counts_the_cached_download_as_one_left_alone(tmp_
     rows = _rows(tmp_path / "a")
     assert rows == _rows(tmp_path / "alone")
     assert 0 < rows[-1]["bytes_down_cached_total"] < rows[-1]["bytes_down_total"]
+
+
+def test_a_checkpoint_holds_the_record_as_it_was_when_saved(tmp_path):
+    """The save writes in the background while training goes on updating the live record (its
+    totals, pending metrics and rows): what is written, and its digest, are the record at save."""
+    from jaxfed.simulation.checkpoint import RunCheckpoints
+
+    checkpoints = RunCheckpoints(tmp_path / "checkpoints")
+    record = {"totals": {"bytes_up": 1.0}, "pending": {"train_loss": [0.5]}, "rows": [{"round": 2}]}
+    checkpoints.save(2, {"x": np.zeros(3, np.float32)}, record)
+    record["totals"]["bytes_up"] += 1.0
+    record["pending"]["train_loss"].append(0.4)
+    record["rows"].append({"round": 3})
+    checkpoints.wait()
+    saved = checkpoints.read_record(2)  # raises on a digest mismatch
+    assert saved["totals"] == {"bytes_up": 1.0} and saved["pending"] == {"train_loss": [0.5]}
+    assert saved["rows"] == [{"round": 2}]

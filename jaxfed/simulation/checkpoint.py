@@ -153,7 +153,8 @@ class RunCheckpoints:
         if (self.directory / str(round_)).is_dir():
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        record = sealed(record, state)
+        # A copy: the write runs in the background while the caller goes on updating its record.
+        record = sealed(json.loads(json.dumps(record)), state)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)})
         self._manager.save(round_, args=args, force=True)
 
