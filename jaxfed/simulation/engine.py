@@ -89,6 +89,11 @@ class _Group(NamedTuple):
         )
 
 
+def _real_total(group: _Group, per_client: jax.Array) -> jax.Array:
+    """The sum of ``per_client`` over the group's real clients (padding rows left out)."""
+    return jnp.sum(jnp.where(group.is_real, per_client, 0.0))
+
+
 def first_nonfinite(metrics):
     """``(round within the call, sorted client ids)`` of the first round whose metrics count a
     non-finite client update, or None (``metrics`` of one call, leading round axis)."""
@@ -347,21 +352,20 @@ class Simulation:
         trained = jax.tree.map(lambda m: jnp.where(any_weight, m, jnp.nan), trained)
         sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
         client_bytes = [self._client_bytes(g) for g in groups]
+        uploaded = [_real_total(g, b) for g, b in zip(groups, client_bytes)]  # per group
         metrics = {
             **trained,
-            "bytes_up": sum(jnp.sum(jnp.where(g.is_real, b, 0.0)) for g, b in zip(groups, client_bytes)),
+            "bytes_up": sum(uploaded),
             "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
-            "bytes_down_cached": sum(jnp.sum(jnp.where(g.is_real, g.down_bytes, 0.0)) for g in groups),
+            "bytes_down_cached": sum(_real_total(g, g.down_bytes) for g in groups),
             "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),
             "nonfinite_ids": jnp.concatenate([jnp.where(g.bad, g.ids, -1) for g in groups]),
         }
         if self.tiers is not None:  # what one client of the tier uploads (the mean, if it varies)
             metrics.update(
                 {
-                    f"bytes_up_client_tier{g.tier}": jnp.sum(jnp.where(g.is_real, b, 0.0)) / jnp.maximum(n, 1.0)
-                    if self.algorithm.message_bytes
-                    else b[0]
-                    for g, b, n in zip(groups, client_bytes, sent)
+                    f"bytes_up_client_tier{g.tier}": up / jnp.maximum(n, 1.0) if self.algorithm.message_bytes else b[0]
+                    for g, b, up, n in zip(groups, client_bytes, uploaded, sent)
                 }
             )
         next_round = state.round + round_ok.astype(state.round.dtype)
