@@ -64,12 +64,15 @@ def member_name(config: Config, keys=()) -> str:
     other swept key."""
     values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
     extra = "".join(f"_{key}{_short(values[key])}" for key in keys if key not in ("seed", "lr"))
-    return f"seed{config.seed}_lr{config.options.lr:g}{extra}"
+    return f"seed{config.seed}_lr{_short(config.options.lr)}{extra}"
 
 
 def _short(value) -> str:
+    """A value as a name: a float as ``:g`` writes it (``0.05``, ``1e-05``) where that reads back
+    as the same number, else its shortest exact form (``0.1234567``), so distinct values get
+    distinct names."""
     if isinstance(value, float):
-        return f"{value:g}"
+        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
     return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 

@@ -35,6 +35,18 @@ def test_the_grid_and_its_directory_names():
     assert [member_name(c) for c in configs] == ["seed0_lr0.05", "seed0_lr0.2", "seed1_lr0.05", "seed1_lr0.2"]
 
 
+def test_member_names_tell_distinct_values_apart_and_keep_the_short_form_where_it_is_exact():
+    base = Config().with_overrides([*TINY, "algorithm=fedprox"])
+    close = sweep_configs(base, lrs=[0.1234567, 0.1234568], grid={"mu": ["0.0000012345671", "0.0000012345672"]})
+    assert [member_name(c, ["mu"]) for c in close] == [
+        f"seed0_lr{lr}_mu{mu}" for lr in ("0.1234567", "0.1234568") for mu in ("1.2345671e-06", "1.2345672e-06")
+    ]
+    plain = sweep_configs(base, lrs=[0.05, 1e-05, 0.3], grid={"mu": ["0.01", "100000000"]})
+    assert [member_name(c, ["mu"]) for c in plain] == [
+        f"seed0_lr{lr}_mu{mu}" for lr in ("0.05", "1e-05", "0.3") for mu in ("0.01", "1e+08")
+    ]
+
+
 @pytest.mark.parametrize("member_chunk", [0, 1])  # all vmapped; one after another in one program
 def test_members_match_their_sequential_runs(tmp_path, member_chunk):
     base = Config().with_overrides([*TINY, f"member_chunk={member_chunk}"])
