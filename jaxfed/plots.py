@@ -2,6 +2,8 @@
 
 ``plot_runs(dirs, out_file)`` draws one line per run, labelled by its algorithm and the config
 keys in which the runs differ. ``jaxfed plot`` and the end of ``jaxfed run`` call it.
+:func:`read_run` and :func:`read_json` read a run directory's files (``jaxfed report`` too): a
+damaged one, or an ``out_file`` that cannot be written, is a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, first_line
+from jaxfed.rundir import NEUTRAL_KEYS
 
 METRICS = (
     "personalized_acc_mean",
@@ -19,23 +22,9 @@ METRICS = (
     "personalized_mse_weighted",
     "global_mse",
 )
-# Keys that never change what a run computes: not worth a label.
-UNLABELLED_KEYS = frozenset(
-    {
-        "algorithm",
-        "data_dir",
-        "download",
-        "eval_every",
-        "rounds_per_call",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "nonfinite",
-        "devices",
-        "client_chunk",
-        "eval_batch_size",
-        "rounds",
-    }
-)
+# Not worth a label: keys that change no number, the algorithm (a label's first word) and the
+# rounds (the x axis).
+UNLABELLED_KEYS = NEUTRAL_KEYS | {"algorithm", "rounds"}
 
 
 def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
@@ -45,31 +34,57 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     if not metrics.exists():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (not a jaxfed run directory)")
     rows = []
-    for line in metrics.read_text().splitlines():
+    for line in metrics.read_text(errors="replace").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break
     config_file = run_dir / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config = read_json(config_file) if config_file.exists() else {}
     return config, rows
+
+
+def read_json(path: Path) -> dict:
+    """A run directory's ``config.json`` or ``summary.json``; a one-line ConfigError naming the
+    file when it cannot be read or is damaged."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror or err})") from None
+    except ValueError as err:  # not JSON, not UTF-8
+        value, problem = None, first_line(err)
+    else:
+        problem = None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+    if problem is not None:
+        raise ConfigError(
+            f"{path}: damaged ({problem}); `jaxfed run --out {Path(path).parent} --resume` writes it again "
+            "from the run's newest checkpoint"
+        )
+    return value
 
 
 def run_labels(configs: list[dict]) -> list[str]:
     """The algorithm, then ``key=value`` for every key (run key or algorithm option) that every
     run has and whose value differs between them."""
-    flat = [_flat(config) for config in configs]
+    differing = differing_keys(configs, UNLABELLED_KEYS)
+    flat = [flat_config(config) for config in configs]
+    return [" ".join([str(f.get("algorithm", "?"))] + [f"{k}={show(f[k])}" for k in differing]) for f in flat]
+
+
+def differing_keys(configs: list[dict], ignore=frozenset()) -> list[str]:
+    """The keys (run keys and algorithm options) outside ``ignore`` that every config has and whose
+    value differs between them."""
+    flat = [flat_config(config) for config in configs]
     shared = set.intersection(*(set(f) for f in flat)) if flat else set()
-    differing = [k for k in sorted(shared - UNLABELLED_KEYS) if len({json.dumps(f[k]) for f in flat}) > 1]
-    return [" ".join([str(f.get("algorithm", "?"))] + [f"{k}={_show(f[k])}" for k in differing]) for f in flat]
+    return [k for k in sorted(shared - ignore) if len({json.dumps(f[k], sort_keys=True) for f in flat}) > 1]
 
 
-def _flat(config: dict) -> dict:
+def flat_config(config: dict) -> dict:
     """A config's run keys and its algorithm's options in one dict."""
     return {**(config.get("options") or {}), **{k: v for k, v in config.items() if k != "options"}}
 
 
-def _show(value) -> str:
+def show(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
@@ -119,7 +134,12 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_me
         ax.grid(alpha=0.3)
     by_round.legend(fontsize="small")
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file, dpi=110)
-    plt.close(fig)
+    try:
+        if not out_file.parent.exists():  # a file there: saving says "Not a directory"
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_file, dpi=110, format="png")  # at out_file as named, without a suffix too
+    except OSError as err:
+        raise ConfigError(f"{out_file}: cannot be written ({err.strerror or err})") from None
+    finally:
+        plt.close(fig)
     return out_file

@@ -4,12 +4,15 @@ one per-seed file and one plot of the curves with their spread.
 A *variant* is a directory whose run directories (``<variant>/<member>/summary.json``, e.g. the
 members ``seed0_lr0.05 ...`` of a ``jaxfed sweep``) are the same configuration over different
 seeds; a variant that is itself one run directory counts as one seed. :func:`collect` reads
-them, :func:`summarize` gives mean and sample standard deviation per metric, :func:`verdict`
-judges a claim "A above B" (or "A above B minus a margin": "within a few points of B") against
-the seeds' spread (a difference under two standard errors is inconclusive; unpaired, the
-conservative test, with the paired standard error over shared seeds shown beside it), and
-:func:`write_report` writes ``report.md`` (with the papers' numbers beside ours where given, and
-traffic relative to a reference variant), ``report.json``, ``report.csv`` and ``report.png``.
+them and refuses, in one line, what is not that: runs whose configs differ in more than the
+seed and the keys that change no number (:data:`~jaxfed.rundir.NEUTRAL_KEYS`), a seed twice, a
+run directory holding run directories too, variants of different tasks. :func:`summarize`
+gives mean and sample standard deviation per metric, :func:`verdict` judges a claim "A above
+B" (or "A above B minus a margin": "within a few points of B") against the seeds' spread (a
+difference under two standard errors is inconclusive; unpaired, the conservative test, with
+the paired standard error over shared seeds shown beside it), and :func:`write_report` writes
+``report.md`` (with the papers' numbers beside ours where given, and traffic relative to a
+reference variant), ``report.json``, ``report.csv`` and ``report.png``.
 ``jaxfed report`` is the command; every paper's experiment script uses it.
 """
 
@@ -23,7 +26,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jaxfed.errors import ConfigError
-from jaxfed.plots import read_run
+from jaxfed.plots import differing_keys, flat_config, read_json, read_run, show
+from jaxfed.rundir import NEUTRAL_KEYS, check_out_dir
 
 SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
 
@@ -37,30 +41,105 @@ class Variant(NamedTuple):
 
 
 def run_dirs(directory: Path) -> list[Path]:
-    """The run directories of a variant: itself, or its subdirectories holding a summary."""
+    """The run directories of a variant: itself, or its subdirectories holding a summary (a
+    ConfigError when it is both)."""
     directory = Path(directory)
-    if (directory / "summary.json").exists():
-        return [directory]
-    return sorted(p for p in directory.iterdir() if (p / "summary.json").exists()) if directory.is_dir() else []
+    try:
+        below = sorted(p for p in directory.iterdir() if _finished(p)) if directory.is_dir() else []
+    except OSError as err:
+        raise ConfigError(f"report: {directory} cannot be read ({err.strerror or err})") from None
+    if not _finished(directory):
+        return below
+    if below:
+        raise ConfigError(
+            f"report: {directory} is a run directory (its own summary.json) and holds run directories too "
+            f"({_names(below)}); move the one or the others elsewhere and name each variant NAME=DIR"
+        )
+    return [directory]
+
+
+def _finished(run: Path) -> bool:
+    try:
+        return (run / "summary.json").is_file()
+    except OSError:  # a directory this process may not look into
+        return False
 
 
 def collect(variants: dict[str, Path]) -> list[Variant]:
     """``{name: directory}`` -> the variants' runs, summaries and rows (a ConfigError for a
-    directory without finished runs)."""
+    directory without finished runs, or for runs that are not one configuration over distinct
+    seeds, or for variants of different tasks)."""
     collected = []
     for name, directory in variants.items():
         runs = run_dirs(directory)
         if not runs:
             raise ConfigError(f"report: {directory} holds no finished run (no summary.json in it or below it)")
-        summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
+        summaries = [read_json(run / "summary.json") for run in runs]
         configs, rows = zip(*(read_run(run) for run in runs))
+        check_one_configuration(f"report: variant '{name}' ({directory})", runs, list(configs))
         collected.append(Variant(name, runs, summaries, list(rows), [c.get("seed") for c in configs]))
+    check_one_task(collected)
     return collected
+
+
+def check_one_configuration(variant: str, runs: list[Path], configs: list[dict]) -> None:
+    """A one-line ConfigError unless ``runs`` (with their ``configs``) are one configuration over
+    distinct seeds: they may differ in the seed and in :data:`~jaxfed.rundir.NEUTRAL_KEYS`, nothing
+    else (the options of runs of different algorithms are not compared, the algorithm is)."""
+    compared = configs
+    if len({c.get("algorithm") for c in configs}) > 1:
+        compared = [{k: v for k, v in c.items() if k != "options"} for c in configs]
+    keys = differing_keys(compared, NEUTRAL_KEYS | {"seed"})
+    if keys:
+        flat = [flat_config(c) for c in configs]
+        shown = ", ".join(f"{key} ({_values_by_run(key, runs, flat)})" for key in keys)
+        raise ConfigError(
+            f"{variant} holds runs that differ in more than the seed: {shown}; report each configuration as its "
+            "own variant, NAME=DIR (a run directory, or a directory of one configuration's seeds)"
+        )
+    seeds = [0 if c.get("seed") is None else c["seed"] for c in configs]
+    for seed in dict.fromkeys(seeds):
+        same = [run for run, s in zip(runs, seeds) if s == seed]
+        if len(same) > 1:
+            raise ConfigError(
+                f"{variant} holds {len(same)} runs of seed {seed} ({_names(same)}); a variant is one configuration "
+                "over distinct seeds: keep one of them, or report each as its own variant, NAME=DIR"
+            )
+
+
+def _values_by_run(key: str, runs: list[Path], flat: list[dict]) -> str:
+    """``"10 in seed0, seed1; 50 in seed2"``: each value of ``key`` and the runs that have it."""
+    by_value: dict[str, list[Path]] = {}
+    for run, config in zip(runs, flat):
+        by_value.setdefault(show(config[key]), []).append(run)
+    return "; ".join(f"{value} in {_names(holders)}" for value, holders in by_value.items())
+
+
+def _names(runs: list[Path], most: int = 3) -> str:
+    names = sorted(run.name for run in runs)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_one_task(variants: list[Variant]) -> None:
+    """A one-line ConfigError unless every run is of the first variant's task (classification or
+    regression: one table has one headline metric)."""
+    first = variants[0]
+    for variant in variants:
+        for summary in variant.summaries:
+            if _task(summary) != _task(first.summaries[0]):
+                raise ConfigError(
+                    f"report: variant '{variant.name}' is a {_task(summary)} task and '{first.name}' a "
+                    f"{_task(first.summaries[0])} task; one jaxfed report per task"
+                )
+
+
+def _task(summary: dict) -> str:
+    return "regression" if summary.get("task") == "regression" else "classification"
 
 
 def headline_metric(variant: Variant) -> str:
     """``personalized_acc_mean``, or ``personalized_mse_mean`` for a regression task."""
-    return "personalized_mse_mean" if variant.summaries[0].get("task") == "regression" else "personalized_acc_mean"
+    return "personalized_mse_mean" if _task(variant.summaries[0]) == "regression" else "personalized_acc_mean"
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -286,10 +365,11 @@ def write_report(
     """``report.md`` (the table and the verdicts), ``report.json`` and ``report.csv`` (per seed),
     ``report.png`` (the curves with their spread) in ``out_dir``. ``claims`` as ``"A>B"`` or
     ``"A>B-MARGIN"``, ``paper`` as ``"VARIANT=NUMBER"``."""
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     collected = collect(variants)
     parsed = [parse_claim(c) for c in claims]
     table = markdown(collected, parsed, dict(parse_paper_value(p) for p in paper), relative_to)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {name: out_dir / f"report.{name}" for name in ("md", "json", "csv", "png")}
     files["md"].write_text(table)

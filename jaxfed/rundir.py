@@ -46,6 +46,11 @@ RESUMABLE_KEYS = frozenset(
         "download",
     }
 )
+# Keys in which runs may differ and still be one configuration (the seeds of a ``jaxfed report``
+# variant; never worth a plot label): besides the resumable keys but ``rounds``, the devices and
+# the chunking of clients and evaluation batches (these may change float rounding, so a resume
+# keeps them) and the plugins imported.
+NEUTRAL_KEYS = (RESUMABLE_KEYS - {"rounds"}) | {"devices", "host_devices", "client_chunk", "eval_batch_size", "plugins"}
 TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
 
 
@@ -378,7 +383,7 @@ def write_plots(out: Path, rows: list[dict], log) -> None:
         try:
             plot_runs([out], out / name, metric)
         except Exception as err:  # a plot must never cost the run its results
-            log(f"warning: could not write {out / name}: {err}")
+            log(f"warning: could not draw {name}: {err}")
 
 
 def is_regression_row(row: dict) -> bool:

@@ -66,3 +66,44 @@ def test_labels_name_differing_options_and_never_dump_an_options_dict():
     assert run_labels(configs[:2]) == ["floral rho=0.01", "floral rho=0.1"]
     assert run_labels([configs[0], configs[2]]) == ["floral", "fedavg"]
     assert run_labels([configs[0], {**configs[2], "seed": 1}]) == ["floral seed=0", "fedavg seed=1"]
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("jaxfed: error: "), err
+    return err
+
+
+def test_a_damaged_config_is_one_line_naming_the_file(tmp_path, capsys):
+    run = _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5], 1e6)
+    (run / "config.json").write_text('{"algorithm": "fed')
+    assert main(["plot", str(run)]) == 2
+    err = _one_line(capsys)
+    assert f"{run / 'config.json'}: damaged (Unterminated string" in err
+    assert f"`jaxfed run --out {run} --resume` writes it again" in err
+
+
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    run = _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5], 1e6)
+    (tmp_path / "afile").write_text("mine")
+    for out, reason in ((tmp_path / "afile" / "x.png", "Not a directory"), (tmp_path, "Is a directory")):
+        assert main(["plot", str(run), "--out", str(out)]) == 2
+        assert f"{out}: cannot be written ({reason})" in _one_line(capsys)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_plot_that_fails_at_the_end_of_a_run_is_a_warning_and_the_run_is_kept(tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out), "--set", "rounds=1", "num_clients=4"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert warnings == [
+        f"warning: could not draw {name}: {out / name}: cannot be written (No space left on device)"
+        for name in ("accuracy.png", "global_accuracy.png")
+    ]
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 1 and not (out / "accuracy.png").exists()

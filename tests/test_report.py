@@ -9,12 +9,13 @@ from jaxfed.cli import main
 from jaxfed.report import Claim, collect, markdown, paired_standard_error, parse_claim, verdict, write_report
 
 
-def _fake_run(directory, seed, final, task="classification", upload=2e6, cached=None):
-    """A finished run directory: config, two metrics rows, a summary ending at ``final`` (total
-    traffic with clients caching: ``cached``, or all of it)."""
+def _fake_run(directory, seed, final, task="classification", upload=2e6, cached=None, **config):
+    """A finished run directory: config (``config`` over fedavg, 10 rounds, lr 0.05), two metrics
+    rows, a summary ending at ``final`` (total traffic with clients caching: ``cached``, or all of it)."""
     directory.mkdir(parents=True)
     kind = "mse" if task == "regression" else "acc"
-    (directory / "config.json").write_text(json.dumps({"algorithm": "fedavg", "seed": seed}))
+    run_config = {"algorithm": "fedavg", "seed": seed, "rounds": 10, "options": {"lr": 0.05}, **config}
+    (directory / "config.json").write_text(json.dumps(run_config))
     rows = [
         {"round": 5, f"personalized_{kind}_mean": final / 2, "bytes_up_total": 1e6},
         {"round": 10, f"personalized_{kind}_mean": final, "bytes_up_total": 2e6},
@@ -193,3 +194,96 @@ def test_no_paired_standard_error_unless_both_variants_ran_the_same_seeds(tmp_pa
     assert table.count("| n/a |") == 2
     assert paired_standard_error({0: 0.9, 1: 0.8}, {1: 0.6, 0: 0.7}) == pytest.approx(0.0)  # by seed, not order
     assert paired_standard_error({0: 0.9, 2: 0.8}, {0: 0.7, 1: 0.6}) is None
+
+
+def _run_of(root, name, seed=0, final=0.8, **config):
+    _fake_run(root / name, seed, final, **config)
+    return root / name
+
+
+def _report_error(variants, tmp_path, capsys) -> str:
+    """The one line of a ``jaxfed report`` refused with exit 2."""
+    assert main(["report", *variants, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("jaxfed: error: "), err
+    return err
+
+
+def test_runs_of_different_algorithms_are_not_seeds_of_one_variant(tmp_path, capsys):
+    for i, algorithm in enumerate(("fedara", "fedcspack", "floral")):  # all seed 0
+        _run_of(tmp_path / "mix", algorithm, algorithm=algorithm, options={"lr": 0.05 * (i + 1)})
+    err = _report_error([f"all={tmp_path / 'mix'}"], tmp_path, capsys)
+    assert f"variant 'all' ({tmp_path / 'mix'}) holds runs that differ in more than the seed" in err
+    assert "algorithm (fedara in fedara; fedcspack in fedcspack; floral in floral)" in err
+    assert "report each configuration as its own variant, NAME=DIR" in err
+    assert "lr (" not in err  # the options of different algorithms are not compared key by key
+
+
+@pytest.mark.parametrize(
+    "second, expected",
+    [
+        ({"rounds": 50}, "rounds (10 in seed0; 50 in seed1)"),
+        ({"options": {"lr": 0.1}}, "lr (0.05 in seed0; 0.1 in seed1)"),
+        ({"dataset": "mnist", "num_clients": 100}, "dataset (digits in seed0; mnist in seed1), num_clients (20 in"),
+    ],
+)
+def test_runs_that_differ_in_a_key_that_changes_the_numbers_are_refused(second, expected, tmp_path, capsys):
+    _run_of(tmp_path / "v", "seed0", seed=0, dataset="digits", num_clients=20)
+    _run_of(tmp_path / "v", "seed1", seed=1, **{"dataset": "digits", "num_clients": 20, **second})
+    err = _report_error([str(tmp_path / "v")], tmp_path, capsys)
+    assert "variant 'v'" in err and expected in err
+
+
+def test_runs_may_differ_in_the_seed_and_in_keys_that_change_no_number(tmp_path):
+    from jaxfed.rundir import NEUTRAL_KEYS
+
+    assert {"eval_every", "data_dir", "client_chunk", "member_chunk", "devices", "plugins"} <= NEUTRAL_KEYS
+    assert not {"rounds", "seed", "algorithm", "lr", "matmul_precision"} & NEUTRAL_KEYS
+    _run_of(tmp_path / "v", "a", seed=0, eval_every=5, data_dir="/data", client_chunk=0, plugins=[])
+    _run_of(tmp_path / "v", "b", seed=1, eval_every=2, data_dir="", client_chunk=-1, plugins=["mine.py"])
+    (variant,) = collect({"v": tmp_path / "v"})
+    assert variant.seeds == [0, 1]
+
+
+def test_the_same_seed_twice_in_one_variant_is_refused(tmp_path, capsys):
+    _run_of(tmp_path / "v", "first", seed=3)
+    _run_of(tmp_path / "v", "again", seed=3, eval_every=2)
+    err = _report_error([f"v={tmp_path / 'v'}"], tmp_path, capsys)
+    assert f"variant 'v' ({tmp_path / 'v'}) holds 2 runs of seed 3 (again, first)" in err and "NAME=DIR" in err
+
+
+def test_a_run_directory_that_holds_run_directories_too_is_refused(tmp_path, capsys):
+    sweep = _variant(tmp_path, "sweep", [0.8, 0.81])
+    _fake_run(sweep / "stray", 0, 0.5)
+    for name in ("config.json", "metrics.jsonl", "summary.json"):  # a run written into the sweep's parent
+        (sweep / name).write_text((sweep / "stray" / name).read_text())
+    err = _report_error([str(sweep)], tmp_path, capsys)
+    assert f"{sweep} is a run directory (its own summary.json) and holds run directories too" in err
+    assert "seed0_lr0.05, seed1_lr0.05, stray" in err
+
+
+def test_a_regression_and_a_classification_variant_are_one_line(tmp_path, capsys):
+    acc = _variant(tmp_path, "acc", [0.8, 0.81])
+    mse = _variant(tmp_path, "mse", [0.1, 0.2], task="regression")
+    err = _report_error([f"acc={acc}", f"mse={mse}"], tmp_path, capsys)
+    assert "variant 'mse' is a regression task and 'acc' a classification task" in err
+    assert "one jaxfed report per task" in err
+
+
+@pytest.mark.parametrize("damage", ["", '{"task": ', "[1, 2]", "\udcff"])
+def test_a_damaged_summary_is_one_line_naming_the_file(damage, tmp_path, capsys):
+    variant = _variant(tmp_path, "a", [0.8, 0.81])
+    summary = variant / "seed1_lr0.05" / "summary.json"
+    summary.write_bytes(damage.encode("utf-8", "surrogateescape"))
+    err = _report_error([str(variant)], tmp_path, capsys)
+    assert f"{summary}: damaged" in err
+    assert f"`jaxfed run --out {summary.parent} --resume` writes it again from the run's newest checkpoint" in err
+
+
+def test_a_report_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    variant = _variant(tmp_path, "a", [0.8, 0.81])
+    (tmp_path / "afile").write_text("mine")
+    assert main(["report", str(variant), "--out", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--out " + str(tmp_path / "afile") + ": is a file, not a directory" in err
+    assert (tmp_path / "afile").read_text() == "mine"
