@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         help="parent directory of the members' run directories seed<S>_lr<LR> "
         "(default: runs/sweep_<algorithm>_<dataset>_<time>)",
     )
+    sweep.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted sweep in --out (the same command plus --resume): finished members are "
+        "skipped, the others go on from their newest checkpoints",
+    )
     sweep.add_argument("--quiet", action="store_true", help="no progress lines")
     plot = commands.add_parser("plot", help="plot accuracy vs round and vs bytes uploaded for run directories")
     plot.add_argument("runs", nargs="+", metavar="DIR", help="run directories (written by jaxfed run)")
@@ -224,6 +230,10 @@ def _sweep(args) -> int:
     from jaxfed.rundir import new_run_dir
     from jaxfed.sweep import run_grid, sweep_configs
 
+    if args.resume and not args.out:
+        raise ConfigError("--resume: needs --out DIR, the sweep's directory to continue")
+    if args.resume and not Path(args.out).is_dir():
+        raise ConfigError(f"--resume: {args.out} does not exist; start the sweep without --resume")
     base = config_from_args(args)
     grid = dict(_grid_axis(text) for text in args.grid)
     seeds, lrs = _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float)
@@ -231,9 +241,13 @@ def _sweep(args) -> int:
     root = Path(args.out) if args.out else new_run_dir(f"runs/sweep_{base.algorithm}_{base.dataset}")
     start = time.perf_counter()
     try:
-        outs, summaries = run_grid(configs, root, list(grid), progress=not args.quiet)
+        outs, summaries = run_grid(configs, root, list(grid), progress=not args.quiet, resume=args.resume)
     except NonFiniteUpdateError as err:
-        print(f"jaxfed: error: {err}; last good states saved in {root}/*/checkpoints", file=sys.stderr)
+        print(
+            f"jaxfed: error: {err}; last good states saved in {root}/*/checkpoints; to drop such clients instead, "
+            "continue with the same command plus `--resume --set nonfinite=skip`",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     for out, s in zip(outs, summaries):
         kind = "mse" if s["task"] == "regression" else "acc"

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from jaxfed.errors import ConfigError
 from jaxfed.plots import differing_keys, flat_config, read_json, read_run, show
-from jaxfed.rundir import NEUTRAL_KEYS, check_out_dir
+from jaxfed.rundir import NEUTRAL_KEYS, check_out_dir, listed
 
 SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
 
@@ -53,7 +53,7 @@ def run_dirs(directory: Path) -> list[Path]:
     if below:
         raise ConfigError(
             f"report: {directory} is a run directory (its own summary.json) and holds run directories too "
-            f"({_names(below)}); move the one or the others elsewhere and name each variant NAME=DIR"
+            f"({listed(below)}); move the one or the others elsewhere and name each variant NAME=DIR"
         )
     return [directory]
 
@@ -102,7 +102,7 @@ def check_one_configuration(variant: str, runs: list[Path], configs: list[dict])
         same = [run for run, s in zip(runs, seeds) if s == seed]
         if len(same) > 1:
             raise ConfigError(
-                f"{variant} holds {len(same)} runs of seed {seed} ({_names(same)}); a variant is one configuration "
+                f"{variant} holds {len(same)} runs of seed {seed} ({listed(same)}); a variant is one configuration "
                 "over distinct seeds: keep one of them, or report each as its own variant, NAME=DIR"
             )
 
@@ -112,12 +112,7 @@ def _values_by_run(key: str, runs: list[Path], flat: list[dict]) -> str:
     by_value: dict[str, list[Path]] = {}
     for run, config in zip(runs, flat):
         by_value.setdefault(show(config[key]), []).append(run)
-    return "; ".join(f"{value} in {_names(holders)}" for value, holders in by_value.items())
-
-
-def _names(runs: list[Path], most: int = 3) -> str:
-    names = sorted(run.name for run in runs)
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+    return "; ".join(f"{value} in {listed(holders)}" for value, holders in by_value.items())
 
 
 def check_one_task(variants: list[Variant]) -> None:

@@ -228,6 +228,13 @@ class RunDirectory:
             return found
         if not self.path.is_dir():
             raise ConfigError(f"--resume: {self.path} does not exist; start the run without --resume")
+        members = run_dirs_below(self.path)
+        if members and not self.checkpoints.rounds():
+            raise ConfigError(
+                f"--resume: {self.path} is a sweep's directory (it holds the run directories {listed(members)}); "
+                f"continue the sweep with `jaxfed sweep ... --out {self.path} --resume` (its command plus --resume), "
+                f"or one member with `jaxfed run --out {members[0]} --resume`"
+            )
         again = (
             "delete it or choose another --out to run again"
             if self.holds_run() and not self.stopped_before_first_checkpoint()
@@ -330,6 +337,18 @@ def new_run_dir(stem: str | Path) -> Path:
     raise ConfigError(f"--out: could not create a fresh directory named {base}-N; pass --out")
 
 
+def run_dirs_below(path: str | Path) -> list[Path]:
+    """The run directories (holding a ``config.json``) right below ``path``: a sweep's members."""
+    path = Path(path)
+    return sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
+
+
+def listed(paths: list[Path], most: int = 3) -> str:
+    """``"a, b, c and 2 more"``: the names of ``paths``, sorted, the first ``most`` of them."""
+    names = sorted(p.name for p in paths)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def check_rounds(done: int, rounds: int) -> None:
     """A resumed run may go on or stop where it is, never end before the rounds it has done."""
     if rounds < done:
@@ -346,8 +365,9 @@ def written_config(out_dir: str | Path) -> dict:
         return {}
 
 
-def check_resumable(saved: Config, config: Config) -> None:
-    """Refuse (ConfigError) a resume whose config changes what a round computes."""
+def check_resumable(saved: Config, config: Config, source: str = "the checkpoint's") -> None:
+    """Refuse (ConfigError) a resume whose config changes what a round computes (``saved`` is
+    ``source`` config, as the message names it)."""
     changed = [
         f"{key} ({getattr(saved, key)!r} -> {getattr(config, key)!r})"
         for key in Config.run_keys()
@@ -358,7 +378,7 @@ def check_resumable(saved: Config, config: Config) -> None:
         changed += [f"{key} ({old[key]!r} -> {new.get(key)!r})" for key in old if old[key] != new.get(key)]
     if changed:
         raise ConfigError(
-            "--resume: the config differs from the checkpoint's in "
+            f"--resume: the config differs from {source} in "
             + ", ".join(changed)
             + f"; only {', '.join(sorted(RESUMABLE_KEYS))} may change"
         )

@@ -9,6 +9,10 @@ sharing those keys' values (:func:`shape_groups`), from one command.
 it. Each configuration gets its own run directory, written as ``jaxfed run`` writes it
 (``config.json``, ``metrics.jsonl``, ``summary.json``, plots, ``checkpoints/``), so any member can
 be plotted with the others or continued alone with ``jaxfed run --out DIR --resume``.
+``run_grid(..., resume=True)`` (``jaxfed sweep ... --resume``) continues an interrupted sweep:
+finished members are skipped, the others go on from their newest checkpoints (or from the start)
+as compiled sweeps again, one per shape group and round (:func:`resume_point`,
+:func:`resume_batches`), with the numbers of the sweep left alone.
 
 How the members are stacked: each configuration is built as ``jaxfed run`` would build it (its
 seed partitions the data on the host); the per-client index tables are padded to a common width
@@ -38,7 +42,16 @@ from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
 from jaxfed.driver import drive
 from jaxfed.errors import ConfigError
-from jaxfed.rundir import LoopSettings, RunDirectory, RunRecord, summary
+from jaxfed.plots import read_json
+from jaxfed.rundir import (
+    LoopSettings,
+    RunDirectory,
+    RunRecord,
+    check_resumable,
+    check_rounds,
+    summary,
+    written_config,
+)
 from jaxfed.simulation.engine import default_client_chunk
 
 
@@ -261,26 +274,83 @@ def split_host_for(configs: list[Config]) -> None:
         split_host(counts[0])
 
 
-def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None):
+def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None, resume=False):
     """Every member of ``configs`` into ``root/<member_name>``: one compiled sweep per
     :func:`shape_groups` group, one group after another. Returns ``(out_dirs, summaries)`` in the
-    order of ``configs``."""
+    order of ``configs``. ``resume``: continue an interrupted sweep (:func:`resume_point` for
+    each member, then one compiled sweep per :func:`resume_batches` batch); otherwise a member
+    directory that holds a run already is refused before anything runs."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     split_host_for(configs)
     outs = [Path(root) / member_name(c, keys) for c in configs]
     if len(set(outs)) < len(outs):
         raise ConfigError("sweep: two members would share a run directory; give each swept key distinct values")
-    traced = traceable_keys(configs)
-    groups = shape_groups(configs, traced)
-    summaries: list[dict | None] = [None] * len(configs)
-    for number, group in enumerate(groups, 1):
-        if len(groups) > 1:
-            log(f"sweep group {number}/{len(groups)}: {len(group)} member(s), one compiled program")
-        members, dirs = [configs[i] for i in group], [outs[i] for i in group]
-        results = run_sweep(members, dirs, progress=progress, log=log, traced=traced)
-        for i, result in zip(group, results):
-            summaries[i] = result
+    dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
+    with contextlib.ExitStack() as locks:
+        for directory in dirs:
+            locks.enter_context(directory.locked())
+        if resume:
+            points = [resume_point(c, directory, log) for c, directory in zip(configs, dirs)]
+        else:
+            points = [refuse_taken(directory) for directory in dirs]
+        summaries = [read_json(d.path / "summary.json") if p is None else None for d, p in zip(dirs, points)]
+        traced = traceable_keys(configs) if any(p is not None for p in points) else []
+        batches = resume_batches(shape_groups(configs, traced), points)
+        for number, batch in enumerate(batches, 1):
+            if len(batches) > 1:
+                since = f", from round {points[batch[0]]}" if points[batch[0]] else ""
+                log(f"sweep group {number}/{len(batches)}: {len(batch)} member(s), one compiled program{since}")
+            members, members_dirs = [configs[i] for i in batch], [dirs[i] for i in batch]
+            results = _run_members(members, members_dirs, time.perf_counter(), progress, log, traced, resume)
+            for i, result in zip(batch, results):
+                summaries[i] = result
     return outs, summaries
+
+
+def refuse_taken(directory: RunDirectory) -> int:
+    """0 (the round a new member starts from); a ConfigError if a run has left results in
+    ``directory``."""
+    if directory.holds_run():
+        raise ConfigError(
+            f"--out {directory.path}: already holds a run; continue the sweep with --resume, or choose another --out"
+        )
+    return 0
+
+
+def resume_point(config: Config, directory: RunDirectory, log) -> int | None:
+    """Where a member of a resumed sweep goes on: None when it has finished ``config.rounds``
+    (``summary.json`` says so), else the round of its newest readable checkpoint, or 0 when it
+    never started or stopped before its first checkpoint. A one-line ConfigError when the
+    member's saved config (its checkpoint's, else its ``config.json``) differs from ``config`` in
+    a key a resume may not change, when it has done more rounds than ``config.rounds``, or when
+    it holds results without a checkpoint to go on from."""
+    done, saved = None, written_config(directory.path)
+    if directory.checkpoints.rounds():
+        done, record = directory.newest_checkpoint_record(log)
+        saved = record["config"]
+        check_rounds(done, config.rounds)
+    if saved:
+        check_resumable(Config.from_dict(saved), config, f"{directory.path}'s")
+    summary_file = directory.path / "summary.json"
+    if summary_file.exists() and read_json(summary_file).get("rounds") == config.rounds:
+        return None
+    if done is not None:
+        return done
+    directory.refuse_existing()  # what a run without checkpoints left cannot be continued
+    return 0
+
+
+def resume_batches(groups: list[list[int]], points: list[int | None]) -> list[list[int]]:
+    """The members still to run (``points[i]``, the round member ``i`` goes on from, not None),
+    each shape group split by that round: one compiled sweep per batch."""
+    batches = []
+    for group in groups:
+        by_round: dict[int, list[int]] = {}
+        for i in group:
+            if points[i] is not None:
+                by_round.setdefault(points[i], []).append(i)
+        batches += by_round.values()
+    return batches
 
 
 def run_sweep(
@@ -291,30 +361,33 @@ def run_sweep(
 
     A member whose client update is non-finite under ``nonfinite=error`` stops the sweep after every
     member's state is checkpointed (raises :class:`NonFiniteUpdateError` naming that member's
-    directory); the others can be continued with ``jaxfed run --resume``.
+    directory); the sweep continues with ``run_grid(..., resume=True)`` (``jaxfed sweep ...
+    --resume``), a member alone with ``jaxfed run --resume``.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     split_host_for(configs)
     start = time.perf_counter()
-    config = configs[0]
-    dirs = [RunDirectory(d, config.keep_checkpoints) for d in out_dirs]
+    dirs = [RunDirectory(d, configs[0].keep_checkpoints) for d in out_dirs]
     with contextlib.ExitStack() as locks:
         for directory in dirs:
             locks.enter_context(directory.locked())
-            if directory.holds_run():
-                raise ConfigError(f"--out {directory.path}: already holds a run; choose another --out")
+            refuse_taken(directory)
         return _run_members(configs, dirs, start, progress, log, traced)
 
 
-def _run_members(configs, dirs, start, progress, log, traced) -> list[dict]:
+def _run_members(configs, dirs, start, progress, log, traced, resume=False) -> list[dict]:
     config = configs[0]
     sweep = Sweep(configs, traced)
-    records = [RunRecord(c.to_dict()) for c in configs]
-    for c, directory in zip(configs, dirs):
-        directory.start(c.to_dict(), [])
+    states = sweep.init()
+    if resume:
+        states, records = restore_members(sweep, states, dirs, log)
+    else:
+        records = [RunRecord(c.to_dict()) for c in configs]
+    for c, directory, record in zip(configs, dirs, records):
+        directory.start(c.to_dict(), record.rows)
     drive(
         sweep,
-        sweep.init(),
+        states,
         dirs,
         records,
         LoopSettings.of(config),
@@ -330,3 +403,28 @@ def _run_members(configs, dirs, start, progress, log, traced) -> list[dict]:
         directory.finish(result, record.rows, log)
         summaries.append(result)
     return summaries
+
+
+def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], log):
+    """``(states, records)``: each member's state and record from its newest readable checkpoint
+    (a member without one keeps its initial state in ``states``), stacked and placed as ``states``
+    is. A ConfigError if they come back at different rounds (one compiled sweep runs them
+    together): a checkpoint whose record reads but whose state does not is set aside, so the same
+    command run again plans from the round that reads."""
+    members, records = [], []
+    for i, (config, directory) in enumerate(zip(sweep.configs, dirs)):
+        state, record = sweep.member(states, i), RunRecord(config.to_dict())
+        if directory.checkpoints.rounds():
+            state, record = directory.restore(state, log)
+            record.config = config.to_dict()
+        members.append(state)
+        records.append(record)
+    rounds = [int(member.round) for member in members]
+    if len(set(rounds)) > 1:
+        shown = ", ".join(f"{d.path.name} {r}" for d, r in zip(dirs, rounds))
+        raise ConfigError(
+            f"sweep: members restored at different rounds ({shown}) after an unreadable checkpoint was set aside; "
+            "run the same command again to go on from the rounds that read"
+        )
+    stacked = jax.tree.map(lambda like, *xs: jax.device_put(jnp.stack(xs), like.sharding), states, *members)
+    return stacked, records

@@ -74,3 +74,11 @@ def metrics_rows(run_dir) -> list[dict]:
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def flip_state_byte(step: Path) -> None:
+    """Flip one bit in the largest state file of checkpoint directory ``step``."""
+    data_file = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(data_file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    data_file.write_bytes(bytes(data))

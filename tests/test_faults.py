@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import flip_state_byte
 from conftest import metrics_rows as _rows
 
 from jaxfed.cli import main
@@ -315,13 +316,6 @@ def test_lock_is_released_when_a_run_ends(tmp_path):
 CHECKPOINTED = ["--set", "num_clients=4", "rounds=4", "eval_every=2", "checkpoint_every=2"]
 
 
-def _flip_state_byte(step: Path) -> None:
-    data_file = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data = bytearray(data_file.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    data_file.write_bytes(bytes(data))
-
-
 def _edit_record(step: Path) -> None:
     record_file = step / "run" / "metadata"
     record = json.loads(record_file.read_text())
@@ -329,7 +323,7 @@ def _edit_record(step: Path) -> None:
     record_file.write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("damage", [_flip_state_byte, _edit_record], ids=["a flipped state bit", "an edited record"])
+@pytest.mark.parametrize("damage", [flip_state_byte, _edit_record], ids=["a flipped state bit", "an edited record"])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage, tmp_path, capsys):
     reference, out = tmp_path / "reference", tmp_path / "run"
     assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0

@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import flip_state_byte, make_federation
 from conftest import metrics_rows as rows
 
 from jaxfed.algorithms import registry
@@ -14,10 +14,12 @@ from jaxfed.cli import main
 from jaxfed.config import Config
 from jaxfed.driver import run
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
+from jaxfed.simulation.checkpoint import RunCheckpoints
 from jaxfed.sweep import (
     Sweep,
     check_sweepable,
     member_name,
+    resume_batches,
     run_grid,
     run_sweep,
     shape_groups,
@@ -160,3 +162,90 @@ def test_grid_mistakes_are_one_line(grid, expected, tmp_path, capsys):
     assert main(["sweep", "fedprox", "--grid", grid, "--out", str(tmp_path / "s"), "--set", "rounds=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_members_still_to_run_go_on_in_one_program_per_shape_group_and_round():
+    groups = [[0, 1, 2, 3], [4, 5], [6]]
+    points = [2, 0, 2, None, None, None, 0]  # None: finished; 0: never started (or before a checkpoint)
+    assert resume_batches(groups, points) == [[0, 2], [1], [6]]
+
+
+RESUMED = ["num_clients=8", "participation=0.5", "rounds=4", "eval_every=1", "rounds_per_call=1", "checkpoint_every=2"]
+
+
+def _sweep(out, *more) -> list[str]:
+    grid = ["--seeds", "0,1", "--grid", "momentum=0.0,0.5,0.9"]  # three shape groups of two members
+    return ["sweep", "--quiet", *grid, "--out", str(out), "--set", *RESUMED, *more]
+
+
+def test_an_interrupted_sweep_goes_on_with_its_command_plus_resume_bit_for_bit(tmp_path, capsys, monkeypatch):
+    alone, out = tmp_path / "alone", tmp_path / "sweep"
+    assert main(_sweep(alone)) == 0
+    names = sorted(p.name for p in alone.iterdir())
+    calls, run_rounds, save = [0], Sweep.run_rounds, RunCheckpoints.save
+
+    def interrupted(self, states, num_rounds):
+        calls[0] += 1
+        if calls[0] == 7:  # group 1 done (4 calls), group 2 checkpointed at round 2, group 3 never started
+            raise KeyboardInterrupt
+        return run_rounds(self, states, num_rounds)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Sweep, "run_rounds", interrupted)
+        patch.setattr(RunCheckpoints, "save", lambda self, *args: (save(self, *args), self.wait()))  # whole before ^C
+        assert main(_sweep(out)) == 130
+    done = {
+        name: sorted(p.name for p in (out / name / "checkpoints").iterdir()) for name in names if (out / name).exists()
+    }
+    assert done == {
+        f"seed{s}_lr0.05_momentum{m}": rounds for s in (0, 1) for m, rounds in (("0", ["2", "4"]), ("0.5", ["2"]))
+    }
+    finished = {name: (out / name / "summary.json").read_text() for name in names if name.endswith("momentum0")}
+    capsys.readouterr()
+    assert main(_sweep(out)) == 2  # the same command: refused, pointing to --resume
+    assert "already holds a run; continue the sweep with --resume" in capsys.readouterr().err
+    assert main(_sweep(out, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert err.count("resuming from round 2") == 2 and "sweep group 1/2: 2 member(s), one compiled program" in err
+    assert {name: (out / name / "summary.json").read_text() for name in finished} == finished  # skipped
+    for name in names:
+        assert rows(out / name) == rows(alone / name), name
+
+
+def test_a_finished_sweep_resumed_is_skipped_or_extended_and_mistakes_are_one_line(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["sweep", "--quiet", "--seeds", "0,1", "--out", str(out), "--set", *RESUMED, "rounds=2"]
+    assert main(args) == 0
+    member = out / "seed0_lr0.05"
+    cases = [
+        (["sweep", "--resume"], "--resume: needs --out DIR, the sweep's directory to continue"),
+        (["sweep", "--resume", "--out", str(tmp_path / "none")], f"--resume: {tmp_path / 'none'} does not exist"),
+        ([*args, "participation=0.25", "--resume"], f"differs from {member}'s in participation (0.5 -> 0.25)"),
+        ([*args, "rounds=1", "--resume"], "rounds: 1 is fewer than the 2 rounds the checkpoint has done"),
+        (
+            ["run", "--quiet", "--resume", "--out", str(out)],
+            f"--resume: {out} is a sweep's directory (it holds the run directories seed0_lr0.05, seed1_lr0.05); "
+            f"continue the sweep with `jaxfed sweep ... --out {out} --resume` (its command plus --resume), or one "
+            f"member with `jaxfed run --out {member} --resume`",
+        ),
+    ]
+    capsys.readouterr()
+    for command, expected in cases:
+        assert main(command) == 2, command
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+    assert main([*args, "--resume"]) == 0  # every member finished: nothing runs
+    assert "seed1_lr0.05: personalized acc" in capsys.readouterr().out
+    assert main([*args, "rounds=3", "--resume"]) == 0  # resumable keys may change: rounds extends every member
+    assert capsys.readouterr().err.count("resuming from round 2") == 2
+    three = rows(member)
+    assert [[r["round"] for r in rows(out / name)] for name in ("seed0_lr0.05", "seed1_lr0.05")] == [[1, 2, 3]] * 2
+    flip_state_byte(member / "checkpoints" / "3")  # its record reads, its state does not: found when restoring
+    assert main([*args, "rounds=4", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "".join(err) and err[-1] == (
+        "jaxfed: error: sweep: members restored at different rounds (seed0_lr0.05 2, seed1_lr0.05 3) after an "
+        "unreadable checkpoint was set aside; run the same command again to go on from the rounds that read"
+    )
+    assert main([*args, "rounds=4", "--resume"]) == 0  # one program from round 2, one from round 3
+    assert rows(member)[:3] == three and [r["round"] for r in rows(out / "seed1_lr0.05")] == [1, 2, 3, 4]
