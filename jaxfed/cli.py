@@ -232,7 +232,7 @@ def _sweep(args) -> int:
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the sweep's directory to continue")
-    if args.resume and not Path(args.out).is_dir():
+    if args.resume and not Path(args.out).exists():
         raise ConfigError(f"--resume: {args.out} does not exist; start the sweep without --resume")
     base = config_from_args(args)
     grid = dict(_grid_axis(text) for text in args.grid)

@@ -53,7 +53,8 @@ def run_dirs(directory: Path) -> list[Path]:
     if below:
         raise ConfigError(
             f"report: {directory} is a run directory (its own summary.json) and holds run directories too "
-            f"({listed(below)}); move the one or the others elsewhere and name each variant NAME=DIR"
+            f"({listed(below)}); move that run's files or the run directories elsewhere, and report each "
+            "configuration as its own variant, NAME=DIR"
         )
     return [directory]
 
