@@ -276,3 +276,16 @@ def test_bad_settings_are_clear_errors(mlp):
         ad.conv_layout("diagonal", (3, 3, 4, 4))
     with pytest.raises(ConfigError, match="conv_precondition: unknown 'taps'; allowed: per_tap, matricized"):
         ad.lora_preconditioner(ad.adaptor_plan(params, 2), conv="taps")
+
+
+def test_a_rank_a_layer_cannot_hold_is_refused(mlp, small_cnn):
+    params = split_variables(mlp.init(jax.random.key(0)))[0]
+    assert ad.adaptor_plan(params, 2, rank=10).kernels["head"].rank == 10
+    head = r"^adaptor_rank: 11 is not a valid rank for head \(kernel \(200, 10\), matricized \(200, 10\)\)"
+    with pytest.raises(ConfigError, match=head + ": allowed 1..10$"):
+        ad.adaptor_plan(params, 2, rank=11)
+    # the limit is the conv adaptor layout's: out_layer matricizes conv1 [3, 3, 1, 8] as [cin, 72]
+    template = jax.eval_shape(small_cnn.init, jax.random.key(0))["params"]
+    assert ad.adaptor_plan(template, 2, rank=2).kernels["conv1"].rank == 2
+    with pytest.raises(ConfigError, match=r"for conv1 \(kernel \(3, 3, 1, 8\), matricized \(1, 72\)\): allowed 1..1$"):
+        ad.adaptor_plan(template, 2, rank=2, conv_adaptor="out_layer")

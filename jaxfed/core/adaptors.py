@@ -85,7 +85,8 @@ def adaptor_plan(
     alpha: float = 1.0,
 ) -> AdaptorPlan:
     """The plan for a parameter tree (arrays or shape structs): every Dense / Conv kernel (or
-    ``layers``) with ``rank`` or, when 0, the rank of the relative budget ``rho``."""
+    ``layers``) with ``rank`` (a ConfigError where a layer cannot hold it) or, when 0, the rank
+    of the relative budget ``rho``."""
     if num_adaptors < 1:
         raise ConfigError(f"num_adaptors: must be >= 1, got {num_adaptors}")
     if rank < 0:
@@ -98,8 +99,10 @@ def adaptor_plan(
         shape = tuple(lowrank.get_layer(template, key)["kernel"].shape)
         kind = "dense" if len(shape) == 2 else conv_adaptor
         layout = "balanced" if kind == "dense" else conv_layout(kind, shape)
-        rows, cols = lowrank.matrix_shape(shape, layout)
-        r = min(rank, rows, cols) if rank else lowrank.rank_from_budget(rows, cols, rho)
+        if rank:
+            r = lowrank.check_rank(shape, rank, "adaptor_rank", key, layout)
+        else:
+            r = lowrank.rank_from_budget(*lowrank.matrix_shape(shape, layout), rho)
         kernels[key] = KernelAdaptor(kind, layout, r, shape)
     biases = tuple(k for k in keys if bias and "bias" in lowrank.get_layer(template, k))
     norms = tuple(_norm_layers(template)) if norm else ()
