@@ -30,6 +30,7 @@ from jaxfed.data import (
 )
 from jaxfed.data.synthetic import DEFAULT_OUTPUTS
 from jaxfed.errors import ConfigError
+from jaxfed.memory import check_memory
 from jaxfed.nn import get_model
 from jaxfed.simulation import Simulation
 
@@ -42,7 +43,7 @@ class Built(NamedTuple):
 
 def build(config: Config) -> Built:
     """Dataset, partition, model, algorithm (the registry's builder with ``config.options``) and
-    engine for ``config`` (validated)."""
+    engine for ``config`` (validated; a model that cannot fit in memory is refused here)."""
     config.validate()
     if config.host_devices:
         split_host(config.host_devices)
@@ -76,6 +77,7 @@ def build(config: Config) -> Built:
         pooled_eval_model=pooled_eval_model,
         nonfinite=config.nonfinite,
     )
+    check_memory(simulation, devices[0])
     return Built(config, simulation, summarize(train_parts, dataset.y_train))
 
 

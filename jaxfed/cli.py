@@ -169,14 +169,18 @@ def config_from_args(args, base: Config | None = None) -> Config:
     """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
     files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set``."""
     pairs = [pair for path in args.config for pair in read_config_file(path)]
-    if args.plugin:  # a .py file is recorded by its absolute path, so --resume finds it from anywhere
-        known = base.plugins if base is not None else ()
-        given = [str(Path(p).absolute()) if p.endswith(".py") else p for p in args.plugin]
-        pairs.append("plugins=" + ",".join(dict.fromkeys([*known, *given])))
+    if args.plugin:  # on --resume too: a plugin that moved is found where it is now
+        pairs.append("plugins=" + ",".join(plugin_paths(args.plugin)))
     for key, value in (("algorithm", args.algorithm), ("dataset", args.dataset), ("data_dir", args.data_dir)):
         if value is not None:
             pairs.append(f"{key}={value}")
     return (base or Config()).with_overrides(pairs + list(args.set)).validate()
+
+
+def plugin_paths(plugins: list[str]) -> list[str]:
+    """``--plugin`` values as recorded: a .py file by its absolute path, so --resume finds it
+    from anywhere; a module by its name."""
+    return list(dict.fromkeys(str(Path(p).absolute()) if p.endswith(".py") else p for p in plugins))
 
 
 def _run(args) -> int:
@@ -190,7 +194,8 @@ def _run(args) -> int:
         if not args.out:
             raise ConfigError("--coordinator: needs --out DIR, the run directory every process shares")
         distributed.start(*processes)  # before anything below starts JAX's backend
-    config = config_from_args(args, saved_config(args.out) if args.resume else None)
+    saved = saved_config(args.out, plugins=plugin_paths(args.plugin)) if args.resume else None
+    config = config_from_args(args, saved)
     out = args.out or new_run_dir(f"runs/{config.algorithm}_{config.dataset}")
     try:
         s = run(config, out, resume=args.resume, progress=not args.quiet and distributed.is_primary())
@@ -349,7 +354,25 @@ def _bench(args) -> int:
     return 0
 
 
+def _attach_list_values(argv: list[str]) -> list[str]:
+    """``--seeds -1,2`` as ``--seeds=-1,2``: argparse reads a value starting with '-' as an
+    option, so a list of numbers would be refused with its usage message, not checked."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] in LIST_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--":
+            joined.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return joined
+
+
+LIST_OPTIONS = ("--seeds", "--lrs")
+
+
 def main(argv=None) -> int:
+    argv = _attach_list_values(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(argv)
     quiet_library_logs()
     try:

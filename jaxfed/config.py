@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, clip
 from jaxfed.options import (
     Options,
     at_least,
@@ -32,6 +31,9 @@ from jaxfed.options import (
     split_keys,
     unit_interval,
 )
+
+MAX_SEED = 2**32 - 1  # a larger seed would alias a smaller one in jax.random.key
+CONFIG_FILE_LIMIT = 1 << 20  # bytes: a config file is a few lines of key = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,9 @@ class Config(Options):
     synthetic_scale: float = option(2.0, "synthetic datasets: scale of the cluster differences")
     # run
     seed: int = option(
-        0, "root random seed (>= 0): partition, init, sampling and training all derive from it", check=non_negative
+        0,
+        f"root random seed in 0..{MAX_SEED}: partition, init, sampling and training all derive from it",
+        check=lambda seed: None if 0 <= seed <= MAX_SEED else f"must be in 0..{MAX_SEED} (JAX's keys hold 32 bits)",
     )
     eval_every: int = option(5, "evaluate every this many rounds (and after the last)", check=at_least(1))
     rounds_per_call: int = option(5, "rounds per compiled call (lax.scan over rounds)", check=at_least(1))
@@ -231,6 +235,33 @@ class Config(Options):
         options = _options_class(config.algorithm).from_dict(values.get("options", {}))
         return dataclasses.replace(config, options=options)
 
+    @classmethod
+    def of(cls, values: Config | Mapping[str, Any]) -> Config:
+        """``values`` as a Config: a Config as it is, or a dict of run keys and the algorithm's
+        option keys (flat, or under ``"options"`` as in ``config.json``), typed values or
+        ``--set`` strings alike; unknown keys and wrong types are one-line ConfigErrors."""
+        if isinstance(values, Config):
+            return values
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config: expected a jaxfed.Config or a dict of keys, got {type(values).__name__}")
+        run_keys = cls.run_keys()
+        options = dict(values.get("options") or {})
+        options.update({k: v for k, v in values.items() if k != "options" and k not in run_keys})
+        types = field_types(Config)
+        run = {k: parse_value(k, v, types[k]) if isinstance(v, str) else v for k, v in values.items() if k in run_keys}
+        if isinstance(run.get("plugins"), list):
+            run["plugins"] = tuple(run["plugins"])
+        for plugin in run.get("plugins", ()):
+            _import_plugin(plugin)
+        algorithm = run.get("algorithm", cls.algorithm)
+        if not isinstance(algorithm, str):
+            raise ConfigError(f"algorithm: expected a name such as 'fedavg', got {clip(repr(algorithm))}")
+        options_class = _options_class(algorithm)
+        unknown = [key for key in options if options_class.field_for(key) is None]
+        if unknown:
+            raise ConfigError(_unknown_key_message(unknown[0], algorithm, options_class))
+        return cls(**run, options=options_class().with_values(options))
+
     # ----- validation ----------------------------------------------------------------------------
 
     def check(self) -> None:
@@ -275,32 +306,55 @@ def read_config_file(path) -> list[str]:
     comment; the lines after a ``[ALGORITHM]`` header are that algorithm's options, applied only
     when it runs (returned as ``ALGORITHM.key=value``), until the next header (``[run]``: back to
     keys for every run)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"--config: cannot read '{path}': {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        line, byte = err.object[: err.start].count(b"\n") + 1, err.object[err.start]
-        raise ConfigError(f"--config: {path} line {line}: not UTF-8 text (byte 0x{byte:02x})") from None
-    pairs, section = [], ""
+    text = _read_config_text(path)
+    pairs, section, seen = [], "", {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         if line.startswith("[") and line.endswith("]"):
-            section = "" if line[1:-1].strip() == "run" else line[1:-1].strip() + "."
+            name = line[1:-1].strip()
+            if not name:
+                raise ConfigError(f"--config: {path} line {number}: empty section '[]'; write [ALGORITHM] or [run]")
+            section = "" if name == "run" else name + "."
             continue
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--config: {path} line {number}: expected 'key = value', got '{line}'")
-        pairs.append(f"{section}{key.strip()}={value.strip()}")
+            raise ConfigError(f"--config: {path} line {number}: expected 'key = value', got '{clip(line)}'")
+        scoped = section + key.strip()
+        if scoped in seen:
+            raise ConfigError(
+                f"--config: {path} line {number}: '{key.strip()}' is set again (first on line {seen[scoped]}); "
+                "keep one line per key"
+            )
+        seen[scoped] = number
+        pairs.append(f"{scoped}={value.strip()}")
     return pairs
+
+
+def _read_config_text(path) -> str:
+    """A config file's text: UTF-8 (a byte-order mark is dropped), at most
+    :data:`CONFIG_FILE_LIMIT` bytes (``--config /dev/zero`` must not read forever)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(CONFIG_FILE_LIMIT + 1)
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read '{path}': {err.strerror or err}") from None
+    if len(data) > CONFIG_FILE_LIMIT:
+        raise ConfigError(
+            f"--config: {path} is larger than {CONFIG_FILE_LIMIT >> 20} MiB; a config file is lines of key = value"
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line, byte = data[: err.start].count(b"\n") + 1, data[err.start]
+        raise ConfigError(f"--config: {path} line {line}: not UTF-8 text (byte 0x{byte:02x})") from None
 
 
 def _split_pair(pair: str) -> tuple[str, str]:
     key, sep, raw = pair.partition("=")
     if not sep:
-        raise ConfigError(f"--set: expected key=value, got '{pair}' (name the algorithm before --set)")
+        raise ConfigError(f"--set: expected key=value, got '{clip(pair)}' (name the algorithm before --set)")
     return key.strip().replace("-", "_"), raw.strip()
 
 
@@ -334,7 +388,7 @@ def _choice(field: str, value: str, allowed) -> None:
     if value not in allowed:
         close = difflib.get_close_matches(value, list(allowed), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{field}: unknown '{value}'{hint}; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"{field}: unknown '{clip(value)}'{hint}; allowed: {', '.join(allowed)}")
 
 
 __all__ = ["Config", "read_config_file", "split_keys"]

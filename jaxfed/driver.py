@@ -29,6 +29,7 @@ from jaxfed.rundir import (
     check_out_dir,
     check_resumable,
     check_rounds,
+    check_same_host_devices,
     headline,
     human_bytes,
     summary,
@@ -254,22 +255,24 @@ def run_simulation(
     return result
 
 
-def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=None) -> dict:
-    """``jaxfed run``: build ``config`` and run it into ``out_dir`` (``resume``: continue it);
-    return the summary.
+def run(config: Config | dict, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=None) -> dict:
+    """``jaxfed run``: build ``config`` (a :class:`Config`, or a dict of its keys:
+    :meth:`Config.of`) and run it into ``out_dir`` (``resume``: continue it); return the summary.
 
     Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
     state; its ``checkpoint`` attribute says where.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    config.validate()
+    config = Config.of(config).validate()
+    if resume:
+        check_same_host_devices(out_dir, config)
     if config.host_devices:  # before anything below starts JAX's backend (build splits it too, for direct callers)
         split_host(config.host_devices)
     directory = RunDirectory(out_dir, config.keep_checkpoints)
     with directory.locked():  # refuse before anything is built or written
         if resume:
             done, record = directory.newest_checkpoint_record(log)
-            check_resumable(Config.from_dict(record["config"]), config)
+            check_resumable(Config.from_dict({**record["config"], "plugins": list(config.plugins)}), config)
             check_rounds(done, config.rounds)
         else:
             directory.refuse_existing()
@@ -287,8 +290,9 @@ def run(config: Config, out_dir: str | Path, *, resume: bool = False, progress: 
         )
 
 
-def saved_config(out_dir: str | Path, log=None) -> Config:
-    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from).
+def saved_config(out_dir: str | Path, log=None, plugins=()) -> Config:
+    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from),
+    with ``plugins`` (where given) instead of the recorded ones: a plugin file that moved.
 
     A run on ``host_devices`` gets them set from its ``config.json`` first, before reading the
     checkpoint starts JAX's backend (the count cannot change once it has started)."""
@@ -297,4 +301,5 @@ def saved_config(out_dir: str | Path, log=None) -> Config:
     host_devices = written_config(out_dir).get("host_devices")
     if host_devices:
         split_host(int(host_devices))
-    return Config.from_dict(RunDirectory(out_dir).saved_config(log))
+    values = RunDirectory(out_dir).saved_config(log)
+    return Config.from_dict({**values, "plugins": list(plugins)} if plugins else values)

@@ -51,3 +51,9 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     if not text:
         return type(err).__name__
     return text.splitlines()[0].split(" See full TensorStore details")[0][:limit]
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: a user's value echoed in a
+    one-line error (a 200 KB value must not make a 200 KB line)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -21,14 +21,16 @@ import dataclasses
 import difflib
 import functools
 import math
+import numbers
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, clip
 
 Check = Callable[[Any], "str | None"]  # None when the value is allowed, else what is allowed
 LR_SCHEDULES = ("constant", "cosine")
@@ -67,6 +69,12 @@ def ratio(value):
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
+def momentum_coefficient(value):
+    if not _finite(value):
+        return "must be a finite number in [0, 1)"
+    return None if 0 <= value < 1 else "must be in [0, 1) (1 or more never forgets a gradient and diverges)"
+
+
 def rank_ratio(value):
     return None if 0 < value <= 1 else "a rank ratio must be in (0, 1]"
 
@@ -81,7 +89,7 @@ def one_of(*allowed: str) -> Check:
             return None
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        return f"unknown '{value}'{hint}; allowed: {', '.join(allowed)}"
+        return f"unknown '{clip(str(value))}'{hint}; allowed: {', '.join(allowed)}"
 
     check.allowed = allowed
     return check
@@ -102,10 +110,6 @@ def each(check: Check) -> Check:
     return check_all
 
 
-def min_max(low: int, high: int) -> Check:
-    return lambda value: None if low <= value <= high else f"must be in {low}..{high}"
-
-
 # ----- the base class ----------------------------------------------------------------------------
 
 
@@ -118,12 +122,13 @@ class Options:
 
     def validate(self):
         """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
+        kinds = field_types(type(self))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            check = field_check(type(self), field.name)
-            if check is None or _traced(value):
+            if _traced(value):
                 continue
-            problem = check(value)
+            check = field_check(type(self), field.name)
+            problem = type_problem(value, kinds.get(field.name)) or (check(value) if check else None)
             if problem:
                 named = f"'{value}'" in problem or ", got " in problem  # the message names the value already
                 raise ConfigError(f"{key_of(field.name)}: {problem}" + ("" if named else f", got {_show(value)}"))
@@ -219,7 +224,23 @@ def parse_value(key: str, text: str, kind):
             return float(text)
         return text
     except ValueError:
-        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got '{text}'") from None
+        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got '{clip(text)}'") from None
+
+
+def type_problem(value, kind) -> str | None:
+    """What is wrong with ``value``'s type for a field of type ``kind`` (None when it fits): a
+    value set from Python (``Config(rounds="2")``) is checked as ``--set`` text is parsed."""
+    if typing.get_origin(kind) is tuple:
+        (element, *_) = typing.get_args(kind)
+        if not isinstance(value, tuple):
+            return f"expected a tuple of {element.__name__}, got {clip(repr(value))} ({type(value).__name__})"
+        wrong = next((type_problem(v, element) for v in value if type_problem(v, element)), None)
+        return wrong
+    expected = {bool: (bool, np.bool_), int: numbers.Integral, float: numbers.Real, str: str}.get(kind)
+    if expected is None:
+        return None
+    fits = isinstance(value, expected) and (kind is bool or not isinstance(value, (bool, np.bool_)))
+    return None if fits else f"expected {kind.__name__}, got {clip(repr(value))} ({type(value).__name__})"
 
 
 def _typed(options, field, value):
@@ -240,8 +261,8 @@ def _traced(value) -> bool:
 
 def _show(value) -> str:
     if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
-    return repr(value) if isinstance(value, str) else str(value)
+        return clip(",".join(str(v) for v in value))
+    return clip(repr(value) if isinstance(value, str) else str(value))
 
 
 # ----- local training: the fields every algorithm that trains on clients shares ----------------
@@ -256,7 +277,9 @@ class LocalTraining(Options):
     lr: float = option(
         0.05, "client SGD learning rate (0 freezes the model)", source="jaxfed default", check=non_negative
     )  # 0 is a legitimate experiment (evaluate the initialization); negative or non-finite is not
-    momentum: float = option(0.0, "client SGD momentum", source="jaxfed default", check=non_negative)
+    momentum: float = option(
+        0.0, "client SGD momentum, in [0, 1)", source="jaxfed default", check=momentum_coefficient
+    )
     weight_decay: float = option(
         0.0, "client weight decay (added to the gradient)", source="jaxfed default", check=non_negative
     )

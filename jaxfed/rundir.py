@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxfed.config import Config
 from jaxfed.distributed import is_primary
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, StorageFullError, clip, is_storage_full
 from jaxfed.simulation.checkpoint import RunCheckpoints
 
 # Keys a resumed run may change: they decide how long it runs, what it logs, where it reads data
@@ -44,6 +44,7 @@ RESUMABLE_KEYS = frozenset(
         "nonfinite",
         "data_dir",
         "download",
+        "plugins",  # where the algorithm's code is found (a moved file); its name and options are compared
     }
 )
 # Keys in which runs may differ and still be one configuration (the seeds of a ``jaxfed report``
@@ -51,6 +52,7 @@ RESUMABLE_KEYS = frozenset(
 # the chunking of clients and evaluation batches (these may change float rounding, so a resume
 # keeps them) and the plugins imported.
 NEUTRAL_KEYS = (RESUMABLE_KEYS - {"rounds"}) | {"devices", "host_devices", "client_chunk", "eval_batch_size", "plugins"}
+NAME_MAX = 255  # bytes in one file name, on the file systems runs are written to
 TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
 
 
@@ -175,16 +177,31 @@ class RunDirectory:
         is recomputed by starting it again."""
         return not self.checkpoints.rounds() and written_config(self.path).get("checkpoint_every", 0) > 0
 
+    def finished(self) -> bool:
+        """Whether a run ended here (its ``summary.json`` is written)."""
+        return (self.path / "summary.json").exists()
+
     def refuse_existing(self) -> None:
         """A ConfigError if a run is here already (a new run must not overwrite it)."""
         if self.checkpoints.rounds():
             raise ConfigError(
                 f"--out {self.path}: already holds a run; pass --resume to continue it, or choose another --out"
             )
+        below = run_dirs_below(self.path)
+        if below:
+            raise ConfigError(
+                f"--out {self.path}: holds run directories ({listed(below)}: a sweep's?); "
+                "choose another --out for a run"
+            )
         if self.holds_run() and not self.stopped_before_first_checkpoint():
             raise ConfigError(
                 f"--out {self.path}: holds the results of a run without checkpoints (checkpoint_every=0), "
                 "which cannot be resumed; choose another --out, or delete it to start again"
+            )
+        if self.finished():
+            raise ConfigError(
+                f"--out {self.path}: holds a finished run (summary.json) whose checkpoints are gone, so it cannot "
+                "be resumed; choose another --out, or delete it to start again"
             )
 
     @contextlib.contextmanager
@@ -199,6 +216,7 @@ class RunDirectory:
         if key in _HELD_LOCKS:
             _HELD_LOCKS[key][1] += 1
         else:
+            check_out_dir(self.path)
             empty = not self.path.is_dir() or not any(self.path.iterdir())
             _HELD_LOCKS[key] = [_acquire_lock(self.path), 1, empty]
         try:
@@ -235,11 +253,12 @@ class RunDirectory:
                 f"continue the sweep with `jaxfed sweep ... --out {self.path} --resume` (its command plus --resume), "
                 f"or one member with `jaxfed run --out {members[0]} --resume`"
             )
-        again = (
-            "delete it or choose another --out to run again"
-            if self.holds_run() and not self.stopped_before_first_checkpoint()
-            else "start it again without --resume (it stopped before its first checkpoint)"
-        )
+        if self.holds_run() and not self.stopped_before_first_checkpoint():
+            again = "delete it or choose another --out to run again"
+        elif self.finished():
+            again = "it finished and its checkpoints are gone; delete it or choose another --out to run again"
+        else:
+            again = "start it again without --resume (it stopped before its first checkpoint)"
         raise ConfigError(f"--resume: no readable checkpoint in {self.checkpoints.directory}; {again}")
 
     def restore(self, like, log):
@@ -258,9 +277,12 @@ class RunDirectory:
         This and the other writes of files are the primary process's alone."""
         if not is_primary():
             return
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_rows(self.metrics_path, rows)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            write_rows(self.metrics_path, rows)
+        except OSError as err:
+            raise _unwritable(self.path, err) from None
 
     def append_row(self, row: dict) -> None:
         if not is_primary():
@@ -285,12 +307,11 @@ LOCK_FILE = ".lock"
 
 
 def _acquire_lock(path: Path) -> int:
-    check_out_dir(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise ConfigError(f"--out {path}: cannot be written ({err.strerror or err})") from None
+        raise _unwritable(path, err) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -302,24 +323,43 @@ def _acquire_lock(path: Path) -> int:
                 "wait for it to end or choose another --out"
             ) from None
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError as err:
+        os.close(fd)
+        raise _unwritable(path, err) from None
     return fd
+
+
+def _unwritable(path: Path, err: OSError) -> Exception:
+    """The one-line error of a run directory that cannot be written: a full disk (exit 1) or a
+    user's mistake (exit 2)."""
+    if is_storage_full(err):
+        return StorageFullError(f"no space left to start {path} ({err.strerror}); free space and run again")
+    return ConfigError(f"--out {clip(str(path))}: cannot be written ({err.strerror or err})")
 
 
 def check_out_dir(path: str | Path) -> None:
     """A ConfigError, before any work, if ``path`` cannot become a run directory: a file, under a
     file, or under a directory this process cannot write."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {path}: is a file, not a directory; choose another --out")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
+    shown = clip(str(path))
+    long = [part for part in path.parts if len(part.encode()) > NAME_MAX]
+    if long:
+        raise ConfigError(f"--out {shown}: a name in the path is {len(long[0].encode())} bytes; at most {NAME_MAX}")
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--out {shown}: is a file, not a directory; choose another --out")
+        parent = path
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as err:  # a path too long in all, a symlink loop
+        raise ConfigError(f"--out {shown}: cannot be used ({err.strerror or err})") from None
     if not parent.is_dir():
-        raise ConfigError(f"--out {path}: {parent} is a file, so no directory can be made under it")
+        raise ConfigError(f"--out {shown}: {parent} is a file, so no directory can be made under it")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {path}: {parent} is not writable")
+        raise ConfigError(f"--out {shown}: {parent} is not writable")
 
 
 def new_run_dir(stem: str | Path) -> Path:
@@ -363,6 +403,17 @@ def written_config(out_dir: str | Path) -> dict:
         return json.loads((Path(out_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def check_same_host_devices(out_dir: str | Path, config: Config) -> None:
+    """A resumed run keeps its ``host_devices`` (read from ``config.json``, before JAX starts):
+    said in one line here, since splitting the host differently would fail first."""
+    saved = int(written_config(out_dir).get("host_devices", config.host_devices) or 0)
+    if saved != config.host_devices:
+        raise ConfigError(
+            f"--resume: host_devices differs from the run's ({saved} -> {config.host_devices}); a run resumes "
+            "on the host devices it started with"
+        )
 
 
 def check_resumable(saved: Config, config: Config, source: str = "the checkpoint's") -> None:

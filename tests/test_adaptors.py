@@ -1,5 +1,10 @@
 """Mixture adaptors: zero delta at init, C = 1 is LoRA, conv kinds as convs, preconditioning, errors."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +134,68 @@ def test_preconditioned_gradient_equals_its_closed_form_matricized(resnet):
         np.testing.assert_array_equal(a, b)
 
 
+def test_dense_preconditioner_at_large_ranks_equals_its_closed_form(mlp):
+    """The ranks of rho = 1 on the digits MLP (48, 100 and 9), where the batched LAPACK solve hung,
+    against the float64 closed form at the default eps."""
+    params = split_variables(mlp.init(jax.random.key(0)))[0]
+    plan = ad.adaptor_plan(params, 2, rho=1.0)
+    assert sorted(s.rank for s in plan.kernels.values()) == [9, 48, 100]
+    adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(0), params, plan), seed=2)
+    grads = _random_adaptors(adaptors, seed=3)
+    eps = 1e-5
+    out, _ = jax.jit(ad.lora_preconditioner(plan, eps).update)(grads, optax.EmptyState(), adaptors)
+    for key in plan.kernels:
+        for c in range(2):
+            d, u, gd, gu = (
+                np.asarray(tree["kernels"][key][name][c], np.float64)
+                for tree, name in ((adaptors, "down"), (adaptors, "up"), (grads, "down"), (grads, "up"))
+            )
+            eye = eps * np.eye(u.shape[0])
+            want_d, want_u = gd @ np.linalg.inv(u @ u.T + eye), np.linalg.inv(d.T @ d + eye) @ gu
+            np.testing.assert_allclose(out["kernels"][key]["down"][c], want_d, rtol=2e-3, atol=1e-5)
+            np.testing.assert_allclose(out["kernels"][key]["up"][c], want_u, rtol=2e-3, atol=1e-5)
+
+
+def test_solve_spd_is_the_float64_solve():
+    rng = np.random.default_rng(0)
+    factor = rng.normal(size=(3, 4, 21, 40))
+    a = factor @ np.swapaxes(factor, -1, -2) + 1e-5 * np.eye(21)
+    b = rng.normal(size=(3, 4, 21, 7))
+    got = jax.jit(ad.solve_spd)(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    np.testing.assert_allclose(got, np.linalg.solve(a, b), rtol=1e-4, atol=1e-6)
+
+
+# Several dense layers' preconditioning, vmapped over clients as the engine runs it, on an XLA
+# thread pool of two threads: jnp.linalg.solve's batched LAPACK calls deadlocked it.
+_CONCURRENT_SOLVES = """
+import os
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+import jax, numpy as np, optax
+from jaxfed.core import adaptors as ad
+template = {f"fc{i}": {"kernel": jax.ShapeDtypeStruct((200, 200), np.float32)} for i in range(4)}
+plan = ad.adaptor_plan(template, 4, rank=32, bias=False, norm=False)
+rng = np.random.default_rng(0)
+factors = {"down": (10, 4, 200, 32), "up": (10, 4, 32, 200)}  # 10 clients, 4 adaptors
+clients = {"kernels": {k: {n: rng.normal(size=s).astype(np.float32) for n, s in factors.items()} for k in plan.kernels}}
+precondition = ad.lora_preconditioner(plan)
+update = jax.jit(jax.vmap(lambda g, p: precondition.update(g, optax.EmptyState(), p)[0]))
+for _ in range(20):
+    jax.block_until_ready(update(clients, clients))
+print("finished")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins the XLA thread pool with sched_setaffinity")
+def test_concurrent_batched_preconditioning_finishes():
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_CONCURRENT_SOLVES)], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the preconditioner deadlocked XLA's CPU thread pool")
+    assert done.returncode == 0 and done.stdout.strip() == "finished", done.stderr[-2000:]
+
+
 def _authors_conv_weights(down, up, kernel_shape):
     """jaxfed's balanced factors of one adaptor as the authors' torch conv weights: ``layer_in``
     ``[r, cin, kh, 1]`` (a kh x 1 conv) and ``layer_out`` ``[cout, r, 1, kw]`` (a 1 x kw conv)."""
@@ -209,3 +276,16 @@ def test_bad_settings_are_clear_errors(mlp):
         ad.conv_layout("diagonal", (3, 3, 4, 4))
     with pytest.raises(ConfigError, match="conv_precondition: unknown 'taps'; allowed: per_tap, matricized"):
         ad.lora_preconditioner(ad.adaptor_plan(params, 2), conv="taps")
+
+
+def test_a_rank_a_layer_cannot_hold_is_refused(mlp, small_cnn):
+    params = split_variables(mlp.init(jax.random.key(0)))[0]
+    assert ad.adaptor_plan(params, 2, rank=10).kernels["head"].rank == 10
+    head = r"^adaptor_rank: 11 is not a valid rank for head \(kernel \(200, 10\), matricized \(200, 10\)\)"
+    with pytest.raises(ConfigError, match=head + ": allowed 1..10$"):
+        ad.adaptor_plan(params, 2, rank=11)
+    # the limit is the conv adaptor layout's: out_layer matricizes conv1 [3, 3, 1, 8] as [cin, 72]
+    template = jax.eval_shape(small_cnn.init, jax.random.key(0))["params"]
+    assert ad.adaptor_plan(template, 2, rank=2).kernels["conv1"].rank == 2
+    with pytest.raises(ConfigError, match=r"for conv1 \(kernel \(3, 3, 1, 8\), matricized \(1, 72\)\): allowed 1..1$"):
+        ad.adaptor_plan(template, 2, rank=2, conv_adaptor="out_layer")

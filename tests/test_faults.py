@@ -148,10 +148,10 @@ def test_federate_checks_data_passed_from_python():
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--set", "seed=-1"], "seed: must be >= 0, got -1"),
+        (["--set", "seed=-1"], "seed: must be in 0..4294967295 (JAX's keys hold 32 bits), got -1"),
         (["--set", "batch_size=1000000000"], "batch_size: 1000000000 is larger than the 1442 training examples"),
         (["--set", "lr=inf"], "lr: must be a finite number >= 0, got inf"),
-        (["--set", "momentum=nan"], "momentum: must be a finite number >= 0, got nan"),
+        (["--set", "momentum=nan"], "momentum: must be a finite number in [0, 1), got nan"),
         (["--set", "weight_decay=inf"], "weight_decay: must be a finite number >= 0, got inf"),
         (["--set", "rounds=1", "fedavg"], "got 'fedavg' (name the algorithm before --set)"),
         (["--set", "rounds=two"], "rounds"),

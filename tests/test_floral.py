@@ -91,6 +91,10 @@ def test_floral_learns_digits(mlp, digits):
         ("num_adaptors=0", "num_adaptors: must be >= 1, got 0"),
         ("conv_adaptor=diagonal", "conv_adaptor: unknown 'diagonal'"),
         ("router_temperature=0", "router_temperature: must be > 0, got 0.0"),
+        (
+            "adaptor_rank=21",
+            "adaptor_rank: 21 is not a valid rank for head (kernel (200, 10), matricized (200, 10)): allowed 1..10",
+        ),
     ],
 )
 def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):

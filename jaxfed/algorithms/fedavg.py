@@ -21,7 +21,7 @@ from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.training import split_variables, train_classifier
 from jaxfed.core import tree_select, weighted_mean
-from jaxfed.options import TrainingOptions, non_negative, one_of, option, positive, resolve
+from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
 
 SERVER_OPTIMIZERS = ("none", "sgd", "adam")
 BASELINE = "jaxfed baseline default (kept from earlier releases: the README's digits table)"
@@ -38,7 +38,9 @@ class FedAvgOptions(TrainingOptions):
         check=one_of(*SERVER_OPTIMIZERS),
     )
     server_lr: float = option(1.0, "server optimizer learning rate", source="fedjax's FedAvg", check=positive)
-    server_momentum: float = option(0.0, "server SGD momentum", source="fedjax's FedAvg", check=non_negative)
+    server_momentum: float = option(
+        0.0, "server SGD momentum, in [0, 1)", source="fedjax's FedAvg", check=momentum_coefficient
+    )
 
     def server(self) -> optax.GradientTransformation | None:
         if self.server_optimizer == "none":

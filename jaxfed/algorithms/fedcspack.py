@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.training import split_variables, train_parameters
 from jaxfed.core import packs as pk
+from jaxfed.errors import ConfigError
 from jaxfed.options import TrainingOptions, at_least, one_of, option, ratio, resolve
 
 MERGES = ("masked", "full")
@@ -128,6 +129,11 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
     )
     template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
     view = pk.pack_view(template, pack_size)
+    if view.num_packs < 2:  # a single pack's cosine is the whole model's threshold: never below it
+        raise ConfigError(
+            f"pack_size: {pack_size} makes one pack of the model's {view.size} parameters, which is never "
+            f"below the whole-model cosine and so never sent; at most {view.size // 2} (two packs or more)"
+        )
     top_k = pk.num_selected(view.num_packs, share_ratio)
     slots = top_k if select == "top_k" else view.num_packs
     pack_bytes = pack_size * jnp.dtype(jnp.float32).itemsize + INDEX_BYTES + WEIGHT_BYTES

@@ -36,7 +36,7 @@ from jaxfed.nn.layers import no_adaptable_layers
 from jaxfed.options import (
     TrainingOptions,
     at_least,
-    non_negative,
+    momentum_coefficient,
     one_of,
     option,
     positive,
@@ -61,7 +61,9 @@ class FedDecompOptions(TrainingOptions):
     local_epochs: int = option(5, "local epochs per round (tau first, then sigma)", source=PAPER)
     batch_size: int = option(100, "local batch size", source=PAPER)
     lr: float = option(0.1, "client SGD learning rate", source=PAPER)
-    momentum: float = option(0.9, "client SGD momentum", source=AUTHORS + " (--momentum 0.9)", check=non_negative)
+    momentum: float = option(
+        0.9, "client SGD momentum", source=AUTHORS + " (--momentum 0.9)", check=momentum_coefficient
+    )
     lora_epochs: int = option(
         -1,
         "epochs on the private low-rank part before the shared part; -1 = round(0.4 * local_epochs)",

@@ -21,11 +21,12 @@ import difflib
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, clip, first_line
 from jaxfed.options import Options
 
 Builder = Callable[[Any, Any, Any], Any]  # (model, options, config) -> FederatedAlgorithm
@@ -71,7 +72,7 @@ def get(name: str) -> AlgorithmSpec:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"algorithm: unknown '{name}'{hint}; allowed: {', '.join(_REGISTRY)}")
+        raise ConfigError(f"algorithm: unknown '{clip(name)}'{hint}; allowed: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 
 
@@ -85,20 +86,38 @@ def options_with(key: str) -> list[str]:
 
 
 def import_plugin(spec: str) -> None:
-    """Import a module by dotted name, or a ``.py`` file by path, so its ``register`` calls run."""
+    """Import a module by dotted name, or a ``.py`` file by path, so its ``register`` calls run.
+    A plugin that cannot be imported (missing, a syntax error, an exception at import, a
+    ``register`` call refused) is one ConfigError naming it, the line and the problem."""
     path = Path(spec)
     if spec.endswith(".py"):
         if not path.is_file():
-            raise ConfigError(f"plugins: no file '{spec}'")
+            raise ConfigError(f"plugins: no file '{spec}' (a plugin that moved: pass --plugin with its new path)")
         module_name = f"jaxfed_plugin_{path.stem}"
         if module_name in sys.modules:
             return
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as err:
+            del sys.modules[module_name]
+            raise ConfigError(f"plugins: importing {spec} failed: {_where(err, str(path))}") from None
         return
     try:
         importlib.import_module(spec)
     except ModuleNotFoundError as err:
         raise ConfigError(f"plugins: cannot import '{spec}' ({err})") from None
+    except Exception as err:
+        raise ConfigError(f"plugins: importing {spec} failed: {_where(err)}") from None
+
+
+def _where(err: Exception, file: str | None = None) -> str:
+    """``ErrorType: message (FILE line N)``: the line is the plugin's own (or the last frame)."""
+    if isinstance(err, SyntaxError):
+        return f"SyntaxError: {err.msg} ({err.filename} line {err.lineno})"
+    frames = traceback.extract_tb(err.__traceback__)
+    own = [f for f in frames if file is not None and Path(f.filename) == Path(file)] or frames
+    place = f" ({own[-1].filename} line {own[-1].lineno})" if own else ""
+    return f"{type(err).__name__}: {first_line(err)}{place}"

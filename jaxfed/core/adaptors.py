@@ -85,7 +85,8 @@ def adaptor_plan(
     alpha: float = 1.0,
 ) -> AdaptorPlan:
     """The plan for a parameter tree (arrays or shape structs): every Dense / Conv kernel (or
-    ``layers``) with ``rank`` or, when 0, the rank of the relative budget ``rho``."""
+    ``layers``) with ``rank`` (a ConfigError where a layer cannot hold it) or, when 0, the rank
+    of the relative budget ``rho``."""
     if num_adaptors < 1:
         raise ConfigError(f"num_adaptors: must be >= 1, got {num_adaptors}")
     if rank < 0:
@@ -98,8 +99,10 @@ def adaptor_plan(
         shape = tuple(lowrank.get_layer(template, key)["kernel"].shape)
         kind = "dense" if len(shape) == 2 else conv_adaptor
         layout = "balanced" if kind == "dense" else conv_layout(kind, shape)
-        rows, cols = lowrank.matrix_shape(shape, layout)
-        r = min(rank, rows, cols) if rank else lowrank.rank_from_budget(rows, cols, rho)
+        if rank:
+            r = lowrank.check_rank(shape, rank, "adaptor_rank", key, layout)
+        else:
+            r = lowrank.rank_from_budget(*lowrank.matrix_shape(shape, layout), rho)
         kernels[key] = KernelAdaptor(kind, layout, r, shape)
     biases = tuple(k for k in keys if bias and "bias" in lowrank.get_layer(template, k))
     norms = tuple(_norm_layers(template)) if norm else ()
@@ -150,6 +153,31 @@ def mix(params, adaptors: dict, weights: jax.Array, plan: AdaptorPlan):
     return params
 
 
+def solve_spd(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a^-1 b`` for symmetric positive definite ``a [..., r, r]`` and ``b [..., r, n]``.
+
+    On CPU this is Gauss-Jordan elimination in plain XLA ops (no pivoting: the pivots of an SPD
+    matrix are positive), not ``jnp.linalg.solve``: jaxlib's CPU LAPACK kernels (0.10) split a
+    batched call into tasks on XLA's intra-op thread pool and block one of its threads waiting for
+    them, so as many concurrent batched solves as the pool has threads deadlock the program (the
+    preconditioner of a vmapped client update runs several). Other platforms use
+    ``jnp.linalg.solve``.
+    """
+    return jax.lax.platform_dependent(a, b, cpu=_gauss_jordan, default=jnp.linalg.solve)
+
+
+def _gauss_jordan(a: jax.Array, b: jax.Array) -> jax.Array:
+    r = a.shape[-1]
+
+    def eliminate(j, m):
+        pivot_row = jax.lax.dynamic_index_in_dim(m, j, axis=-2, keepdims=False)
+        row = pivot_row / jax.lax.dynamic_index_in_dim(pivot_row, j, axis=-1)
+        m = m - jax.lax.dynamic_index_in_dim(m, j, axis=-1) * row[..., None, :]
+        return jnp.where((jnp.arange(r) == j)[:, None], row[..., None, :], m)
+
+    return jax.lax.fori_loop(0, r, eliminate, jnp.concatenate([a, b], axis=-1))[..., r:]
+
+
 def lora_preconditioner(plan: AdaptorPlan, eps: float = 1e-5, conv: str = "per_tap") -> optax.GradientTransformation:
     """FLoRAL's LoRA preconditioning of the ``kernels`` gradients of an adaptor tree, per adaptor c.
 
@@ -177,8 +205,8 @@ def lora_preconditioner(plan: AdaptorPlan, eps: float = 1e-5, conv: str = "per_t
             gram_up = jnp.einsum("crj,csj->crs", p["up"], p["up"])  # [C, r, r]
             gram_down = jnp.einsum("cir,cis->crs", p["down"], p["down"])
             eye = eps * jnp.eye(gram_up.shape[-1], dtype=gram_up.dtype)
-            g_down = jnp.swapaxes(jnp.linalg.solve(gram_up + eye, jnp.swapaxes(g["down"], 1, 2)), 1, 2)
-            return {"down": g_down, "up": jnp.linalg.solve(gram_down + eye, g["up"])}
+            g_down = jnp.swapaxes(solve_spd(gram_up + eye, jnp.swapaxes(g["down"], 1, 2)), 1, 2)
+            return {"down": g_down, "up": solve_spd(gram_down + eye, g["up"])}
         gram_down, gram_up = conv_grams(spec, p)
 
         def norm(gram):

@@ -78,8 +78,8 @@ def check_ratio(field: str, ratio: float) -> float:
     return ratio
 
 
-def max_rank(kernel_shape: Sequence[int]) -> int:
-    return min(matrix_shape(kernel_shape))
+def max_rank(kernel_shape: Sequence[int], layout: str = "balanced") -> int:
+    return min(matrix_shape(kernel_shape, layout))
 
 
 def rank_from_ratio(kernel_shape: Sequence[int], ratio: float, field: str = "rank ratio") -> int:
@@ -95,14 +95,16 @@ def rank_from_budget(rows: int, cols: int, rho: float, field: str = "rho") -> in
     return max(1, math.floor(rho * rows * cols / (rows + cols)))
 
 
-def check_rank(kernel_shape: Sequence[int], rank: int, field: str = "rank", name: str = "") -> int:
-    """``rank`` itself, or a ConfigError if the (matricized) kernel cannot hold it."""
-    limit = max_rank(kernel_shape)
+def check_rank(
+    kernel_shape: Sequence[int], rank: int, field: str = "rank", name: str = "", layout: str = "balanced"
+) -> int:
+    """``rank`` itself, or a ConfigError if the kernel matricized in ``layout`` cannot hold it."""
+    limit = max_rank(kernel_shape, layout)
     if not 1 <= rank <= limit:
         where = f" for {name}" if name else ""
         raise ConfigError(
             f"{field}: {rank} is not a valid rank{where} (kernel {tuple(kernel_shape)}, matricized "
-            f"{matrix_shape(kernel_shape)}): allowed 1..{limit}"
+            f"{matrix_shape(kernel_shape, layout)}): allowed 1..{limit}"
         )
     return rank
 

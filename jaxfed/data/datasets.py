@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxfed.data.validate import ARRAYS, check_arrays, read_npz
+from jaxfed.data.validate import ARRAYS, DataError, check_arrays, read_npz
 from jaxfed.errors import ConfigError
 
 DATA_DIR_ENV = "JAXFED_DATA_DIR"
+DATA_HELP = "the README's Data section shows how to write the .npz files"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,9 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
     if name == "digits":
         source, arrays = "digits", _load_digits()
     else:
-        data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
-        npz = Path(data_dir) / f"{name}.npz" if data_dir else None
-        if npz is not None and npz.exists():
+        data_dir = resolve_data_dir(data_dir or os.environ.get(DATA_DIR_ENV), created=download)
+        npz = _npz_in(data_dir, name) if data_dir else None
+        if npz is not None:
             source, arrays = f"data_dir: {npz}", read_npz(npz)
         else:
             source, arrays = f"tfds '{name}'", _load_tfds(name, data_dir, download)
@@ -75,6 +76,44 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
         y_test=y_test.astype(np.int32),
         num_classes=DATASETS[name][0],
     )
+
+
+def resolve_data_dir(data_dir: str | None, created: bool = False) -> str | None:
+    """``data_dir`` with ``~`` expanded; a DataError naming it when it is not a readable
+    directory (a file, a dangling symlink, a symlink loop; missing, unless a download will
+    ``create`` it)."""
+    if not data_dir:
+        return None
+    path = Path(data_dir).expanduser()
+    try:
+        if path.is_dir():
+            return str(path)
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise DataError(f"data_dir: {data_dir} cannot be read ({err.strerror or err})") from None
+    if path.exists():
+        raise DataError(f"data_dir: {data_dir} is a file; name the directory that holds <dataset>.npz")
+    if created and not path.is_symlink():
+        return str(path)
+    link = " (a symbolic link to a missing target)" if path.is_symlink() else ""
+    raise DataError(f"data_dir: {data_dir} does not exist{link}; {DATA_HELP}")
+
+
+def _npz_in(data_dir: str, name: str) -> Path | None:
+    """``DATA_DIR/<name>.npz`` when it is there (None: look in TFDS's files instead); a DataError
+    for a symbolic link that leads nowhere or loops."""
+    npz = Path(data_dir) / f"{name}.npz"
+    try:
+        npz.stat()
+        return npz
+    except FileNotFoundError:
+        if npz.is_symlink():
+            raise DataError(f"data_dir: {npz} is a symbolic link to a missing file ({os.readlink(npz)})") from None
+        return None
+    except OSError as err:
+        raise DataError(f"data_dir: {npz} cannot be read ({err.strerror or err})") from None
 
 
 def _as_nhwc(x: np.ndarray) -> np.ndarray:
@@ -98,10 +137,11 @@ def _load_digits():
 
 
 def _load_tfds(name: str, data_dir: str | None, download: bool):
+    searched = f"no {name}.npz in {data_dir} and no TFDS copy there" if data_dir else "no --data-dir given"
     how = (
-        f"dataset: '{name}' is not available offline; put {name}.npz (x_train, y_train, x_test, y_test) "
-        f"in a directory passed as --data-dir (e.g. `python shared/data/unpack.py DIR`), "
-        f"or run once with --set download=true on a machine with internet"
+        f"dataset: '{name}' is not available offline ({searched}); put {name}.npz (x_train, y_train, x_test, "
+        f"y_test) in the directory passed as --data-dir, or run once with --set download=true on a machine with "
+        f"internet; {DATA_HELP}"
     )
     try:
         import tensorflow_datasets as tfds

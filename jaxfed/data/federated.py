@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxfed.data.validate import check_dataset, check_parts
+from jaxfed.data.validate import DataError, check_dataset, check_parts
 
 
 class Batch(NamedTuple):
@@ -92,8 +92,14 @@ def federate(dataset, train_parts, test_parts) -> FederatedData:
     """Put ``dataset`` on the device with the clients' index tables, after checking both
     (:mod:`jaxfed.data.validate`: a DataError names the first problem)."""
     check_dataset(dataset)
-    check_parts(f"dataset '{dataset.name}'", train_parts, len(dataset.x_train), "training")
-    check_parts(f"dataset '{dataset.name}'", test_parts, len(dataset.x_test), "test")
+    source = f"dataset '{dataset.name}'"
+    if len(train_parts) != len(test_parts):
+        raise DataError(
+            f"{source}: {len(train_parts)} training parts and {len(test_parts)} test parts; "
+            "give one of each per client"
+        )
+    check_parts(source, train_parts, len(dataset.x_train), "training")
+    check_parts(source, test_parts, len(dataset.x_test), "test")
     train_idx, train_count = index_table(train_parts)
     test_idx, test_count = index_table(test_parts)
     return FederatedData(

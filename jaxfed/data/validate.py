@@ -31,7 +31,13 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
     """The four arrays of an ``.npz`` file, read without pickles; a DataError for a file that is
     not an npz, is truncated or corrupt (zip CRC), or lacks an array."""
     where = f"data_dir: {path}"
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except IsADirectoryError:
+        raise DataError(f"{where}: is a directory, not an .npz file") from None
+    except OSError as err:
+        raise DataError(f"{where}: cannot be read ({err.strerror or err})") from None
+    with f:
         if f.read(4) != ZIP_MAGIC:
             raise DataError(
                 f"{where}: not an .npz file (a zip of .npy arrays written by numpy.savez); "
@@ -61,6 +67,10 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
         a = arrays[name]
         if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
             raise DataError(f"{source}: {name} has dtype {a.dtype}; expected numbers")
+        if np.issubdtype(a.dtype, np.complexfloating):
+            raise DataError(f"{source}: {name} has dtype {a.dtype}; expected real numbers (complex values are not)")
+        if a.ndim == 0:
+            raise DataError(f"{source}: {name} is a single value (shape ()); expected one entry per example")
     for x_name, y_name in SPLITS:
         x, y = arrays[x_name], arrays[y_name]
         if x.ndim < 2 or len(x) == 0:
@@ -89,10 +99,14 @@ def check_dataset(dataset, source: str | None = None) -> None:
 
 
 def check_parts(source: str, parts, size: int, split: str) -> None:
-    """Every client's example indices lie in ``[0, size)``."""
+    """Every client's example indices are one list of integers in ``[0, size)``."""
     for k, part in enumerate(parts):
         part = np.asarray(part)
-        if part.size and (part.min() < 0 or part.max() >= size):
+        if part.size and not np.issubdtype(part.dtype, np.integer):
+            raise DataError(f"{source}: client {k}'s {split} indices have dtype {part.dtype}; expected integers")
+        if part.ndim != 1:
+            raise DataError(f"{source}: client {k}'s {split} indices have shape {part.shape}; expected one list")
+        if (part.min() < 0 or part.max() >= size):
             raise DataError(
                 f"{source}: client {k}'s {split} indices run {part.min()}..{part.max()}; "
                 f"the {split} split has {size} examples"

@@ -20,6 +20,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -112,9 +113,25 @@ def load_state(path: str | Path, like=None):
     the state was saved from.
     """
     path = Path(path).absolute()
-    with ocp.StandardCheckpointer() as checkpointer:
+    with ocp.StandardCheckpointer() as checkpointer, _without_missing_metadata_warning():
         target = abstract_like(like) if like is not None else _on_first_device(checkpointer.metadata(path))
         return checkpointer.restore(path, target)
+
+
+@contextlib.contextmanager
+def _without_missing_metadata_warning():
+    """A run checkpoint's state (``checkpoints/<round>/state``) keeps its step metadata one level
+    up, so orbax logs "Metadata file does not exist" for a state that reads perfectly well."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Metadata file does not exist")
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _on_first_device(metadata):

@@ -48,7 +48,7 @@ from jaxfed.core import (
     weighted_mean,
 )
 from jaxfed.data import ClientData, FederatedData
-from jaxfed.errors import NonFiniteUpdateError
+from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.simulation import sampling
 from jaxfed.simulation.evaluation import (
     batch_outcomes,
@@ -187,6 +187,17 @@ class Simulation:
         (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
         state = self._init_state()
         return state if self.mesh is None else jax.device_put(state, self._replicated())
+
+    def check_state(self, state: SimState) -> None:
+        """A ConfigError unless ``state`` holds one client state per client of this simulation's
+        data (a state from a simulation of another client count must not run or evaluate here)."""
+        leaves = jax.tree.leaves(state.clients)
+        held = leaves[0].shape[0] if leaves else self.num_clients
+        if held != self.num_clients:
+            raise ConfigError(
+                f"state: holds {held} client states, but this simulation's data has {self.num_clients} clients; "
+                "run a state with the simulation (and data) it was made for"
+            )
 
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
@@ -383,6 +394,7 @@ class Simulation:
         ``nonfinite_clients``; with ``raise_nonfinite`` this raises
         :class:`NonFiniteUpdateError` carrying the last good state and the good rounds' metrics.
         """
+        self.check_state(state)
         if num_rounds not in self._executables:
             start = time.perf_counter()
             self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
@@ -471,4 +483,5 @@ class Simulation:
 
     def evaluate(self, state: SimState) -> dict:
         """Personalized accuracy of every client (and global accuracy where there is a global model)."""
+        self.check_state(state)
         return {k: float(v) for k, v in self._eval(state, self.data).items()}

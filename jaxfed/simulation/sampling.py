@@ -33,6 +33,10 @@ def client_keys(round_key_, ids):
 
 
 def num_sampled(num_clients: int, participation: float) -> int:
+    """Clients per round: ``participation`` of ``num_clients`` (at least one); a ConfigError for a
+    participation outside (0, 1]."""
+    if not 0 < participation <= 1:
+        raise ConfigError(f"participation: must be in (0, 1], got {participation}")
     return max(1, int(round(participation * num_clients)))
 
 
