@@ -12,6 +12,7 @@ while [[ $# -gt 0 && $1 != "--" ]]; do algorithms+=("$1"); shift; done
 for algorithm in "${algorithms[@]}"; do
   jaxfed run "$algorithm" --dataset mnist --data-dir "$data_dir" --quiet --out "runs/lowrank_mnist/$algorithm" \
     --set num_clients=100 participation=0.2 rounds=30 local_epochs=1 lr=0.05 batch_size=32 momentum=0 \
+    --set clip_norm=0 weight_decay=0 \
     --set eval_every=10 checkpoint_every=0 \
     --set {fedlora,fedloru,pfedloru,mfedloru}.lora_rank=16 {fedloru,pfedloru,mfedloru}.accumulate_every=10 "$@"
 done

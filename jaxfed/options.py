@@ -277,9 +277,7 @@ class LocalTraining(Options):
     lr: float = option(
         0.05, "client SGD learning rate (0 freezes the model)", source="jaxfed default", check=non_negative
     )  # 0 is a legitimate experiment (evaluate the initialization); negative or non-finite is not
-    momentum: float = option(
-        0.0, "client SGD momentum, in [0, 1)", source="jaxfed default", check=momentum_coefficient
-    )
+    momentum: float = option(0.0, "client SGD momentum, in [0, 1)", source="jaxfed default", check=momentum_coefficient)
     weight_decay: float = option(
         0.0, "client weight decay (added to the gradient)", source="jaxfed default", check=non_negative
     )

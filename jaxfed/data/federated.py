@@ -95,8 +95,7 @@ def federate(dataset, train_parts, test_parts) -> FederatedData:
     source = f"dataset '{dataset.name}'"
     if len(train_parts) != len(test_parts):
         raise DataError(
-            f"{source}: {len(train_parts)} training parts and {len(test_parts)} test parts; "
-            "give one of each per client"
+            f"{source}: {len(train_parts)} training parts and {len(test_parts)} test parts; give one of each per client"
         )
     check_parts(source, train_parts, len(dataset.x_train), "training")
     check_parts(source, test_parts, len(dataset.x_test), "test")

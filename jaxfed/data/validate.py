@@ -106,7 +106,7 @@ def check_parts(source: str, parts, size: int, split: str) -> None:
             raise DataError(f"{source}: client {k}'s {split} indices have dtype {part.dtype}; expected integers")
         if part.ndim != 1:
             raise DataError(f"{source}: client {k}'s {split} indices have shape {part.shape}; expected one list")
-        if (part.min() < 0 or part.max() >= size):
+        if part.min() < 0 or part.max() >= size:
             raise DataError(
                 f"{source}: client {k}'s {split} indices run {part.min()}..{part.max()}; "
                 f"the {split} split has {size} examples"
