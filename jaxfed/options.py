@@ -348,5 +348,6 @@ def resolve(cls: type[Options], options: Options | None = None, overrides: dict[
         unknown = [k for k in overrides if cls.field_for(k) is None]
         if unknown:
             raise TypeError(f"{cls.__name__} has no option(s) {', '.join(unknown)}; options: {', '.join(cls.keys())}")
-        options = dataclasses.replace(options, **{cls.field_for(k).name: v for k, v in overrides.items()})
+        fields = {k: cls.field_for(k) for k in overrides}
+        options = dataclasses.replace(options, **{f.name: _typed(options, f, overrides[k]) for k, f in fields.items()})
     return options.validate()

@@ -17,6 +17,10 @@ from jaxfed.nn import get_model
 from jaxfed.nn.models import CNN4, Model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The FedLoRU family's mechanism tests were written without gradient clipping and weight decay,
+# before the authors' (clip_norm 0.1, weight_decay 1e-4) became its defaults; tests/test_defaults.py
+# checks that those defaults learn.
+UNCLIPPED = {"clip_norm": 0.0, "weight_decay": 0.0}
 
 # Many tests compile the same small simulations (and subprocesses inherit the environment):
 # a persistent compilation cache for the session cuts the suite's time without changing results.

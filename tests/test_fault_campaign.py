@@ -122,10 +122,15 @@ def test_data_dir_problems_name_the_directory_and_the_problem(tmp_path, capsys):
     assert "mnist.npz: is a directory, not an .npz file" in _data_dir_error(tmp_path / "npz_dir", tmp_path, capsys)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files without read permission")
-def test_an_unreadable_npz_is_one_line(tmp_path, capsys):
+def test_an_unreadable_npz_is_one_line(tmp_path, capsys, monkeypatch):
+    from jaxfed.data import validate
+
     np.savez(tmp_path / "mnist.npz", **_arrays())
-    (tmp_path / "mnist.npz").chmod(0)
+
+    def unreadable(path, mode="r", *args, **kwargs):  # as chmod 0 does, also for root
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(validate, "open", unreadable, raising=False)
     assert "mnist.npz: cannot be read (Permission denied)" in _data_dir_error(tmp_path, tmp_path, capsys)
 
 

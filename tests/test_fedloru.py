@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation, with_random_lora_updates
+from conftest import UNCLIPPED, make_federation, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import Upload, fedloru
 from jaxfed.cli import main
@@ -14,7 +14,7 @@ from jaxfed.simulation import Simulation, sampling
 
 
 def _algorithm(mlp, **options):
-    return fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=4, **options)
+    return fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=4, **UNCLIPPED, **options)
 
 
 def _logits(alg, mlp, server, x):
@@ -87,7 +87,7 @@ def test_clients_upload_only_factors_of_the_adapted_layers(mlp):
 
 def test_fedloru_learns_digits(mlp, digits):
     fed = make_federation(digits, num_clients=10, alpha=0.5)
-    alg = fedloru(mlp, lr=0.05, local_epochs=2, batch_size=32, lora_rank=8, accumulate_every=5)
+    alg = fedloru(mlp, lr=0.05, local_epochs=2, batch_size=32, lora_rank=8, accumulate_every=5, **UNCLIPPED)
     sim = Simulation(alg, mlp, fed, participation=0.5)
     state, metrics = sim.run_rounds(sim.init(), 15)
     assert sim.evaluate(state)["global_acc"] > 0.8

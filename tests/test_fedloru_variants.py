@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation, with_random_lora_updates
+from conftest import UNCLIPPED, make_federation, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import Upload, fedloru, mfedloru, pfedloru, with_nested
 from jaxfed.core import lowrank, tree_bytes
@@ -25,7 +25,7 @@ def _one_client_update(alg, fed, client=2, tier=0, seed=1):
 
 
 def _pfedloru(mlp, **options):
-    return pfedloru(mlp, lr=0.05, batch_size=32, lora_rank=8, personal_rank=4, **options)
+    return pfedloru(mlp, lr=0.05, batch_size=32, lora_rank=8, personal_rank=4, **UNCLIPPED, **options)
 
 
 def test_pfedloru_personal_pair_stays_on_the_client(mlp, digits_federation):
@@ -68,12 +68,12 @@ def test_pfedloru_personalizes(mlp, digits):
 
 
 def _mfedloru(mlp, tiers, **options):
-    return mfedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, tiers=tiers, **options)
+    return mfedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, tiers=tiers, **UNCLIPPED, **options)
 
 
 def test_mfedloru_with_full_rank_tiers_is_fedloru(mlp, digits_federation):
     runs = []
-    plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, accumulate_every=2)
+    plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, accumulate_every=2, **UNCLIPPED)
     for alg in (_mfedloru(mlp, (1.0,), accumulate_every=2), plain):
         sim = Simulation(alg, mlp, digits_federation, participation=0.5)
         runs.append(sim.run_rounds(sim.init(), 3)[0].server)
@@ -112,7 +112,7 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
 
 
 def test_mfedloru_tiers_upload_less_than_fedloru_at_rank_r(mlp, digits):
-    plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16)
+    plain = fedloru(mlp, lr=0.05, local_epochs=1, batch_size=32, lora_rank=16, **UNCLIPPED)
     server, _ = jax.eval_shape(plain.init, jax.random.key(0))
     free, _ = lowrank.split_kernels(server.params, ["fc2"])
     fedloru_per_client = tree_bytes(Upload(free=free, loras=server.loras))  # what the engine counts per client
