@@ -46,9 +46,9 @@ def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federa
     assert not np.all(np.asarray(present))  # this client lacks some classes
 
 
-def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_anchors=True):
+def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_anchors=True, anchor_fe=None):
     """Full-batch gradient descent on FedARA's loss, written out: anchors from the received FE
-    (or, to show the test can fail, recomputed from the current FE every step)."""
+    (or from ``anchor_fe``; or, to show the test can fail, recomputed from the current FE every step)."""
     count = int(data.count)
     positions = np.asarray(data.indices)[:count]
     x, y = jnp.asarray(np.asarray(data.x)[positions]), jnp.asarray(np.asarray(data.y)[positions])
@@ -72,7 +72,7 @@ def _reference_steps(model, message, head, data, steps, lam, mu, lr, fixed_ancho
         return masked_loss(logits, y, jnp.ones_like(y, bool)) + lam * align + mu * fro
 
     params = {"fe": message.fe, "head": head}
-    received_anchors = anchors_of(message.fe, head)
+    received_anchors = anchors_of(message.fe if anchor_fe is None else anchor_fe, head)
     gradient = jax.jit(jax.grad(loss))
     for _ in range(steps):
         anchors = received_anchors if fixed_anchors else anchors_of(params["fe"], params["head"])
@@ -101,6 +101,26 @@ def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_feder
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(moving))) > 1e-4
     for got, want in zip(jax.tree.leaves(new_client.head), jax.tree.leaves(expected["head"])):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_global_anchors_come_from_the_full_rank_global_fe(mlp, digits_federation):
+    lam, mu, lr = 5.0, 1e-2, 0.05
+    options = dict(lr=lr, tiers=(0.25,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512)
+    alg = _fedara(mlp, anchor_model="global", **options)
+    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server = server._replace(round=jnp.int32(4))
+    message = alg.broadcast(server, 0)
+    received_only = _fedara(mlp, **options).broadcast(server, 0)
+    assert received_only.anchor_fe is None  # the default sends the tier's factors alone
+    assert tree_bytes(message) == tree_bytes(received_only) + tree_bytes(server.fe)
+    data = _client(digits_federation)
+    _, upload, _ = jax.jit(alg.client_update)(message, client, data, jax.random.key(1))
+    expected = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr, anchor_fe=server.fe)
+    from_received = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr)
+    for got, want in zip(jax.tree.leaves(upload), jax.tree.leaves(expected["fe"])):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    gap = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(from_received)))
+    assert gap > 1e-4
 
 
 def test_lambda_ramps_from_zero_in_round_one():
@@ -175,6 +195,7 @@ def test_bad_settings_are_clear_errors(mlp, tmp_path, capsys):
         (["--set", "decompose_layers=fc2,fc9"], "decompose_layers: 'fc9' is not a layer of the feature extractor"),
         (["--set", "num_clients=3", "--set", "tiers=1,0.5,0.25,0.1"], "tiers: 4 tiers for 3 clients"),
         (["--set", "lambda=-1"], "lambda: must be >= 0, got -1.0"),
+        (["--set", "anchor_model=full"], "anchor_model: unknown 'full'; allowed: received, global"),
     ]
     for args, expected in cases:
         assert main(["run", "fedara", *args, "--out", str(tmp_path / "r"), "--quiet"]) == 2

@@ -10,7 +10,8 @@ or with ``tier_layers`` the ``n_k`` largest of them (by parameter count) for tie
 - Stage 1, server: for each tier, the truncated SVD of each layer of ``Q`` in the global FE at
   ``round(r_k * min dim)`` of its matricized kernel; the other FE layers are sent full.
 - Stage 2, client: anchors first, the per-class mean feature (the head's input) of the client's
-  training examples under the received, frozen FE (classes absent locally have none); then
+  training examples under the received, frozen FE (classes absent locally have none; with
+  ``anchor_model="global"`` under the full-rank global FE, sent beside the tier's); then
   ``local_epochs`` of ``CE + lambda_t * MSE(f(x_i), a_{y_i}) + mu_fro * sum_q ||U_q V_q^T||_F^2``
   on the FE factors and the head, run factorized (``factorized_execution``: compute scales with
   ``r_k``). The MSE averages over examples and feature dimensions (``anchor_loss="mean"``,
@@ -41,6 +42,7 @@ from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order,
 from jaxfed.options import each, non_negative, one_of, option, resolve, split_keys
 
 ANCHOR_LOSSES = ("mean", "sum", "normalized")
+ANCHOR_MODELS = ("received", "global")
 PAPER = "FedARA paper §5 settings"
 
 
@@ -73,6 +75,14 @@ class FedARAOptions(TieredOptions):
         source="torch's MSELoss, the authors' framework",
         check=one_of(*ANCHOR_LOSSES),
     )
+    anchor_model: str = option(
+        "received",
+        "the frozen FE that computes the anchors: the tier's low-rank omega_rk as received (received) or the "
+        "full-rank global omega (global: sent beside it, so the download grows by the full FE)",
+        source="FedARA paper §3 ('the frozen low-rank GFE omega_rk'; global: 'the same omega (or its low-rank "
+        "approximation)')",
+        check=one_of(*ANCHOR_MODELS),
+    )
     decompose_layers: tuple[str, ...] = option(
         (), "feature-extractor layers to decompose (comma-separated); empty = all but the first"
     )
@@ -101,6 +111,7 @@ class Broadcast(NamedTuple):
     fe: Any  # the extractor with the tier's Q_k factorized to its rank
     round: jax.Array  # the 1-based round being run
     tier: jax.Array  # the receiving tier (selects its Q_k for the Frobenius term)
+    anchor_fe: Any = None  # with anchor_model=global, the full-rank global FE the anchors come from
 
 
 class ClientState(NamedTuple):
@@ -240,16 +251,15 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
 
     def broadcast(server_state, tier):
         fe = lowrank.factorize_layers(server_state.fe, ranks[tier])
-        return Broadcast(fe, server_state.round + 1, jnp.int32(tier))
+        anchor_fe = server_state.fe if options.anchor_model == "global" else None
+        return Broadcast(fe, server_state.round + 1, jnp.int32(tier), anchor_fe)
 
     def client_update(message, client_state, data, rng):
         optimizer = options.optimizer(data.round)  # this round's learning rate
-        received = {
-            "params": lowrank.replace_layer(message.fe, head, client_state.head),
-            **client_state.model_state,
-        }
+        anchor_fe = message.fe if message.anchor_fe is None else message.anchor_fe
+        frozen = {"params": lowrank.replace_layer(anchor_fe, head, client_state.head), **client_state.model_state}
         with factorized_execution():
-            anchors, _ = class_anchors(model, head, received, data, options.batch_size)
+            anchors, _ = class_anchors(model, head, frozen, data, options.batch_size)
             lam_t = lambda_at(message.round, options.lambda_, options.lambda_warmup_rounds)
             in_tier = membership[message.tier]
             loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed, in_tier)
