@@ -1,6 +1,7 @@
 """Every algorithm's defaults on every dataset's default model: two rounds each, a table.
 
     python experiments/defaults/grid.py [--out experiments/defaults/grid.md] [--data-dir DIR]
+                                        [--datasets mnist,cifar10] [--algorithms fedavg,fedara]
 
 Each image dataset is stood in for by the embedded digits resized to its shape (see
 ``tests/test_defaults.py``), unless ``--data-dir`` holds the real ``<dataset>.npz``; the
@@ -50,16 +51,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).with_name("grid.md")))
     parser.add_argument("--data-dir", help="real <dataset>.npz files (default: digits stand-ins)")
+    parser.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated columns (default: all)")
+    parser.add_argument("--algorithms", default="", help="comma-separated rows (default: every registered one)")
     args = parser.parse_args()
+    datasets = args.datasets.split(",")
+    algorithms = args.algorithms.split(",") if args.algorithms else registry.names()
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="jaxfed-stand-in-")
     if not args.data_dir:
         for name, (size, channels) in IMAGES.items():
             stand_in(name, Path(data_dir), size, channels)
-    header = [f"{d} ({default_model(d)})" for d in DATASETS]
-    lines = ["| algorithm | " + " | ".join(header) + " |", "|---" * (len(DATASETS) + 1) + "|"]
+    header = [f"{d} ({default_model(d)})" for d in datasets]
+    lines = ["| algorithm | " + " | ".join(header) + " |", "|---" * (len(datasets) + 1) + "|"]
     start = time.perf_counter()
-    for algorithm in registry.names():
-        cells = [cell(algorithm, dataset, data_dir) for dataset in DATASETS]
+    for algorithm in algorithms:
+        cells = [cell(algorithm, dataset, data_dir) for dataset in datasets]
         lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     source = "real data in " + args.data_dir if args.data_dir else "digits stand-ins"
