@@ -288,6 +288,12 @@ class Config(Options):
             raise ConfigError("eval_clients: cohort needs sampling=fixed (one cohort trains every round)")
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
+        task = "regression" if self.dataset in SYNTHETIC_TASKS else "classification"
+        if task not in options_class.tasks:
+            raise ConfigError(
+                f"dataset: {self.dataset} is a {task} task; {self.algorithm} runs {', '.join(options_class.tasks)} "
+                f"tasks only (e.g. digits, mnist)"
+            )
         if self.dataset in SYNTHETIC_TASKS and self.cluster_task != "none":
             raise ConfigError(f"cluster_task: {self.dataset} is clustered already; use cluster_task=none")
         if self.clustered() and not 1 <= self.num_clusters <= self.num_clients:

@@ -113,9 +113,15 @@ def each(check: Check) -> Check:
 # ----- the base class ----------------------------------------------------------------------------
 
 
+TASKS = ("classification", "regression")
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Base of every options class (see the module docstring)."""
+    """Base of every options class (see the module docstring). ``tasks`` names the tasks an
+    algorithm can run (FedARA's class anchors: classification only)."""
+
+    tasks: typing.ClassVar[tuple[str, ...]] = TASKS
 
     def check(self) -> None:
         """Rules that span several fields; raise :class:`ConfigError`. Override where needed."""

@@ -317,3 +317,11 @@ def test_loading_a_run_checkpoints_state_logs_no_warning(tmp_path, caplog):
         state = jaxfed.load_state(out / "checkpoints" / "2" / "state")
     assert int(state["round"]) == 2
     assert "Metadata file does not exist" not in caplog.text
+
+
+def test_an_algorithm_on_a_task_it_cannot_run_is_one_line(tmp_path, capsys):
+    """FedARA's anchors are class means: on a regression task it used to fail inside jit."""
+    assert main(["run", "fedara", "--quiet", "--dataset", "synthetic_linear", "--out", str(tmp_path / "o")]) == 2
+    assert "dataset: synthetic_linear is a regression task; fedara runs classification tasks only" in (
+        _one_line_error(capsys)
+    )

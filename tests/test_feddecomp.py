@@ -209,7 +209,7 @@ def test_the_auto_tau_epochs_never_leave_a_part_without_an_epoch(mlp):
 
 def test_the_default_scaling_is_the_authors_code(small_cnn):
     defaults = FedDecompOptions()
-    assert (defaults.lora_scaling, defaults.lora_alpha, defaults.momentum) == ("authors", 1.0, 0.9)
+    assert (defaults.lora_scaling, defaults.lora_alpha, defaults.momentum) == ("authors", 1.0, 0.0)
     template, _ = split_variables(jax.eval_shape(small_cnn.init, jax.random.key(0)))
     ranks = decomposition_ranks(template, defaults.rank_dense, defaults.rank_conv)
     scales = layer_scales(template, ranks, defaults)

@@ -26,7 +26,7 @@ A client's personalized model is the global FE truncated to its tier's rank plus
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,8 @@ PAPER = "FedARA paper §5 settings"
 @dataclasses.dataclass(frozen=True)
 class FedARAOptions(TieredOptions):
     """FedARA's options: tiers, the anchor alignment and the private head."""
+
+    tasks: ClassVar[tuple[str, ...]] = ("classification",)  # anchors are class means
 
     lambda_: float = option(
         2.0,

@@ -62,7 +62,11 @@ class FedDecompOptions(TrainingOptions):
     batch_size: int = option(100, "local batch size", source=PAPER)
     lr: float = option(0.1, "client SGD learning rate", source=PAPER)
     momentum: float = option(
-        0.9, "client SGD momentum", source=AUTHORS + " (--momentum 0.9)", check=momentum_coefficient
+        0.0,
+        "client SGD momentum (the authors': 0.9, with ResNet-8's normalization; on the un-normalized FedAvg CNN, "
+        "mnist's default model, 0.9 at lr 0.1 does not learn: 0.1665 against 0.6099 without, measured)",
+        source=AUTHORS + " use 0.9 (--momentum 0.9); 0 here so the defaults learn on every default model",
+        check=momentum_coefficient,
     )
     lora_epochs: int = option(
         -1,
