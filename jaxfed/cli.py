@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxfed", description="Federated learning simulated at accelerator speed.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run one simulation (default: fedavg on the embedded digits data)")
-    _add_config_arguments(run)
+    add_config_arguments(run)
     run.add_argument("--out", help="run directory (default: runs/<algorithm>_<dataset>_<time>)")
     run.add_argument(
         "--resume",
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser(
         "sweep", help="run seeds x lrs x --grid keys as compiled programs, one run directory per configuration"
     )
-    _add_config_arguments(sweep)
+    add_config_arguments(sweep)
     sweep.add_argument("--seeds", default="", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
     sweep.add_argument("--lrs", default="", help="comma-separated client learning rates (default: the config's lr)")
     sweep.add_argument(
@@ -128,8 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_config_arguments(parser) -> None:
-    """The arguments that make a config: algorithm, --dataset, --data-dir, --config, --set."""
+def add_config_arguments(parser) -> None:
+    """The arguments that make a config: algorithm, --dataset, --data-dir, --config, --set,
+    --plugin (read by :func:`config_from_args`; experiment scripts use the pair too)."""
     parser.add_argument("algorithm", nargs="?", help="algorithm name (default: fedavg)")
     parser.add_argument("--dataset", help="dataset name (default: digits)")
     parser.add_argument("--data-dir", help="directory with <dataset>.npz files or TFDS data")

@@ -22,7 +22,7 @@ import numpy as np
 from jaxfed.algorithms.fedara import anchor_drift, class_anchors, fedara
 from jaxfed.algorithms.training import masked_loss
 from jaxfed.build import build
-from jaxfed.config import Config, read_config_file
+from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import lowrank
 from jaxfed.data import ClientData
 from jaxfed.nn.factorized import factorized_execution
@@ -38,17 +38,12 @@ def features_of(model, fe, head_params, x):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", default=[])
-    parser.add_argument("--data-dir", default="")
-    parser.add_argument("--set", nargs="+", action="extend", default=[])
+    add_config_arguments(parser)
     parser.add_argument("--clients", default="0,5,10,15,19", help="comma-separated client ids")
     parser.add_argument("--lambdas", default="0,2,20", help="comma-separated lambdas of the next round")
     args = parser.parse_args(argv)
-    config = Config(algorithm="fedara")
-    for path in args.config:
-        config = config.with_overrides(read_config_file(path))
-    data_dir = [f"data_dir={args.data_dir}"] if args.data_dir else []
-    config = config.with_overrides([*args.set, "algorithm=fedara", *data_dir]).validate()
+    args.algorithm = "fedara"
+    config = config_from_args(args)
     sim = build(config).simulation
     state, _ = sim.run_rounds(sim.init(), config.rounds)
     accuracy = sim.evaluate(state)["personalized_acc_mean"]

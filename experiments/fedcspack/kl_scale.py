@@ -21,22 +21,17 @@ import numpy as np
 
 from jaxfed.algorithms.fedcspack import score_and_select
 from jaxfed.build import build
-from jaxfed.config import Config, read_config_file
+from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import packs as pk
 from jaxfed.data import ClientData
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", default=[])
-    parser.add_argument("--data-dir", default="")
-    parser.add_argument("--set", nargs="+", action="extend", default=[])
+    add_config_arguments(parser)
     args = parser.parse_args(argv)
-    config = Config(algorithm="fedcspack")
-    for path in args.config:
-        config = config.with_overrides(read_config_file(path))
-    data_dir = [f"data_dir={args.data_dir}"] if args.data_dir else []
-    config = config.with_overrides([*args.set, "algorithm=fedcspack", *data_dir]).validate()
+    args.algorithm = "fedcspack"
+    config = config_from_args(args)
     sim = build(config).simulation
     state, _ = sim.run_rounds(sim.init(), config.rounds)
     alg, options = sim.algorithm, config.options
