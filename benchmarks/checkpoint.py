@@ -17,11 +17,11 @@ from pathlib import Path
 
 import jax
 
-from jaxfed.build import build
-from jaxfed.config import Config
 from jaxfed.core import tree_bytes
-from jaxfed.driver import run
-from jaxfed.simulation.checkpoint import RunCheckpoints, load_state, save_state
+from jaxfed.runs.build import build
+from jaxfed.runs.checkpoint import RunCheckpoints, load_state, save_state
+from jaxfed.runs.config import Config
+from jaxfed.runs.driver import run
 
 
 def directory_bytes(path: Path) -> int:

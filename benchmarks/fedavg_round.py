@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.build import build
-from jaxfed.config import Config
 from jaxfed.data import ClientData
+from jaxfed.runs.build import build
+from jaxfed.runs.config import Config
 from jaxfed.simulation import sampling
 
 WORKLOAD = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxfed.bench import time_rounds, workload_config
+from jaxfed.cli.bench import time_rounds, workload_config
 
 
 def main():

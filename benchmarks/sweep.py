@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxfed.config import Config
-from jaxfed.driver import run
-from jaxfed.sweep import member_name, run_sweep, sweep_configs
+from jaxfed.runs.config import Config
+from jaxfed.runs.driver import run
+from jaxfed.runs.sweep import member_name, run_sweep, sweep_configs
 
 
 def main() -> int:

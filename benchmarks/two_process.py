@@ -36,8 +36,8 @@ def simulate(overrides: list[str], rounds: int) -> dict:
     import jax
     import numpy as np
 
-    from jaxfed.build import build
-    from jaxfed.config import Config
+    from jaxfed.runs.build import build
+    from jaxfed.runs.config import Config
 
     sim = build(Config().with_overrides([*DEFAULT, *overrides, "checkpoint_every=0"]).validate()).simulation
     state = sim.init()

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 
 import jaxfed
 from jaxfed.algorithms import FederatedAlgorithm
-from jaxfed.algorithms.training import split_variables, train_classifier
+from jaxfed.algorithms.training import train_classifier
 from jaxfed.core import tree_select
+from jaxfed.nn import split_variables
 from jaxfed.options import TrainingOptions, option, positive, resolve
 
 PAPER = "Karimireddy et al. 2020, Alg. 1"

@@ -1,34 +1,67 @@
 """jaxfed: personalized and low-rank federated learning simulated at accelerator speed.
 
-The public API in one place:
+The package is in layers, each a folder importing only those below it:
 
-- ``jaxfed.Config``: a run's settings (run-level keys plus the algorithm's options section).
-- ``jaxfed.register``: add an algorithm (its options class and builder) from research code;
-  it then has the CLI, config files, ``--set``, checkpoints, resume, metrics, plots and sweeps.
-- ``jaxfed.algorithms``: algorithms as records of pure functions (``FederatedAlgorithm``), each
-  built as ``name(model, options=None, **overrides)``; the contract is ``docs/contract.md``.
-- ``jaxfed.options``: ``option``, ``Options``, ``TrainingOptions``: typed options with checks.
-- ``jaxfed.data``: datasets, partitioners and the on-device federated dataset.
-- ``jaxfed.nn``: Flax models by name, and ``Model`` that wraps any Flax module.
+- ``jaxfed.core``: pure building blocks on pytrees (tree reductions, factorizations, packs,
+  routers, losses); ``jaxfed.nn``: Flax models; ``jaxfed.data``: datasets, partitioners and the
+  on-device federated dataset.
+- ``jaxfed.contract``: the algorithm record (``FederatedAlgorithm``), its Protocols and the round
+  information; ``jaxfed.options``: typed options with checks (``option``, ``Options``,
+  ``TrainingOptions``).
+- ``jaxfed.algorithms``: one module per algorithm, registered by name and loaded when named.
 - ``jaxfed.simulation``: the engine (``Simulation``) that vmaps client updates over clients.
-- The run driver, three pieces: ``jaxfed.build`` (config -> Simulation), ``jaxfed.rundir`` (the
-  run directory), ``jaxfed.driver`` (``run(config, out_dir)`` and ``run_simulation(sim, out_dir,
-  settings)`` for a Simulation built in research code).
-- ``jaxfed.save_state`` / ``jaxfed.load_state``: orbax checkpoints of a simulation state.
+- ``jaxfed.runs``: config, build (config -> Simulation), the run directory, the loop, sweeps.
+- ``jaxfed.cli``: the ``jaxfed`` command.
+
+The public API, importable from here:
+
+- ``Config``: a run's settings (run-level keys plus the algorithm's options section).
+- ``register``: add an algorithm (its options class and builder) from research code; it then
+  has the CLI, config files, ``--set``, checkpoints, resume, metrics, plots and sweeps.
+- ``build(config)``: the data, model, algorithm and ``Simulation`` of a config.
+- ``run(config, out_dir)``: ``jaxfed run``; ``run_simulation(sim, out_dir, settings)`` drives a
+  ``Simulation`` built in research code with ``LoopSettings``.
+- ``save_state`` / ``load_state``: orbax checkpoints of a simulation state.
 """
 
+import importlib
+
 from jaxfed.algorithms.registry import register
-from jaxfed.config import Config
-from jaxfed.driver import run, run_simulation
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.rundir import LoopSettings
-from jaxfed.simulation.checkpoint import load_state, save_state
+from jaxfed.runs.config import Config
+
+_LAZY = {  # name -> module: the heavier pieces (the engine, orbax) load when first used
+    "FederatedAlgorithm": "jaxfed.contract",
+    "LoopSettings": "jaxfed.runs.rundir",
+    "Simulation": "jaxfed.simulation",
+    "build": "jaxfed.runs.build",
+    "load_state": "jaxfed.runs.checkpoint",
+    "run": "jaxfed.runs.driver",
+    "run_simulation": "jaxfed.runs.driver",
+    "save_state": "jaxfed.runs.checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxfed' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "Config",
     "ConfigError",
+    "FederatedAlgorithm",
     "LoopSettings",
     "NonFiniteUpdateError",
+    "Simulation",
+    "build",
     "load_state",
     "register",
     "run",

@@ -74,7 +74,7 @@ def with_random_lora_updates(server, seed):
 def metrics_rows(run_dir) -> list[dict]:
     """A run directory's metrics.jsonl rows without their timing fields (the only ones that differ
     between runs of one config)."""
-    from jaxfed.rundir import TIMING_KEYS
+    from jaxfed.runs.rundir import TIMING_KEYS
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]

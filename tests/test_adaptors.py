@@ -11,12 +11,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxfed.algorithms.training import split_variables
 from jaxfed.core import adaptors as ad
 from jaxfed.core import lowrank
 from jaxfed.core.routing import mixture_weights
 from jaxfed.errors import ConfigError
-from jaxfed.nn import get_model
+from jaxfed.nn import get_model, split_variables
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.fedprox import fedprox, proximal_term
 from jaxfed.algorithms.local import local
-from jaxfed.config import Config
 from jaxfed.core import gather_clients
 from jaxfed.data import ClientData
 from jaxfed.nn import Model
 from jaxfed.nn.models import Norm
+from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation, sampling
 
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from jaxfed.bench import examples_per_round, useful_step_fraction, workload_config
-from jaxfed.build import build
 from jaxfed.cli import main
+from jaxfed.cli.bench import examples_per_round, useful_step_fraction, workload_config
+from jaxfed.runs.build import build
 
 TINY_W2 = ["num_clients=40", "participation=0.25", "client_train_size=40", "rounds_per_call=1"]
 
@@ -52,7 +52,7 @@ def test_the_torch_twin_from_jaxfed_weights_computes_the_same_outputs(name, shap
     torch = pytest.importorskip("torch", reason="the PyTorch baseline is a benchmark extra (pip install torch)")
     import jax
 
-    from jaxfed.bench.torch_loop import copy_jax_params, torch_model
+    from jaxfed.cli.bench.torch_loop import copy_jax_params, torch_model
     from jaxfed.nn import get_model
 
     model = get_model(name, shape, 10)

@@ -16,11 +16,11 @@ import pytest
 from conftest import metrics_rows as _rows
 
 from jaxfed import load_state, save_state
-from jaxfed.build import build
 from jaxfed.cli import main
-from jaxfed.config import Config
-from jaxfed.driver import chunk_schedule
-from jaxfed.rundir import LOCK_FILE
+from jaxfed.runs.build import build
+from jaxfed.runs.config import Config
+from jaxfed.runs.driver import chunk_schedule
+from jaxfed.runs.rundir import LOCK_FILE
 from jaxfed.simulation import SimState
 
 SMALL = ["--quiet", "--set", "num_clients=8", "--set", "local_epochs=1", "--set", "eval_every=2"]
@@ -230,7 +230,7 @@ def test_a_resumed_fedloru_run_counts_the_cached_download_as_one_left_alone(tmp_
 def test_a_checkpoint_holds_the_record_as_it_was_when_saved(tmp_path):
     """The save writes in the background while training goes on updating the live record (its
     totals, pending metrics and rows): what is written, and its digest, are the record at save."""
-    from jaxfed.simulation.checkpoint import RunCheckpoints
+    from jaxfed.runs.checkpoint import RunCheckpoints
 
     checkpoints = RunCheckpoints(tmp_path / "checkpoints")
     record = {"totals": {"bytes_up": 1.0}, "pending": {"train_loss": [0.5]}, "rows": [{"round": 2}]}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxfed.cli import _parser, config_from_args, main
+from jaxfed.cli.commands import _parser, config_from_args, main
 from jaxfed.errors import ConfigError
 
 SUMMARY_KEYS = {

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from jaxfed.build import build
-from jaxfed.config import Config
 from jaxfed.data import apply_cluster_task, client_clusters, partition
 from jaxfed.errors import ConfigError
+from jaxfed.runs.build import build
+from jaxfed.runs.config import Config
 
 
 def _parts(digits, n=6):

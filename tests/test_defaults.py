@@ -17,8 +17,8 @@ import pytest
 from sklearn.datasets import load_digits
 
 from jaxfed.algorithms import registry
-from jaxfed.build import build
-from jaxfed.config import Config
+from jaxfed.runs.build import build
+from jaxfed.runs.config import Config
 
 CHANCE = 0.1  # ten classes
 

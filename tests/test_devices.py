@@ -14,8 +14,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     import jax, numpy as np
-    from jaxfed.config import Config
-    from jaxfed.build import build
+    from jaxfed.runs.config import Config
+    from jaxfed.runs.build import build
 
     devices, out = int(sys.argv[1]), sys.argv[2]
     # the 4-device run splits the host itself (host_devices), before JAX starts its backend
@@ -71,9 +71,9 @@ def test_one_vs_four_devices(tmp_path):
 def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):
     import jax
 
-    from jaxfed.build import build
-    from jaxfed.config import Config
     from jaxfed.errors import ConfigError
+    from jaxfed.runs.build import build
+    from jaxfed.runs.config import Config
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
     started = len(jax.devices("cpu"))
@@ -84,8 +84,8 @@ def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):
 def test_matmul_precision_highest_is_set_for_the_run_and_default_resets_it():
     import jax
 
-    from jaxfed.build import build
-    from jaxfed.config import Config
+    from jaxfed.runs.build import build
+    from jaxfed.runs.config import Config
 
     small = ["num_clients=4", "rounds=1"]
     build(Config().with_overrides([*small, "matmul_precision=highest"]))

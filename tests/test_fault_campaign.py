@@ -12,12 +12,12 @@ import pytest
 from test_faults import TINY, _arrays, _one_line_error
 
 import jaxfed
-from jaxfed.build import build
 from jaxfed.cli import main
-from jaxfed.config import Config, read_config_file
 from jaxfed.data import Dataset, federate, load_dataset
 from jaxfed.data.validate import DataError
 from jaxfed.errors import ConfigError
+from jaxfed.runs.build import build
+from jaxfed.runs.config import Config, read_config_file
 from jaxfed.simulation import Simulation
 
 # ----- values that were accepted silently ------------------------------------------------------

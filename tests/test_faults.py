@@ -21,7 +21,7 @@ from jaxfed.cli import main
 from jaxfed.data import Dataset, federate
 from jaxfed.data.validate import DataError
 from jaxfed.errors import ConfigError
-from jaxfed.rundir import RunDirectory, new_run_dir
+from jaxfed.runs.rundir import RunDirectory, new_run_dir
 
 TINY = ["--set", "num_clients=4", "rounds=2", "eval_every=1", "checkpoint_every=1"]
 
@@ -198,7 +198,7 @@ def test_default_run_directories_started_in_the_same_second_differ(tmp_path):
 def test_a_second_process_on_the_same_out_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     hold = (
-        "import sys, time\nfrom jaxfed.rundir import RunDirectory\n"
+        "import sys, time\nfrom jaxfed.runs.rundir import RunDirectory\n"
         "with RunDirectory(sys.argv[1]).locked():\n    print('held', flush=True)\n    time.sleep(60)"
     )
     holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, text=True)
@@ -385,7 +385,7 @@ def _disk_full_on(monkeypatch, cls, method, nth):
 
 @pytest.mark.parametrize("target", ["metrics", "checkpoint"])
 def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(target, tmp_path, capsys, monkeypatch):
-    from jaxfed.simulation.checkpoint import RunCheckpoints
+    from jaxfed.runs.checkpoint import RunCheckpoints
 
     reference, out = tmp_path / "reference", tmp_path / "run"
     assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
@@ -406,8 +406,8 @@ def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(target, tmp_pa
 
 KILLER = """
 import json, os, signal, sys
-from jaxfed import cli, driver, rundir
-from jaxfed.simulation import checkpoint
+from jaxfed import cli
+from jaxfed.runs import checkpoint, driver, rundir
 
 point, nth = sys.argv[1], int(sys.argv[2])
 calls = [0]

@@ -7,9 +7,9 @@ import pytest
 from conftest import make_federation
 
 from jaxfed.algorithms.fedara import class_anchors, fedara, frobenius_penalty, lambda_at
-from jaxfed.algorithms.training import masked_loss
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
+from jaxfed.core.losses import masked_loss
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
@@ -204,7 +204,7 @@ def test_bad_settings_are_clear_errors(mlp, tmp_path, capsys):
 
 
 def test_the_lambda_key_maps_to_its_field():
-    from jaxfed.config import Config
+    from jaxfed.runs.config import Config
 
     config = Config(algorithm="fedara").with_overrides(["lambda=0.5", "lambda_warmup_rounds=3", "mu_fro=0"]).validate()
     options = config.options

@@ -10,11 +10,11 @@ import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.feddecomp import FedDecompOptions, auto_lora_epochs, decomposition_ranks, feddecomp, layer_scales
-from jaxfed.algorithms.training import split_variables
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
+from jaxfed.nn import split_variables
 from jaxfed.nn.models import Model
 from jaxfed.simulation import Simulation
 

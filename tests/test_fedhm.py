@@ -9,11 +9,11 @@ from conftest import make_federation
 
 from jaxfed.algorithms.fedhm import fedhm
 from jaxfed.cli import main
-from jaxfed.config import Config
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import interior_layers
+from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation
 
 

@@ -3,12 +3,12 @@
 import jax
 import pytest
 
-from jaxfed import memory
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.cli import main
 from jaxfed.core import tree_bytes
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
+from jaxfed.runs import memory
 from jaxfed.simulation import Simulation
 
 CPU = jax.devices("cpu")[0]

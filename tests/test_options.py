@@ -15,10 +15,10 @@ from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.fedcspack import FedCSPACKOptions
 from jaxfed.algorithms.feddecomp import FedDecompOptions
-from jaxfed.cli import _parser, config_from_args, main
-from jaxfed.config import Config, read_config_file
+from jaxfed.cli.commands import _parser, config_from_args, main
 from jaxfed.errors import ConfigError
 from jaxfed.options import TrainingOptions, option, positive
+from jaxfed.runs.config import Config, read_config_file
 from jaxfed.simulation import Simulation
 
 

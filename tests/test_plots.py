@@ -3,7 +3,7 @@
 import json
 
 from jaxfed.cli import main
-from jaxfed.plots import read_run, run_labels
+from jaxfed.runs.plots import read_run, run_labels
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -58,7 +58,7 @@ def test_plot_of_something_that_is_not_a_run_is_one_line_exit_2(tmp_path, capsys
 
 
 def test_labels_name_differing_options_and_never_dump_an_options_dict():
-    from jaxfed.plots import run_labels
+    from jaxfed.runs.plots import run_labels
 
     floral = {"algorithm": "floral", "seed": 0, "options": {"lr": 0.1, "rho": 0.01, "num_adaptors": 4}}
     other_rho = {**floral, "options": {**floral["options"], "rho": 0.1}}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxfed.cli import main
-from jaxfed.report import Claim, collect, markdown, paired_standard_error, parse_claim, verdict, write_report
+from jaxfed.cli.report import Claim, collect, markdown, paired_standard_error, parse_claim, verdict, write_report
 
 
 def _fake_run(directory, seed, final, task="classification", upload=2e6, cached=None, **config):
@@ -235,7 +235,7 @@ def test_runs_that_differ_in_a_key_that_changes_the_numbers_are_refused(second, 
 
 
 def test_runs_may_differ_in_the_seed_and_in_keys_that_change_no_number(tmp_path):
-    from jaxfed.rundir import NEUTRAL_KEYS
+    from jaxfed.runs.rundir import NEUTRAL_KEYS
 
     assert {"eval_every", "data_dir", "client_chunk", "member_chunk", "devices", "plugins"} <= NEUTRAL_KEYS
     assert not {"rounds", "seed", "algorithm", "lr", "matmul_precision"} & NEUTRAL_KEYS

@@ -11,11 +11,11 @@ from conftest import metrics_rows as rows
 
 from jaxfed.algorithms import registry
 from jaxfed.cli import main
-from jaxfed.config import Config
-from jaxfed.driver import run
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.simulation.checkpoint import RunCheckpoints
-from jaxfed.sweep import (
+from jaxfed.runs.checkpoint import RunCheckpoints
+from jaxfed.runs.config import Config
+from jaxfed.runs.driver import run
+from jaxfed.runs.sweep import (
     Sweep,
     check_sweepable,
     member_name,

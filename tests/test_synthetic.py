@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfed.algorithms.training import masked_loss
-from jaxfed.build import count_parameters
 from jaxfed.cli import main
+from jaxfed.core.losses import masked_loss
 from jaxfed.data import ClientData, federate, synthetic_task
 from jaxfed.data.synthetic import auto_samples_per_client
 from jaxfed.nn import get_model
+from jaxfed.runs.build import count_parameters
 from jaxfed.simulation.evaluation import evaluate_examples, personalized_metrics
 
 

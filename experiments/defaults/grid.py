@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from test_defaults import stand_in  # noqa: E402
 
 from jaxfed.algorithms import registry  # noqa: E402
-from jaxfed.build import build  # noqa: E402
-from jaxfed.config import Config  # noqa: E402
 from jaxfed.data import default_model  # noqa: E402
 from jaxfed.errors import ConfigError, NonFiniteUpdateError  # noqa: E402
+from jaxfed.runs.build import build  # noqa: E402
+from jaxfed.runs.config import Config  # noqa: E402
 
 IMAGES = {"mnist": (28, 1), "fashion_mnist": (28, 1), "cifar10": (32, 3), "cifar100": (32, 3)}
 DATASETS = ["digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "synthetic_linear", "synthetic_mlp"]

@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms.fedara import anchor_drift, class_anchors, fedara
-from jaxfed.algorithms.training import masked_loss
-from jaxfed.build import build
 from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import lowrank
+from jaxfed.core.losses import masked_loss
 from jaxfed.data import ClientData
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_input
+from jaxfed.runs.build import build
 
 
 def features_of(model, fe, head_params, x):

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms.fedcspack import score_and_select
-from jaxfed.build import build
 from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import packs as pk
 from jaxfed.data import ClientData
+from jaxfed.runs.build import build
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@
 
 Each cell is the last evaluation's personalized metric (MSE on the synthetic tasks, accuracy on
 the image tasks) from ``<runs>/<task>/<variant>/``: one run directory, or a sweep's seeds (then
-mean ± sample std, through ``jaxfed.report``; each task's ``report/`` holds the verdicts).
+mean ± sample std, through ``jaxfed.cli.report``; each task's ``report/`` holds the verdicts).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxfed.report import collect, headline_metric, run_dirs, summarize
+from jaxfed.cli.report import collect, headline_metric, run_dirs, summarize
 
 VARIANTS = [
     "fedavg",

@@ -16,11 +16,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle
-from jaxfed.algorithms.training import per_key, split_variables, train_routed
+from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle, oracle_clusters
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import per_key, train_routed
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import tree_select
 from jaxfed.core.routing import mixture_average, oracle_init
+from jaxfed.nn import split_variables
 from jaxfed.nn.models import Mixture
 from jaxfed.options import at_least, option, resolve, sgd
 
@@ -98,3 +100,10 @@ def ensemble(
         init_client=None if learned else oracle_init(num_members, num_clusters),
         eval_model=mixture,
     )
+
+
+builtin(
+    "ensemble",
+    EnsembleOptions,
+    lambda model, options, config: ensemble(model, options, num_clusters=oracle_clusters(config)),
+)

@@ -31,12 +31,15 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.fedhm import TieredOptions, average_received, reconstruct_upload, tier_ranks
-from jaxfed.algorithms.training import TrainState, gradient_step, masked_loss, run_epochs, split_variables
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import TrainState, gradient_step, run_epochs
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
+from jaxfed.core.losses import masked_loss
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
+from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order, no_adaptable_layers
 from jaxfed.options import each, non_negative, one_of, option, resolve, split_keys
@@ -238,7 +241,7 @@ def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss="mean", 
 def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara", **overrides) -> FederatedAlgorithm:
     """FedARA over ``len(options.tiers)`` client tiers."""
     options = resolve(FedARAOptions, options, overrides)
-    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, _ = model_template(model)
     head = check_head(model, template, options.head)
     layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
     decomposed = check_decomposed_layers(model, layers, head)
@@ -297,3 +300,6 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         receive=reconstruct_upload,
         eval_server=eval_server,
     )
+
+
+builtin("fedara", FedARAOptions, lambda model, options, config: fedara(model, options))

@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.records import ClientStats
-from jaxfed.algorithms.training import split_variables, train_classifier
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import train_classifier
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import tree_select, weighted_mean
+from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
 
 SERVER_OPTIMIZERS = ("none", "sgd", "adam")
@@ -112,7 +114,7 @@ def fedavg(
     def global_params(server_state):
         return {"params": server_state.params}
 
-    has_private_stats = bool(split_variables(jax.eval_shape(model.init, jax.random.key(0)))[1])
+    has_private_stats = bool(model_template(model)[1])
     return FederatedAlgorithm(
         name=name,
         init=init,
@@ -124,3 +126,6 @@ def fedavg(
         global_params=None if has_private_stats else global_params,
         evaluates_global=not has_private_stats,
     )
+
+
+builtin("fedavg", FedAvgOptions, lambda model, options, config: fedavg(model, options))

@@ -25,10 +25,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import split_variables, train_parameters
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import train_parameters
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import packs as pk
 from jaxfed.errors import ConfigError
+from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, at_least, one_of, option, ratio, resolve
 
 MERGES = ("masked", "full")
@@ -127,7 +129,7 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         options.weight,
         options.merge,
     )
-    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, private_stats = model_template(model)
     view = pk.pack_view(template, pack_size)
     if view.num_packs < 2:  # a single pack's cosine is the whole model's threshold: never below it
         raise ConfigError(
@@ -197,3 +199,6 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         global_params=None if private_stats else global_params,
         message_bytes=message_bytes,
     )
+
+
+builtin("fedcspack", FedCSPACKOptions, lambda model, options, config: fedcspack(model, options))

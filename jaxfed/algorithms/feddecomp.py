@@ -28,10 +28,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import split_variables, train_parameters
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import train_parameters
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank, tree_select, weighted_mean
 from jaxfed.errors import ConfigError
+from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import no_adaptable_layers
 from jaxfed.options import (
     TrainingOptions,
@@ -190,7 +192,7 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     options = resolve(FedDecompOptions, options, overrides)
     local_epochs, lora_epochs = options.local_epochs, options.tau_epochs()
     schedule, aggregation = options.schedule, options.aggregation
-    template, model_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, model_stats = model_template(model)
     layers = list(split_keys(options.layers)) or None
     ranks = decomposition_ranks(template, options.rank_dense, options.rank_conv, layers)
     if not ranks:
@@ -277,3 +279,6 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
         # With private BatchNorm statistics there is no global model to evaluate.
         global_params=global_params if shared_stats or not model_stats else None,
     )
+
+
+builtin("feddecomp", FedDecompOptions, lambda model, options, config: feddecomp(model, options))

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
-from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.records import ClientStats, GlobalParams
-from jaxfed.algorithms.training import split_variables, train_classifier
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import train_classifier
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank, tree_select, weighted_mean
+from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import choose_layers
 from jaxfed.options import TrainingOptions, each, one_of, option, rank_ratio, resolve, split_keys
@@ -118,7 +118,7 @@ def average_received(previous, messages, weights):
 def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **overrides) -> FederatedAlgorithm:
     """FedHM over ``len(options.tiers)`` client tiers."""
     options = resolve(FedHMOptions, options, overrides)
-    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, private_stats = model_template(model)
     layers = fedhm_layers(model, template, options)
     ranks = tier_ranks(template, [layers] * len(options.tiers), options.tiers, options.rank_rule)
 
@@ -163,3 +163,6 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         num_tiers=len(ranks),
         receive=reconstruct_upload,
     )
+
+
+builtin("fedhm", FedHMOptions, lambda model, options, config: fedhm(model, options))

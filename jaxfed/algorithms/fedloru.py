@@ -35,9 +35,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import split_variables, train_parameters
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import train_parameters
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank, tree_bytes, tree_select, weighted_mean
+from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import choose_layers
 from jaxfed.options import TrainingOptions, at_least, each, non_negative, one_of, option, rank_ratio, resolve
 
@@ -171,7 +173,7 @@ class _Adapted(NamedTuple):
 
 
 def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_rank") -> _Adapted:
-    template, private_stats = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, private_stats = model_template(model)
     keys = choose_layers(model, layers or (), "the FedLoRU family")
     ranks = {}
     for key in keys:
@@ -561,3 +563,9 @@ def _lora_shapes(adapted: _Adapted) -> dict[str, lowrank.LoRA]:
         rows, cols = lowrank.matrix_shape(lowrank.get_layer(adapted.template, key)["kernel"].shape, LAYOUT)
         shapes[key] = lowrank.LoRA(down=(rows, r), up=(r, cols))
     return shapes
+
+
+builtin("fedlora", FedLoRAOptions, lambda model, options, config: fedlora(model, options))
+builtin("fedloru", FedLoRUOptions, lambda model, options, config: fedloru(model, options))
+builtin("pfedloru", PFedLoRUOptions, lambda model, options, config: pfedloru(model, options))
+builtin("mfedloru", MFedLoRUOptions, lambda model, options, config: mfedloru(model, options))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.fedavg import FedAvgOptions, fedavg
+from jaxfed.algorithms.registry import builtin
 from jaxfed.options import non_negative, option, resolve
 
 
@@ -31,3 +32,6 @@ def proximal_term(mu: float):
 def fedprox(model, options: FedProxOptions | None = None, **overrides):
     options = resolve(FedProxOptions, options, overrides)
     return fedavg(model, options, penalty=proximal_term(options.mu), name="fedprox")
+
+
+builtin("fedprox", FedProxOptions, lambda model, options, config: fedprox(model, options))

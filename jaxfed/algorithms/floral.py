@@ -27,13 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfed.algorithms.base import FederatedAlgorithm
 from jaxfed.algorithms.records import GlobalParams
-from jaxfed.algorithms.training import per_key, split_variables, train_parameters, train_routed
+from jaxfed.algorithms.registry import builtin
+from jaxfed.algorithms.training import per_key, train_parameters, train_routed
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import adaptors as ad
 from jaxfed.core import tree_select, weighted_mean
 from jaxfed.core.routing import ROUTERS, check_router, mixture_average, mixture_weights, oracle_init
 from jaxfed.errors import ConfigError
+from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import no_adaptable_layers
 from jaxfed.options import (
     TrainingOptions,
@@ -189,7 +191,7 @@ def _local_optimizer(plan, options: AdaptorOptions, round_, router_lr=None):
 
 
 def _plan(model, options: AdaptorOptions, num_adaptors: int):
-    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, _ = model_template(model)
     plan = ad.adaptor_plan(
         template,
         num_adaptors,
@@ -312,3 +314,9 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         eval_params=eval_params,
         global_params=None,
     )
+
+
+builtin(
+    "floral", FLoRALOptions, lambda model, options, config: floral(model, options, num_clusters=oracle_clusters(config))
+)
+builtin("local_adaptor", LocalAdaptorOptions, lambda model, options, config: local_adaptor(model, options))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from jaxfed.algorithms.base import FederatedAlgorithm
+from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.options import TrainingOptions, resolve
 
 
@@ -44,3 +45,6 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         return client_state.variables
 
     return FederatedAlgorithm("local", init, broadcast, client_update, server_update, eval_params, None)
+
+
+builtin("local", LocalOptions, lambda model, options, config: local(model, options))

@@ -1,7 +1,8 @@
 """The public algorithm registry: a name -> (options class, builder).
 
-Every built-in algorithm is registered here by :mod:`jaxfed.algorithms`; research code registers
-its own the same way and gets the CLI, config files, ``--set``, checkpoints and resume, metrics,
+A built-in algorithm's module registers it when imported, and this registry imports the module
+the first time its name is asked for (``BUILTINS``), so naming one algorithm loads one module.
+Research code registers its own the same way and gets the CLI, config files, ``--set``, checkpoints and resume, metrics,
 plots and sweeps with no edit to jaxfed::
 
     @jaxfed.register("scaffold", ScaffoldOptions)
@@ -10,8 +11,11 @@ plots and sweeps with no edit to jaxfed::
 
 A builder takes the model (:class:`jaxfed.nn.Model`), the algorithm's validated options and the
 run's :class:`jaxfed.Config` (for run-level facts such as ``num_clusters``), and returns a
-:class:`~jaxfed.algorithms.base.FederatedAlgorithm`. ``jaxfed run --plugin FILE_OR_MODULE``
+:class:`~jaxfed.contract.FederatedAlgorithm`. ``jaxfed run --plugin FILE_OR_MODULE``
 imports a module that registers algorithms before the config is read.
+
+An option may not shadow a run-level config key: the run layer lists its keys in ``RUN_KEYS``
+when it is imported (``import jaxfed`` does), and ``register`` refuses a clash.
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ class AlgorithmSpec(NamedTuple):
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 
+# name -> the module (under jaxfed.algorithms) that registers it, in the order `jaxfed list` shows
+BUILTINS = {
+    "fedavg": "fedavg",
+    "fedprox": "fedprox",
+    "local": "local",
+    "fedlora": "fedloru",
+    "fedloru": "fedloru",
+    "pfedloru": "fedloru",
+    "mfedloru": "fedloru",
+    "fedhm": "fedhm",
+    "feddecomp": "feddecomp",
+    "fedcspack": "fedcspack",
+    "fedara": "fedara",
+    "floral": "floral",
+    "local_adaptor": "floral",
+    "ensemble": "ensemble",
+}
+
+RUN_KEYS: set[str] = set()  # the run layer's config keys (filled by jaxfed.runs.config)
+
 
 def register(name: str, options: type[Options], build: Builder | None = None, *, replace: bool = False):
     """Register algorithm ``name`` with its ``options`` class and ``build`` function; usable as
@@ -54,35 +78,45 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
         return decorator
     if not (isinstance(options, type) and issubclass(options, Options) and dataclasses.is_dataclass(options)):
         raise TypeError(f"register({name!r}): options must be a dataclass subclassing jaxfed.options.Options")
-    if name in _REGISTRY and not replace:
+    if (name in _REGISTRY or name in BUILTINS) and not replace:
         raise ValueError(f"register: algorithm '{name}' exists already (pass replace=True to override it)")
-    from jaxfed.config import Config  # run-level keys: an option may not shadow one
-
-    clash = sorted(set(options.keys()) & set(Config.run_keys()))
+    clash = sorted(set(options.keys()) & RUN_KEYS)
     if clash:
         raise ValueError(f"register({name!r}): option(s) {', '.join(clash)} shadow run-level config keys")
-    doc = (build.__doc__ or options.__doc__ or "").strip().splitlines()
-    spec = AlgorithmSpec(name, options, build, doc[0] if doc else "")
-    _REGISTRY[name] = spec
+    spec = _REGISTRY[name] = _spec(name, options, build)
     return spec
+
+
+def _spec(name: str, options: type[Options], build: Builder) -> AlgorithmSpec:
+    doc = (build.__doc__ or options.__doc__ or "").strip().splitlines()
+    return AlgorithmSpec(name, options, build, doc[0] if doc else "")
+
+
+def builtin(name: str, options: type[Options], build: Builder) -> None:
+    """Register a built-in (from its module, on import) unless research code replaced it first."""
+    if name not in _REGISTRY:
+        _REGISTRY[name] = _spec(name, options, build)
 
 
 def get(name: str) -> AlgorithmSpec:
     """The spec of ``name``; a one-line ConfigError listing the registered names otherwise."""
+    if name not in _REGISTRY and name in BUILTINS:
+        importlib.import_module(f"jaxfed.algorithms.{BUILTINS[name]}")
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        close = difflib.get_close_matches(name, names(), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"algorithm: unknown '{clip(name)}'{hint}; allowed: {', '.join(_REGISTRY)}")
+        raise ConfigError(f"algorithm: unknown '{clip(name)}'{hint}; allowed: {', '.join(names())}")
     return _REGISTRY[name]
 
 
 def names() -> list[str]:
-    return list(_REGISTRY)
+    """Every algorithm's name: the built-ins, then those research code registered."""
+    return [*BUILTINS, *(name for name in _REGISTRY if name not in BUILTINS)]
 
 
 def options_with(key: str) -> list[str]:
-    """The registered algorithms that have an option ``key`` (for error hints)."""
-    return [name for name, spec in _REGISTRY.items() if spec.options.field_for(key) is not None]
+    """The algorithms that have an option ``key`` (for error hints; loads every built-in)."""
+    return [name for name in names() if get(name).options.field_for(key) is not None]
 
 
 def import_plugin(spec: str) -> None:

@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxfed.core.losses import masked_loss
 from jaxfed.data import Batch, ClientData
+from jaxfed.nn import split_variables
 from jaxfed.options import sgd  # noqa: F401  (re-exported: the client optimizer every algorithm uses)
 
 STEP_KEY_STREAM = 0x5EED  # the per-step keys are fold_in(rng, this), apart from the shuffling keys
@@ -24,26 +26,6 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
-
-
-def is_regression(targets) -> bool:
-    """Float targets are a regression task (mean squared error); integer labels a classification."""
-    return jnp.issubdtype(targets.dtype, jnp.floating)
-
-
-def example_losses(outputs, targets):
-    """Per-example loss: cross-entropy for integer labels, squared error averaged over the outputs
-    (torch's ``MSELoss``) for float targets."""
-    if is_regression(targets):
-        return jnp.mean(jnp.square(outputs - targets.reshape(outputs.shape)), axis=-1)
-    return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
-
-
-def masked_loss(outputs, targets, mask):
-    """Mean :func:`example_losses` over the examples where ``mask`` is True (0 when there are none)."""
-    losses = example_losses(outputs, targets)
-    weight = mask.astype(losses.dtype)
-    return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
 def classification_loss(
@@ -228,8 +210,3 @@ def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.Gradie
         return out, new_state
 
     return optax.GradientTransformation(init, update)
-
-
-def split_variables(variables: dict):
-    """``(params, model_state)`` of a Flax variables dict."""
-    return variables["params"], {k: v for k, v in variables.items() if k != "params"}

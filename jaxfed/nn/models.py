@@ -222,6 +222,18 @@ def _call_accepts(module_type: type, argument: str) -> bool:
     return argument in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
+def split_variables(variables: dict):
+    """``(params, model_state)`` of a Flax variables dict (``model_state``: the non-param
+    collections, e.g. BatchNorm statistics; ``{}`` when there are none)."""
+    return variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+
+def model_template(model):
+    """``(params, model_state)`` of ``model``'s variables as shapes (``jax.ShapeDtypeStruct``),
+    without computing them: what an algorithm sizes its states and factors by."""
+    return split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+
+
 def get_model(
     name: str, input_shape, num_classes: int, norm: str = "group", conv: str = "patches", hidden=None
 ) -> Model:

@@ -1,6 +1,5 @@
 """The simulation engine: sampling, vmapped client updates, server updates, evaluation."""
 
-from jaxfed.simulation.checkpoint import RunCheckpoints, load_state, save_state
 from jaxfed.simulation.engine import CLIENT_AXIS, NONFINITE_POLICIES, SimState, Simulation, default_client_chunk
 from jaxfed.simulation.sampling import EVAL_CLIENTS, SAMPLINGS
 
@@ -9,10 +8,7 @@ __all__ = [
     "EVAL_CLIENTS",
     "NONFINITE_POLICIES",
     "SAMPLINGS",
-    "RunCheckpoints",
     "SimState",
     "Simulation",
     "default_client_chunk",
-    "load_state",
-    "save_state",
 ]

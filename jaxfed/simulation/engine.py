@@ -34,8 +34,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxfed.algorithms.base import FederatedAlgorithm
-from jaxfed.algorithms.training import is_regression
+from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import (
     concat_clients,
     finite_rows,
@@ -47,6 +46,7 @@ from jaxfed.core import (
     tree_select,
     weighted_mean,
 )
+from jaxfed.core.losses import is_regression
 from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.simulation import sampling

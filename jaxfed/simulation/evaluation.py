@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.algorithms.training import example_losses, is_regression
+from jaxfed.core.losses import example_losses, is_regression
 from jaxfed.data import ClientData
 
 

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from jaxfed import distributed
-from jaxfed.config import Config, read_config_file
 from jaxfed.errors import ConfigError, NonFiniteUpdateError, StorageFullError
+from jaxfed.runs import distributed
+from jaxfed.runs.config import Config, read_config_file
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         help="import a module that registers algorithms first (repeatable)",
     )
     bench = commands.add_parser("bench", help="throughput of a workload (w1, w2, w3), against a PyTorch loop")
-    bench.add_argument("workload", nargs="?", default="w1", help="w1 (default), w2 or w3; see jaxfed.bench")
+    bench.add_argument("workload", nargs="?", default="w1", help="w1 (default), w2 or w3; see jaxfed.cli.bench")
     bench.add_argument("--data-dir", help="directory with mnist.npz (w1, w3)")
     bench.add_argument(
         "--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys"
@@ -185,8 +185,8 @@ def plugin_paths(plugins: list[str]) -> list[str]:
 
 
 def _run(args) -> int:
-    from jaxfed.driver import run, saved_config
-    from jaxfed.rundir import human_bytes, new_run_dir
+    from jaxfed.runs.driver import run, saved_config
+    from jaxfed.runs.rundir import human_bytes, new_run_dir
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the run directory to continue")
@@ -233,8 +233,8 @@ def skipped_note(summary: dict) -> str:
 def _sweep(args) -> int:
     from pathlib import Path
 
-    from jaxfed.rundir import new_run_dir
-    from jaxfed.sweep import run_grid, sweep_configs
+    from jaxfed.runs.rundir import new_run_dir
+    from jaxfed.runs.sweep import run_grid, sweep_configs
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the sweep's directory to continue")
@@ -276,7 +276,7 @@ def _grid_axis(text: str) -> tuple[str, list[str]]:
 def _plot(args) -> int:
     from pathlib import Path
 
-    from jaxfed.plots import plot_runs
+    from jaxfed.runs.plots import plot_runs
 
     out = args.out or (Path(args.runs[0]) / "accuracy.png" if len(args.runs) == 1 else "accuracy.png")
     print(plot_runs(args.runs, out, args.metric))
@@ -284,7 +284,7 @@ def _plot(args) -> int:
 
 
 def _report(args) -> int:
-    from jaxfed.report import write_report
+    from jaxfed.cli.report import write_report
 
     variants = {}
     for given in args.variants:
@@ -343,7 +343,7 @@ def _print_keys(rows) -> None:
 def _bench(args) -> int:
     import json
 
-    from jaxfed.bench import run_benchmark, summary_lines
+    from jaxfed.cli.bench import run_benchmark, summary_lines
 
     strategies = _number_list("--strategies", args.strategies, int)
     overrides = ([f"data_dir={args.data_dir}"] if args.data_dir else []) + args.set

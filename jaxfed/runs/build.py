@@ -2,7 +2,7 @@
 its partition, the model, the registered algorithm built from the config's options, the engine.
 
 ``build(config)`` is the first of the run driver's three public pieces (then
-:mod:`jaxfed.rundir` and :mod:`jaxfed.driver`).
+:mod:`jaxfed.runs.rundir` and :mod:`jaxfed.runs.driver`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxfed.algorithms import registry
-from jaxfed.config import Config
+from jaxfed.runs.config import Config
 from jaxfed.data import (
     SYNTHETIC_TASKS,
     apply_cluster_task,
@@ -30,8 +30,8 @@ from jaxfed.data import (
 )
 from jaxfed.data.synthetic import DEFAULT_OUTPUTS
 from jaxfed.errors import ConfigError
-from jaxfed.memory import check_memory
-from jaxfed.nn import get_model
+from jaxfed.runs.memory import check_memory
+from jaxfed.nn import get_model, model_template
 from jaxfed.simulation import Simulation
 
 
@@ -156,5 +156,5 @@ def _synthetic_task(config: Config):
 
 
 def count_parameters(model) -> int:
-    shapes = jax.eval_shape(model.init, jax.random.key(0))["params"]
+    shapes, _ = model_template(model)
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))

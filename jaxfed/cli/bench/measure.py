@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.training import masked_loss
+from jaxfed.core.losses import masked_loss
 
 
 def timed(fn, *args, repeats: int = 3):

@@ -2,8 +2,8 @@
 
 ``run_simulation(sim, out_dir, LoopSettings(rounds=...))`` runs any
 :class:`~jaxfed.simulation.Simulation`, including one research code built itself, into a run
-directory (:mod:`jaxfed.rundir`) with metrics, checkpoints, ``resume=True`` and plots.
-``run(config, out_dir)`` is ``jaxfed run``: :func:`jaxfed.build.build` then the same loop.
+directory (:mod:`jaxfed.runs.rundir`) with metrics, checkpoints, ``resume=True`` and plots.
+``run(config, out_dir)`` is ``jaxfed run``: :func:`jaxfed.runs.build.build` then the same loop.
 ``jaxfed sweep`` runs its members through :func:`drive` too: the loop sees "members", one for a
 run, S for a sweep, each with its own run directory.
 """
@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 import jax
 
-from jaxfed.build import build, split_host
-from jaxfed.config import Config
+from jaxfed.runs.build import build, split_host
+from jaxfed.runs.config import Config
 from jaxfed.data import describe
-from jaxfed.distributed import to_host
+from jaxfed.runs.distributed import to_host
 from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
-from jaxfed.rundir import (
+from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
     RunRecord,
@@ -226,7 +226,7 @@ def run_simulation(
     """Run ``sim`` into the run directory ``out_dir`` (or continue it from its newest checkpoint
     with ``resume``): metrics, checkpoints, summary, plots. Returns the summary.
 
-    ``settings`` is a :class:`~jaxfed.rundir.LoopSettings` (or just the number of rounds);
+    ``settings`` is a :class:`~jaxfed.runs.rundir.LoopSettings` (or just the number of rounds);
     ``config`` what ``config.json`` records (default: the loop settings and the algorithm's name).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))

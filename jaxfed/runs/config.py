@@ -16,6 +16,7 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jaxfed.algorithms import registry
 from jaxfed.errors import ConfigError, clip
 from jaxfed.options import (
     Options,
@@ -177,7 +178,7 @@ class Config(Options):
         run_types = field_types(Config)
         run_changes = {key: parse_value(key, raw, run_types[key]) for key, raw in parsed if key in self.run_keys()}
         for plugin in run_changes.get("plugins", self.plugins):
-            _import_plugin(plugin)
+            registry.import_plugin(plugin)
         algorithm = run_changes.get("algorithm", self.algorithm)
         option_values = {}  # in the pairs' order: a later pair wins, scoped (a file's section) or not
         for key, raw in parsed:
@@ -231,7 +232,7 @@ class Config(Options):
         run = {k: v for k, v in values.items() if k in cls.run_keys()}
         config = cls(**{**run, "plugins": tuple(run.get("plugins", ()))}, options=None)
         for plugin in config.plugins:
-            _import_plugin(plugin)
+            registry.import_plugin(plugin)
         options = _options_class(config.algorithm).from_dict(values.get("options", {}))
         return dataclasses.replace(config, options=options)
 
@@ -252,7 +253,7 @@ class Config(Options):
         if isinstance(run.get("plugins"), list):
             run["plugins"] = tuple(run["plugins"])
         for plugin in run.get("plugins", ()):
-            _import_plugin(plugin)
+            registry.import_plugin(plugin)
         algorithm = run.get("algorithm", cls.algorithm)
         if not isinstance(algorithm, str):
             raise ConfigError(f"algorithm: expected a name such as 'fedavg', got {clip(repr(algorithm))}")
@@ -365,22 +366,12 @@ def _split_pair(pair: str) -> tuple[str, str]:
 
 
 def _options_class(algorithm: str, missing_ok: bool = False):
-    from jaxfed.algorithms import registry
-
     if missing_ok and algorithm not in registry.names():
         return None
     return registry.get(algorithm).options
 
 
-def _import_plugin(spec: str) -> None:
-    from jaxfed.algorithms import registry
-
-    registry.import_plugin(spec)
-
-
 def _unknown_key_message(key: str, algorithm: str, options_class) -> str:
-    from jaxfed.algorithms import registry
-
     owners = [name for name in registry.options_with(key) if name != algorithm]
     if owners:
         return f"{key}: an option of {', '.join(owners)}, not of {algorithm}; see `jaxfed list {algorithm}`"
@@ -396,5 +387,7 @@ def _choice(field: str, value: str, allowed) -> None:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{field}: unknown '{clip(value)}'{hint}; allowed: {', '.join(allowed)}")
 
+
+registry.RUN_KEYS.update(Config.run_keys())  # an algorithm's option may not shadow one
 
 __all__ = ["Config", "read_config_file", "split_keys"]

@@ -36,14 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms import registry
-from jaxfed.build import build, split_host
-from jaxfed.config import Config
+from jaxfed.runs.build import build, split_host
+from jaxfed.runs.config import Config
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
-from jaxfed.driver import drive
+from jaxfed.runs.driver import drive
 from jaxfed.errors import ConfigError
-from jaxfed.plots import read_json
-from jaxfed.rundir import (
+from jaxfed.runs.plots import read_json
+from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
     RunRecord,
@@ -356,7 +356,7 @@ def resume_batches(groups: list[list[int]], points: list[int | None]) -> list[li
 def run_sweep(
     configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None, traced=()
 ) -> list[dict]:
-    """Run the members of a sweep together (:func:`jaxfed.driver.drive`, the loop ``jaxfed run``
+    """Run the members of a sweep together (:func:`jaxfed.runs.driver.drive`, the loop ``jaxfed run``
     uses); write one run directory each; return their summaries.
 
     A member whose client update is non-finite under ``nonfinite=error`` stops the sweep after every

@@ -5,7 +5,7 @@ A run directory holds ``config.json``, ``metrics.jsonl`` (one row per evaluated 
 (orbax: the whole simulation state plus the :class:`RunRecord`). :class:`RunDirectory` writes
 them; ``--resume`` reads the newest readable checkpoint back. Any run writes one: a
 :class:`~jaxfed.Config` run (``jaxfed run``) or a simulation that research code built itself
-(:func:`jaxfed.driver.run_simulation`), whose ``config.json`` then records the loop settings.
+(:func:`jaxfed.runs.driver.run_simulation`), whose ``config.json`` then records the loop settings.
 
 A process writing a run directory holds an exclusive lock on ``DIR/.lock`` (``fcntl.flock``,
 released when the process ends, however it ends): a second process on the same directory is
@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxfed.config import Config
-from jaxfed.distributed import is_primary
+from jaxfed.runs.config import Config
+from jaxfed.runs.distributed import is_primary
 from jaxfed.errors import ConfigError, StorageFullError, clip, is_storage_full
-from jaxfed.simulation.checkpoint import RunCheckpoints
+from jaxfed.runs.checkpoint import RunCheckpoints
 
 # Keys a resumed run may change: they decide how long it runs, what it logs, where it reads data
 # from and what happens on a NaN, never the numbers a round computes (rounds run bit-identically
@@ -444,7 +444,7 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 def write_plots(out: Path, rows: list[dict], log) -> None:
     """``accuracy.png`` (personalized) and, where there is a global model, ``global_accuracy.png``."""
-    from jaxfed.plots import plot_runs
+    from jaxfed.runs.plots import plot_runs
 
     kind = "mse" if rows and is_regression_row(rows[0]) else "acc"
     plots = {"accuracy.png": f"personalized_{kind}_mean"}

@@ -5,7 +5,7 @@ A *variant* is a directory whose run directories (``<variant>/<member>/summary.j
 members ``seed0_lr0.05 ...`` of a ``jaxfed sweep``) are the same configuration over different
 seeds; a variant that is itself one run directory counts as one seed. :func:`collect` reads
 them and refuses, in one line, what is not that: runs whose configs differ in more than the
-seed and the keys that change no number (:data:`~jaxfed.rundir.NEUTRAL_KEYS`), a seed twice, a
+seed and the keys that change no number (:data:`~jaxfed.runs.rundir.NEUTRAL_KEYS`), a seed twice, a
 run directory holding run directories too, variants of different tasks. :func:`summarize`
 gives mean and sample standard deviation per metric, :func:`verdict` judges a claim "A above
 B" (or "A above B minus a margin": "within a few points of B") against the seeds' spread (a
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jaxfed.errors import ConfigError
-from jaxfed.plots import differing_keys, flat_config, read_json, read_run, show
-from jaxfed.rundir import NEUTRAL_KEYS, check_out_dir, listed
+from jaxfed.runs.plots import differing_keys, flat_config, read_json, read_run, show
+from jaxfed.runs.rundir import NEUTRAL_KEYS, check_out_dir, listed
 
 SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
 
@@ -85,7 +85,7 @@ def collect(variants: dict[str, Path]) -> list[Variant]:
 
 def check_one_configuration(variant: str, runs: list[Path], configs: list[dict]) -> None:
     """A one-line ConfigError unless ``runs`` (with their ``configs``) are one configuration over
-    distinct seeds: they may differ in the seed and in :data:`~jaxfed.rundir.NEUTRAL_KEYS`, nothing
+    distinct seeds: they may differ in the seed and in :data:`~jaxfed.runs.rundir.NEUTRAL_KEYS`, nothing
     else (the options of runs of different algorithms are not compared, the algorithm is)."""
     compared = configs
     if len({c.get("algorithm") for c in configs}) > 1:
@@ -228,7 +228,7 @@ def _fmt(stat: tuple[float, float] | None, digits: int = 4) -> str:
 
 
 def _bytes(stat: tuple[float, float] | None) -> str:
-    from jaxfed.rundir import human_bytes
+    from jaxfed.runs.rundir import human_bytes
 
     return "n/a" if stat is None else human_bytes(stat[0])
 

@@ -26,9 +26,9 @@ import time
 import jax
 import numpy as np
 
-from jaxfed.bench.measure import matmul_gflops, peak_memory_bytes, training_flops_per_example
-from jaxfed.config import Config
+from jaxfed.cli.bench.measure import matmul_gflops, peak_memory_bytes, training_flops_per_example
 from jaxfed.errors import ConfigError
+from jaxfed.runs.config import Config
 
 W1 = [
     "algorithm=fedavg",
@@ -101,7 +101,7 @@ def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> 
 
 def time_rounds(config: Config, rounds: int) -> dict:
     """Build ``config``'s simulation and time it: compile, steady rounds, evaluation."""
-    from jaxfed.build import build
+    from jaxfed.runs.build import build
 
     tick = time.perf_counter()
     sim = build(config).simulation
@@ -149,7 +149,7 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
     if baseline == "torch" and config.algorithm != "fedavg":
         raise ConfigError(f"--baseline: torch runs fedavg only, not '{config.algorithm}'; use --baseline none")
     if baseline == "torch":
-        from jaxfed.bench.torch_loop import require_torch
+        from jaxfed.cli.bench.torch_loop import require_torch
 
         require_torch()  # before minutes of timing, not after
     engine = time_rounds(config, rounds)
@@ -178,7 +178,7 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
             keys = ("round_seconds_median", "compile_seconds", "useful_step_fraction")
             result["strategies"][str(chunk)] = {k: timed[k] for k in keys}
     if baseline == "torch":
-        from jaxfed.bench.torch_loop import fedavg_rounds
+        from jaxfed.cli.bench.torch_loop import fedavg_rounds
 
         rounds_run = engine["rounds_timed"] + max(1, min(config.rounds_per_call, rounds))
         initial = sim.algorithm.global_params(sim.init().server)["params"]

@@ -17,7 +17,8 @@ import jax
 
 from jaxfed.core import tree_bytes
 from jaxfed.errors import ConfigError
-from jaxfed.rundir import human_bytes
+from jaxfed.nn import model_template
+from jaxfed.runs.rundir import human_bytes
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -86,7 +87,7 @@ def check_memory(simulation, device, available: int | None = None) -> None:
     its devices), from its shapes only (the host's devices share its memory: each holds the
     replicated state)."""
     model = simulation.model
-    params = jax.eval_shape(model.init, jax.random.key(0))["params"]
+    params, _ = model_template(model)
     copies = simulation.num_devices if device.platform == "cpu" else 1
     name = f"{model.name} on {tuple(model.input_shape)} inputs"
     check_fits(jax.eval_shape(simulation.init_pure), params, name, device, copies, available)

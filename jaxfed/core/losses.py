@@ -1,0 +1,27 @@
+"""The losses the engine and every algorithm share: cross-entropy for labels, squared error for
+float targets, and their mean over an example mask."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+
+def is_regression(targets) -> bool:
+    """Float targets are a regression task (mean squared error); integer labels a classification."""
+    return jnp.issubdtype(targets.dtype, jnp.floating)
+
+
+def example_losses(outputs, targets):
+    """Per-example loss: cross-entropy for integer labels, squared error averaged over the outputs
+    (torch's ``MSELoss``) for float targets."""
+    if is_regression(targets):
+        return jnp.mean(jnp.square(outputs - targets.reshape(outputs.shape)), axis=-1)
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
+
+
+def masked_loss(outputs, targets, mask):
+    """Mean :func:`example_losses` over the examples where ``mask`` is True (0 when there are none)."""
+    losses = example_losses(outputs, targets)
+    weight = mask.astype(losses.dtype)
+    return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
