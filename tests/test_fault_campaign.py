@@ -1,6 +1,6 @@
 """The held-out fault campaign's cases (issue 35): each one a user tried on a fresh clone that
 answered silently wrong, with a traceback or with a misleading hint, now one clear line (or the
-right behaviour). The README's Reliability table lists them with their outcomes."""
+right behaviour). docs/reliability.md's table lists them with their outcomes."""
 
 import dataclasses
 import json

@@ -1,7 +1,7 @@
 """Faults and bad input: each case ends in one line and its exit code, and loses nothing written.
 
 Bad data files, bad values, unusable output directories, two processes on one run directory,
-resume dead ends, runs whose every client update was skipped. The README's "Reliability" table
+resume dead ends, runs whose every client update was skipped. The "Reliability" table (docs/reliability.md)
 lists these cases with their outcomes; kills at every point of a run are in test_checkpoint.py.
 """
 

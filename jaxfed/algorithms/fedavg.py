@@ -26,7 +26,7 @@ from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
 
 SERVER_OPTIMIZERS = ("none", "sgd", "adam")
-BASELINE = "jaxfed baseline default (kept from earlier releases: the README's digits table)"
+BASELINE = "jaxfed baseline default (kept from earlier releases: docs/results.md's digits table)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ import jax
 import numpy as np
 
 from jaxfed.algorithms import registry
-from jaxfed.runs.config import Config
 from jaxfed.data import (
     SYNTHETIC_TASKS,
     apply_cluster_task,
@@ -30,8 +29,9 @@ from jaxfed.data import (
 )
 from jaxfed.data.synthetic import DEFAULT_OUTPUTS
 from jaxfed.errors import ConfigError
-from jaxfed.runs.memory import check_memory
 from jaxfed.nn import get_model, model_template
+from jaxfed.runs.config import Config
+from jaxfed.runs.memory import check_memory
 from jaxfed.simulation import Simulation
 
 

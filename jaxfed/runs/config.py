@@ -165,9 +165,6 @@ class Config(Options):
     def describe(cls) -> list[tuple[str, Any, str, str]]:
         return [row for row in super().describe() if row[0] != "options"]
 
-    def keys_of_algorithm(self) -> list[str]:
-        return self.options.keys() if self.options is not None else []
-
     # ----- parsing -------------------------------------------------------------------------------
 
     def with_overrides(self, pairs: Iterable[str]) -> Config:

@@ -17,11 +17,11 @@ from typing import Any, Protocol
 
 import jax
 
+from jaxfed.data import describe
+from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
 from jaxfed.runs.build import build, split_host
 from jaxfed.runs.config import Config
-from jaxfed.data import describe
 from jaxfed.runs.distributed import to_host
-from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,

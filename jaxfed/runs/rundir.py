@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxfed.runs.config import Config
-from jaxfed.runs.distributed import is_primary
 from jaxfed.errors import ConfigError, StorageFullError, clip, is_storage_full
 from jaxfed.runs.checkpoint import RunCheckpoints
+from jaxfed.runs.config import Config
+from jaxfed.runs.distributed import is_primary
 
 # Keys a resumed run may change: they decide how long it runs, what it logs, where it reads data
 # from and what happens on a NaN, never the numbers a round computes (rounds run bit-identically

@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms import registry
-from jaxfed.runs.build import build, split_host
-from jaxfed.runs.config import Config
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
-from jaxfed.runs.driver import drive
 from jaxfed.errors import ConfigError
+from jaxfed.runs.build import build, split_host
+from jaxfed.runs.config import Config
+from jaxfed.runs.driver import drive
 from jaxfed.runs.plots import read_json
 from jaxfed.runs.rundir import (
     LoopSettings,
