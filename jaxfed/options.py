@@ -127,7 +127,11 @@ class Options:
         """Rules that span several fields; raise :class:`ConfigError`. Override where needed."""
 
     def validate(self):
-        """Raise :class:`ConfigError` on the first invalid field; return self otherwise."""
+        """Raise :class:`ConfigError` on the first invalid field; return self otherwise. An
+        instance is checked once (it is frozen): validating it again, as each layer it passes
+        through may, costs nothing."""
+        if self.__dict__.get("_validated"):
+            return self
         kinds = field_types(type(self))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -139,6 +143,7 @@ class Options:
                 named = f"'{value}'" in problem or ", got " in problem  # the message names the value already
                 raise ConfigError(f"{key_of(field.name)}: {problem}" + ("" if named else f", got {_show(value)}"))
         self.check()
+        object.__setattr__(self, "_validated", True)
         return self
 
     @classmethod

@@ -16,9 +16,11 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from jaxfed.runs.config import Config
     from jaxfed.runs.build import build
+    from jaxfed.runs.distributed import split_host
 
     devices, out = int(sys.argv[1]), sys.argv[2]
-    # the 4-device run splits the host itself (host_devices), before JAX starts its backend
+    if devices > 1:  # the process entry splits the host, before JAX starts its backend
+        split_host(devices)
     config = Config(num_clients=10, participation=0.5, host_devices=devices if devices > 1 else 0)
     config = config.with_overrides(["local_epochs=1"])
     sim = build(config).simulation
@@ -74,24 +76,35 @@ def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):
     from jaxfed.errors import ConfigError
     from jaxfed.runs.build import build
     from jaxfed.runs.config import Config
+    from jaxfed.runs.distributed import split_host
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
     started = len(jax.devices("cpu"))
     with pytest.raises(ConfigError, match=f"host_devices: JAX had started with {started} CPU device"):
+        split_host(started + 1)
+    # build leaves the process alone: it says where the split belongs
+    with pytest.raises(ConfigError, match=f"host_devices: {started + 1} requested but the CPU shows {started} dev"):
         build(Config(host_devices=started + 1))
 
 
-def test_matmul_precision_highest_is_set_for_the_run_and_default_resets_it():
+def test_matmul_precision_is_the_simulations_own_not_the_processes():
     import jax
 
     from jaxfed.runs.build import build
     from jaxfed.runs.config import Config
 
     small = ["num_clients=4", "rounds=1"]
-    build(Config().with_overrides([*small, "matmul_precision=highest"]))
-    assert jax.config.jax_default_matmul_precision == "highest"
-    build(Config().with_overrides(small))
-    assert jax.config.jax_default_matmul_precision is None
+    highest = build(Config().with_overrides([*small, "matmul_precision=highest"])).simulation
+    default = build(Config().with_overrides(small)).simulation
+    assert jax.config.jax_default_matmul_precision is None  # building changed nothing global
+
+    def lowered(sim):
+        with sim.precision():
+            return sim._run.lower(sim.init(), sim.data, 1).as_text()
+
+    assert "HIGHEST" in lowered(highest) and "HIGHEST" not in lowered(default)
+    highest.run_rounds(highest.init(), 1)
+    assert jax.config.jax_default_matmul_precision is None  # nor did running
 
 
 def _free_port() -> int:

@@ -303,8 +303,9 @@ def test_rounds_where_every_update_was_skipped_report_no_train_loss(tmp_path, ca
 def test_lock_is_released_when_a_run_ends(tmp_path):
     out = tmp_path / "run"
     with RunDirectory(out).locked():
-        with RunDirectory(out).locked():  # re-entrant within a process
-            pass
+        with pytest.raises(ConfigError, match="this process is writing this run directory already"):
+            with RunDirectory(out).locked():  # one lock per run: taking it twice is a mistake
+                pass
     start = time.time()
     with RunDirectory(out).locked():
         pass

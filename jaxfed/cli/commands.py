@@ -185,7 +185,7 @@ def plugin_paths(plugins: list[str]) -> list[str]:
 
 
 def _run(args) -> int:
-    from jaxfed.runs.driver import run, saved_config
+    from jaxfed.runs.driver import resume_point, run
     from jaxfed.runs.rundir import human_bytes, new_run_dir
 
     if args.resume and not args.out:
@@ -195,11 +195,11 @@ def _run(args) -> int:
         if not args.out:
             raise ConfigError("--coordinator: needs --out DIR, the run directory every process shares")
         distributed.start(*processes)  # before anything below starts JAX's backend
-    saved = saved_config(args.out, plugins=plugin_paths(args.plugin)) if args.resume else None
+    saved, point = resume_point(args.out, plugins=plugin_paths(args.plugin)) if args.resume else (None, False)
     config = config_from_args(args, saved)
     out = args.out or new_run_dir(f"runs/{config.algorithm}_{config.dataset}")
     try:
-        s = run(config, out, resume=args.resume, progress=not args.quiet and distributed.is_primary())
+        s = run(config, out, resume=point, progress=not args.quiet and distributed.is_primary())
     except NonFiniteUpdateError as err:
         saved = getattr(err, "checkpoint", None)
         where = f"; last good state saved in {saved}" if saved else ""

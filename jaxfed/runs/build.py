@@ -8,7 +8,6 @@ its partition, the model, the registered algorithm built from the config's optio
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple
 
 import jax
@@ -17,6 +16,7 @@ import numpy as np
 from jaxfed.algorithms import registry
 from jaxfed.data import (
     SYNTHETIC_TASKS,
+    FederatedData,
     apply_cluster_task,
     auto_samples_per_client,
     default_model,
@@ -41,32 +41,78 @@ class Built(NamedTuple):
     partition_summary: dict
 
 
+class DataPart(NamedTuple):
+    """The data part of a build: the on-device federated dataset and what the model is sized by."""
+
+    data: FederatedData
+    input_shape: tuple
+    outputs: int  # classes (targets of a regression task)
+    train_examples: int
+    partition_summary: dict
+
+
 def build(config: Config) -> Built:
     """Dataset, partition, model, algorithm (the registry's builder with ``config.options``) and
-    engine for ``config`` (validated; a model that cannot fit in memory is refused here)."""
-    config.validate()
-    if config.host_devices:
-        split_host(config.host_devices)
-    jax.config.update("jax_default_matmul_precision", None if config.matmul_precision == "default" else "highest")
-    pooled_eval_model = None
+    engine for ``config`` (validated here unless it was; a model that cannot fit in memory is
+    refused here). The four parts are public: :func:`build_data`, :func:`build_model`,
+    :func:`build_algorithm`, :func:`build_simulation` (a sweep builds its shared parts once)."""
+    config = config.validate()
+    part = build_data(config)
+    model = build_model(config, part)
+    simulation = build_simulation(config, build_algorithm(config, model), model, part)
+    return Built(config, simulation, part.partition_summary)
+
+
+def build_data(config: Config, load=None) -> DataPart:
+    """The federated dataset of ``config`` (a validated config): loaded (``load``: a function of
+    ``config`` giving the :class:`~jaxfed.data.Dataset`, e.g. one that caches, default
+    :func:`load_config_dataset`), partitioned by ``config.seed``, placed on the device."""
     if config.dataset in SYNTHETIC_TASKS:
-        dataset, model, train_parts, test_parts = _synthetic_task(config)
+        dataset, train_parts, test_parts = _synthetic_task(config)
     else:
-        dataset, model, train_parts, test_parts = _image_task(config)
-        if config.conv != "xla":  # the global model's passes over the whole test set: XLA's conv is faster there
-            pooled_eval_model = _model(
-                dataclasses.replace(config, conv="xla"), dataset.input_shape, dataset.num_classes
-            )
+        dataset, train_parts, test_parts = _image_task(config, (load or load_config_dataset)(config))
     check_batch_size(config.options, len(dataset.x_train))
-    algorithm = registry.get(config.algorithm).build(model, config.options, config)
+    data = federate(dataset, train_parts, test_parts)
+    summary = summarize(train_parts, dataset.y_train)
+    return DataPart(data, tuple(dataset.input_shape), _outputs(config, dataset), len(dataset.x_train), summary)
+
+
+def load_config_dataset(config: Config):
+    """The image dataset ``config`` names, as loaded from ``data_dir`` (or TFDS, or embedded)."""
+    return load_dataset(config.dataset, config.data_dir or None, config.download)
+
+
+def build_model(config: Config, part: DataPart):
+    """The model of ``config`` for the inputs and outputs of ``part``."""
+    default_hidden = (2 * config.synthetic_dim,) if config.dataset in SYNTHETIC_TASKS else None
+    return _model(config, part.input_shape, part.outputs, default_hidden)
+
+
+def build_algorithm(config: Config, model):
+    """The registered algorithm of ``config``, built with its options."""
+    return registry.get(config.algorithm).build(model, config.options, config)
+
+
+def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simulation:
+    """The engine running ``algorithm`` on ``part``'s data with ``config``'s run settings, on the
+    first ``config.devices`` devices; refused here if its state cannot fit in memory."""
     available = jax.devices()
+    if config.host_devices and len(jax.devices("cpu")) != config.host_devices:
+        raise ConfigError(
+            f"host_devices: {config.host_devices} requested but the CPU shows {len(jax.devices('cpu'))} device(s); "
+            "call jaxfed.runs.distributed.split_host(N) when the process starts, before JAX does"
+        )
     if config.devices > len(available):
         raise ConfigError(f"devices: {config.devices} requested but {len(available)} visible")
     devices = available[: config.devices or None]
+    pooled_eval_model = None
+    if config.dataset not in SYNTHETIC_TASKS and config.conv != "xla":
+        # the global model's passes over the whole test set: XLA's conv is faster there
+        pooled_eval_model = build_model(dataclasses.replace(config, conv="xla"), part)
     simulation = Simulation(
         algorithm,
         model,
-        federate(dataset, train_parts, test_parts),
+        part.data,
         participation=config.participation,
         sampling_mode=config.sampling,
         eval_clients=config.eval_clients,
@@ -76,9 +122,16 @@ def build(config: Config) -> Built:
         client_chunk=None if config.client_chunk < 0 else config.client_chunk,
         pooled_eval_model=pooled_eval_model,
         nonfinite=config.nonfinite,
+        matmul_precision=config.matmul_precision,
     )
     check_memory(simulation, devices[0])
-    return Built(config, simulation, summarize(train_parts, dataset.y_train))
+    return simulation
+
+
+def _outputs(config: Config, dataset) -> int:
+    if config.dataset in SYNTHETIC_TASKS:
+        return config.synthetic_outputs or DEFAULT_OUTPUTS[config.dataset]
+    return dataset.num_classes
 
 
 def check_batch_size(options, train_examples: int) -> None:
@@ -91,30 +144,14 @@ def check_batch_size(options, train_examples: int) -> None:
         )
 
 
-def split_host(count: int) -> None:
-    """Make the CPU show ``count`` JAX devices (``host_devices``). XLA reads the flag when JAX
-    starts its backend, so this must run first; a ConfigError says so otherwise."""
-    flag = "--xla_force_host_platform_device_count"
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={count}"])
-    cpus = jax.devices("cpu")
-    if len(cpus) != count:
-        raise ConfigError(
-            f"host_devices: JAX had started with {len(cpus)} CPU device(s) before {count} could be set; "
-            f"set XLA_FLAGS={flag}={count} before starting Python instead"
-        )
-
-
 def _model(config: Config, input_shape, outputs: int, default_hidden=None):
     name = config.model or default_model(config.dataset)
     hidden = config.hidden_widths() or (default_hidden if name == "mlp" else None)
     return get_model(name, input_shape, outputs, config.norm, config.conv, hidden)
 
 
-def _image_task(config: Config):
-    """A dataset of images, partitioned, with its clustered-task transform applied."""
-    dataset = load_dataset(config.dataset, config.data_dir or None, config.download)
-    model = _model(config, dataset.input_shape, dataset.num_classes)
+def _image_task(config: Config, dataset):
+    """``dataset`` partitioned, with its clustered-task transform applied."""
     train_parts, test_parts = partition(
         config.partition,
         dataset.y_train,
@@ -132,16 +169,18 @@ def _image_task(config: Config):
         train_parts, config.train_reduction, config.min_examples, np.random.default_rng([config.seed, 1])
     )
     dataset = apply_cluster_task(dataset, train_parts, test_parts, config.cluster_task, config.num_clusters)
-    return dataset, model, train_parts, test_parts
+    return dataset, train_parts, test_parts
 
 
 def _synthetic_task(config: Config):
     """FLoRAL's generated regression task; its client size defaults to the authors' ratio to the
     model's parameter count."""
     outputs = config.synthetic_outputs or DEFAULT_OUTPUTS[config.dataset]
-    model = _model(config, (config.synthetic_dim,), outputs, default_hidden=(2 * config.synthetic_dim,))
-    samples = config.samples_per_client or auto_samples_per_client(config.dataset, count_parameters(model))
-    dataset, train_parts, test_parts = synthetic_task(
+    samples = config.samples_per_client
+    if not samples:
+        model = _model(config, (config.synthetic_dim,), outputs, default_hidden=(2 * config.synthetic_dim,))
+        samples = auto_samples_per_client(config.dataset, count_parameters(model))
+    return synthetic_task(
         config.dataset,
         config.num_clients,
         config.num_clusters,
@@ -152,7 +191,6 @@ def _synthetic_task(config: Config):
         rank=config.synthetic_rank,
         scale=config.synthetic_scale,
     )
-    return dataset, model, train_parts, test_parts
 
 
 def count_parameters(model) -> int:

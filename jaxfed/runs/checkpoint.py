@@ -191,11 +191,12 @@ class RunCheckpoints:
         record = verify_record(restored[RECORD])
         return verify_state(restored[STATE], record), record
 
-    def newest(self, load: Callable[[int], Any], warn: Callable[[str], None] | None = None):
-        """``(round, load(round))`` for the newest checkpoint that ``load`` reads without error,
-        warning about each newer one skipped; ``None`` if there is none."""
+    def newest(self, load: Callable[[int], Any], warn: Callable[[str], None] | None = None, at_most=None):
+        """``(round, load(round))`` for the newest checkpoint (of a round ``<= at_most``, where
+        given) that ``load`` reads without error, warning about each newer one skipped; ``None``
+        if there is none."""
         warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
-        for round_ in reversed(self.rounds()):
+        for round_ in reversed([r for r in self.rounds() if at_most is None or r <= at_most]):
             try:
                 with _quiet_abandoned_reads():
                     return round_, load(round_)

@@ -70,3 +70,19 @@ def to_host(tree):
     from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def split_host(count: int) -> None:
+    """Make the CPU show ``count`` JAX devices (``host_devices``). XLA reads the flag when JAX
+    starts its backend, so this must run first; a ConfigError says so otherwise."""
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={count}"])
+    import jax
+
+    cpus = jax.devices("cpu")
+    if len(cpus) != count:
+        raise ConfigError(
+            f"host_devices: JAX had started with {len(cpus)} CPU device(s) before {count} could be set; "
+            f"set XLA_FLAGS={flag}={count} before starting Python instead"
+        )

@@ -13,15 +13,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 
 from jaxfed.data import describe
 from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
-from jaxfed.runs.build import build, split_host
+from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
-from jaxfed.runs.distributed import to_host
+from jaxfed.runs.distributed import split_host, to_host
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -212,6 +212,68 @@ def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullErro
     )
 
 
+class ResumePoint(NamedTuple):
+    """Where a resumed run goes on: its newest readable checkpoint's round and run record (read
+    once, before anything is built)."""
+
+    round: int
+    record: dict
+
+
+def resume_point(out_dir: str | Path, log=None, plugins=()) -> tuple[Config, ResumePoint]:
+    """``(config, point)`` of the run in ``out_dir`` that ``--resume`` continues: the config of its
+    newest readable checkpoint, with ``plugins`` (where given) instead of the recorded ones (a
+    plugin file that moved). A run on ``host_devices`` gets them set from its ``config.json``
+    first, before reading the checkpoint starts JAX's backend."""
+    log = log or _to_stderr
+    check_out_dir(out_dir)
+    host_devices = written_config(out_dir).get("host_devices")
+    if host_devices:
+        split_host(int(host_devices))
+    point = ResumePoint(*RunDirectory(out_dir).newest_checkpoint_record(log))
+    values = point.record["config"]
+    return Config.from_dict({**values, "plugins": list(plugins)} if plugins else values), point
+
+
+def run(
+    config: Config | dict,
+    out_dir: str | Path,
+    *,
+    resume: bool | ResumePoint = False,
+    progress: bool = True,
+    log=None,
+) -> dict:
+    """``jaxfed run``: build ``config`` (a :class:`Config`, or a dict of its keys:
+    :meth:`Config.of`) and run it into ``out_dir`` (``resume``: continue it, from its newest
+    readable checkpoint or the :class:`ResumePoint` given); return the summary.
+
+    Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
+    state; its ``checkpoint`` attribute says where.
+    """
+    log = log or _to_stderr
+    config = Config.of(config).validate()
+    if resume:
+        check_same_host_devices(out_dir, config)
+    if config.host_devices:  # the process entry for research code: before anything starts JAX's backend
+        split_host(config.host_devices)
+    directory = RunDirectory(out_dir, config.keep_checkpoints)
+    with directory.locked():  # refuse before anything is built or written; held until the run ends
+        point = None
+        if resume:
+            point = resume if isinstance(resume, ResumePoint) else ResumePoint(*directory.newest_checkpoint_record(log))
+            saved = Config.from_dict({**point.record["config"], "plugins": list(config.plugins)})
+            check_resumable(saved, config)
+            check_rounds(point.round, config.rounds)
+        else:
+            directory.refuse_existing()
+        built = build(config)
+        log(f"partition: {describe(built.partition_summary)}")
+        settings = LoopSettings.of(config)
+        return _run_in(
+            directory, built.simulation, settings, config.to_dict(), point, progress, log, built.partition_summary
+        )
+
+
 def run_simulation(
     sim,
     out_dir: str | Path,
@@ -229,77 +291,49 @@ def run_simulation(
     ``settings`` is a :class:`~jaxfed.runs.rundir.LoopSettings` (or just the number of rounds);
     ``config`` what ``config.json`` records (default: the loop settings and the algorithm's name).
     """
-    log = log or (lambda msg: print(msg, file=sys.stderr))
-    start = time.perf_counter()
+    log = log or _to_stderr
     settings = LoopSettings(settings) if isinstance(settings, int) else settings
     config = config or {"algorithm": sim.algorithm.name, **settings._asdict()}
     directory = RunDirectory(out_dir, settings.keep_checkpoints)
     with directory.locked():
+        point = None
         if resume:
-            state, record = directory.restore(sim.init(), log)
-            check_rounds(int(state.round), settings.rounds)
-            if record.devices is not None and record.devices != sim.num_devices:
-                log(
-                    f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
-                    "results match to float tolerance, not bit for bit"
-                )
-            record.config = config
+            point = ResumePoint(*directory.newest_checkpoint_record(log))
+            check_rounds(point.round, settings.rounds)
         else:
             directory.refuse_existing()
-            state, record = sim.init(), RunRecord(config)
-        directory.start(config, record.rows)
-        members = OneSimulation(sim)
-        drive(members, state, [directory], [record], settings, start=start, progress=progress, desc=sim.algorithm.name)
-        result = summary(sim, record, time.perf_counter() - start, partition=partition)
-        directory.finish(result, record.rows, log)
+        return _run_in(directory, sim, settings, config, point, progress, log, partition)
+
+
+def _run_in(directory: RunDirectory, sim, settings: LoopSettings, config: dict, point, progress, log, partition):
+    """The loop of one run in its locked ``directory``, from the start or from ``point``."""
+    start = time.perf_counter()
+    if point is None:
+        state, record = sim.init(), RunRecord(config)
+    else:
+        state, record = directory.restore(sim.init(), log, at_most=point.round)
+        check_rounds(int(state.round), settings.rounds)
+        if record.devices is not None and record.devices != sim.num_devices:
+            log(
+                f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
+                "results match to float tolerance, not bit for bit"
+            )
+        record.config = config
+    directory.start(config, record.rows)
+    drive(
+        OneSimulation(sim),
+        state,
+        [directory],
+        [record],
+        settings,
+        start=start,
+        progress=progress,
+        desc=sim.algorithm.name,
+    )
+    result = summary(sim, record, time.perf_counter() - start, partition=partition)
+    directory.finish(result, record.rows, log)
     return result
 
 
-def run(config: Config | dict, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=None) -> dict:
-    """``jaxfed run``: build ``config`` (a :class:`Config`, or a dict of its keys:
-    :meth:`Config.of`) and run it into ``out_dir`` (``resume``: continue it); return the summary.
-
-    Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
-    state; its ``checkpoint`` attribute says where.
-    """
-    log = log or (lambda msg: print(msg, file=sys.stderr))
-    config = Config.of(config).validate()
-    if resume:
-        check_same_host_devices(out_dir, config)
-    if config.host_devices:  # before anything below starts JAX's backend (build splits it too, for direct callers)
-        split_host(config.host_devices)
-    directory = RunDirectory(out_dir, config.keep_checkpoints)
-    with directory.locked():  # refuse before anything is built or written
-        if resume:
-            done, record = directory.newest_checkpoint_record(log)
-            check_resumable(Config.from_dict({**record["config"], "plugins": list(config.plugins)}), config)
-            check_rounds(done, config.rounds)
-        else:
-            directory.refuse_existing()
-        built = build(config)
-        log(f"partition: {describe(built.partition_summary)}")
-        return run_simulation(
-            built.simulation,
-            out_dir,
-            LoopSettings.of(config),
-            config=config.to_dict(),
-            resume=resume,
-            progress=progress,
-            log=log,
-            partition=built.partition_summary,
-        )
-
-
-def saved_config(out_dir: str | Path, log=None, plugins=()) -> Config:
-    """The config of the newest readable checkpoint in ``out_dir`` (what ``--resume`` starts from),
-    with ``plugins`` (where given) instead of the recorded ones: a plugin file that moved.
-
-    A run on ``host_devices`` gets them set from its ``config.json`` first, before reading the
-    checkpoint starts JAX's backend (the count cannot change once it has started)."""
-    log = log or (lambda msg: print(msg, file=sys.stderr))
-    check_out_dir(out_dir)
-    host_devices = written_config(out_dir).get("host_devices")
-    if host_devices:
-        split_host(int(host_devices))
-    values = RunDirectory(out_dir).saved_config(log)
-    return Config.from_dict({**values, "plugins": list(plugins)} if plugins else values)
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)

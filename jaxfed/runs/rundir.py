@@ -207,36 +207,25 @@ class RunDirectory:
     @contextlib.contextmanager
     def locked(self):
         """Hold this directory's lock (creating the directory) for the ``with`` block: a
-        ConfigError if another process holds it. Re-entrant within a process. In a run across
-        processes the primary alone locks: the others are part of its run."""
+        ConfigError if another process holds it (or this one: a run locks its directory once).
+        In a run across processes the primary alone locks: the others are part of its run."""
         if not is_primary():
             yield self
             return
-        key = str(self.path.absolute())
-        if key in _HELD_LOCKS:
-            _HELD_LOCKS[key][1] += 1
-        else:
-            check_out_dir(self.path)
-            empty = not self.path.is_dir() or not any(self.path.iterdir())
-            _HELD_LOCKS[key] = [_acquire_lock(self.path), 1, empty]
+        check_out_dir(self.path)
+        empty = not self.path.is_dir() or not any(self.path.iterdir())
+        fd = _acquire_lock(self.path)
         try:
             yield self
         finally:
-            _HELD_LOCKS[key][1] -= 1
-            if not _HELD_LOCKS[key][1]:
-                fd, _, empty = _HELD_LOCKS.pop(key)
-                if empty and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
-                    (self.path / LOCK_FILE).unlink()  # a run that wrote nothing leaves no directory
-                    self.path.rmdir()
-                os.close(fd)  # closing the descriptor releases the flock
+            if empty and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
+                (self.path / LOCK_FILE).unlink()  # a run that wrote nothing leaves no directory
+                self.path.rmdir()
+            os.close(fd)  # closing the descriptor releases the flock
 
     def newest_record(self, log=None):
         """``(round, record)`` of the newest checkpoint whose record reads, or None."""
         return self.checkpoints.newest(self.checkpoints.read_record, warn=log)
-
-    def saved_config(self, log=None) -> dict:
-        """The config (as a dict) of the newest readable checkpoint: what ``--resume`` starts from."""
-        return self.newest_checkpoint_record(log)[1]["config"]
 
     def newest_checkpoint_record(self, log=None) -> tuple[int, dict]:
         """``(round, record)`` of the newest readable checkpoint; a ConfigError saying what to do
@@ -261,9 +250,11 @@ class RunDirectory:
             again = "start it again without --resume (it stopped before its first checkpoint)"
         raise ConfigError(f"--resume: no readable checkpoint in {self.checkpoints.directory}; {again}")
 
-    def restore(self, like, log):
-        """``(state, RunRecord)`` of the newest readable checkpoint (unreadable newer ones are set aside)."""
-        restored = self.checkpoints.newest(lambda r: self.checkpoints.restore(r, like=like), warn=log)
+    def restore(self, like, log, at_most: int | None = None):
+        """``(state, RunRecord)`` of the newest readable checkpoint (of a round ``<= at_most``,
+        where given; unreadable newer ones are set aside)."""
+        load = lambda r: self.checkpoints.restore(r, like=like)  # noqa: E731
+        restored = self.checkpoints.newest(load, warn=log, at_most=at_most)
         if restored is None:
             self.newest_checkpoint_record(log)  # raises, saying what to do
         round_, (state, saved) = restored
@@ -302,7 +293,6 @@ class RunDirectory:
         write_plots(self.path, rows, log)
 
 
-_HELD_LOCKS: dict[str, list] = {}  # absolute path -> [descriptor, holders in this process, was empty]
 LOCK_FILE = ".lock"
 
 
@@ -317,6 +307,8 @@ def _acquire_lock(path: Path) -> int:
     except OSError as err:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
+        if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK) and holder == str(os.getpid()):
+            raise ConfigError(f"--out {path}: this process is writing this run directory already") from None
         if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             raise ConfigError(
                 f"--out {path}: another jaxfed process (pid {holder}) is writing this run directory; "

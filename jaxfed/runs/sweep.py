@@ -39,8 +39,9 @@ from jaxfed.algorithms import registry
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
 from jaxfed.errors import ConfigError
-from jaxfed.runs.build import build, split_host
+from jaxfed.runs.build import build, build_algorithm, build_data, build_model, build_simulation, load_config_dataset
 from jaxfed.runs.config import Config
+from jaxfed.runs.distributed import split_host
 from jaxfed.runs.driver import drive
 from jaxfed.runs.plots import read_json
 from jaxfed.runs.rundir import (
@@ -58,6 +59,7 @@ from jaxfed.simulation.engine import default_client_chunk
 def sweep_configs(base: Config, seeds=(), lrs=(), grid: dict[str, list[str]] | None = None) -> list[Config]:
     """The grid ``seeds x lrs x grid`` over ``base`` (an empty list keeps ``base``'s value; ``grid``
     maps any key, run key or option, to its values as text), validated."""
+    require_lr(base)
     seeds = list(seeds) or [base.seed]
     axes = {"lr": [repr(float(lr)) for lr in lrs]} if lrs else {}
     axes.update(grid or {})
@@ -146,10 +148,39 @@ def check_sweepable(configs: list[Config], traced=("lr",)) -> None:
     """One-line ConfigError unless the configs differ only in ``seed`` and the ``traced`` options."""
     if not configs:
         raise ConfigError("sweep: no configurations (give --seeds, --lrs and/or --grid)")
+    require_lr(configs[0])
     differ = [k for k in differing_keys(configs) if k not in ("seed", *traced)]
     if differ:
         allowed = ", ".join(("seed", *traced))
         raise ConfigError(f"sweep: members of one compiled sweep may differ only in {allowed}; they differ in {differ}")
+
+
+def require_lr(config: Config) -> None:
+    """What a sweep needs of an algorithm: a float option ``lr`` (every member's learning rate is
+    traced, and names its directory), as :class:`jaxfed.options.TrainingOptions` has."""
+    field = type(config.options).field_for("lr")
+    if field is None or not isinstance(getattr(config.options, field.name), float):
+        raise ConfigError(
+            f"sweep: algorithm {config.algorithm} has no float option lr, which a sweep traces and names its members "
+            "by; give its options an `lr: float` (jaxfed.options.TrainingOptions has one), or use jaxfed run"
+        )
+
+
+def member_data(configs: list[Config]) -> list:
+    """Each member's :class:`~jaxfed.runs.build.DataPart`: each distinct dataset loaded once, each
+    distinct partition (it depends on the seed) built once."""
+    loaded, parts = {}, {}
+
+    def load(config: Config):
+        key = (config.dataset, config.data_dir, config.download)
+        if key not in loaded:
+            loaded[key] = load_config_dataset(config)
+        return loaded[key]
+
+    for config in configs:
+        if config.seed not in parts:
+            parts[config.seed] = build_data(config, load)
+    return [parts[config.seed] for config in configs]
 
 
 def _pad_columns(table: np.ndarray, width: int) -> np.ndarray:
@@ -180,12 +211,15 @@ class Sweep:
 
     def __init__(self, configs: list[Config], traced=None):
         traced = ["lr", *(k for k in (traced or ()) if k != "lr")]
+        configs = [c.validate() for c in configs]
         check_sweepable(configs, traced)
         self.configs = configs
-        self.built = [build(c) for c in configs]
-        self.template = self.built[0].simulation
+        first = configs[0]
+        self.parts = member_data(configs)
+        model = build_model(first, self.parts[0])
+        self.template = build_simulation(first, build_algorithm(first, model), model, self.parts[0])
         self.num_members, self.nonfinite = len(configs), self.template.nonfinite
-        self.data, self.data_axes = stack_data([b.simulation.data for b in self.built])
+        self.data, self.data_axes = stack_data([part.data for part in self.parts])
         self.seeds = jnp.asarray([c.seed for c in configs], jnp.uint32)
         self.values = {}  # option field -> [members]: the traced values
         for key in traced:
@@ -396,9 +430,9 @@ def _run_members(configs, dirs, start, progress, log, traced, resume=False) -> l
         desc=f"sweep of {len(configs)}",
     )
     summaries = []
-    for built, record, directory in zip(sweep.built, records, dirs):
-        built.simulation.compile_seconds = sweep.compile_seconds
-        result = summary(built.simulation, record, time.perf_counter() - start, partition=built.partition_summary)
+    sweep.template.compile_seconds = sweep.compile_seconds
+    for part, record, directory in zip(sweep.parts, records, dirs):
+        result = summary(sweep.template, record, time.perf_counter() - start, partition=part.partition_summary)
         result["sweep_members"] = len(configs)
         directory.finish(result, record.rows, log)
         summaries.append(result)

@@ -62,6 +62,7 @@ from jaxfed.simulation.evaluation import (
 
 CLIENT_AXIS = "clients"
 NONFINITE_POLICIES = ("error", "skip")
+MATMUL_PRECISIONS = ("default", "highest")
 
 
 class _Group(NamedTuple):
@@ -131,6 +132,10 @@ class Simulation:
     ``client_chunk`` picks how the sampled clients run: 0 vmaps them all at once; k > 0 runs
     ``lax.map`` over chunks of k vmapped clients (k = 1: one client at a time, each doing only
     its own steps); ``None`` picks :func:`default_client_chunk` for the devices.
+
+    ``matmul_precision`` is this simulation's own (``"default"``: XLA's, TF32 on recent NVIDIA
+    GPUs; ``"highest"``: full float32), applied where its programs are traced (:meth:`precision`),
+    not to the process.
     """
 
     def __init__(
@@ -149,9 +154,13 @@ class Simulation:
         pooled_eval_model=None,
         client_chunk: int | None = None,
         nonfinite: str = "error",
+        matmul_precision: str = "default",
     ):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision: unknown '{matmul_precision}'; allowed: {', '.join(MATMUL_PRECISIONS)}")
+        self.matmul_precision = matmul_precision
         self.nonfinite = nonfinite
         self.algorithm = algorithm
         self.model = model
@@ -182,10 +191,16 @@ class Simulation:
 
     # ----- state -----------------------------------------------------------------------------
 
+    def precision(self):
+        """A context in which JAX traces with this simulation's matmul precision: the compiled
+        calls run inside it, and so should a program that composes the ``*_pure`` methods."""
+        return jax.default_matmul_precision(None if self.matmul_precision == "default" else "highest")
+
     def init(self) -> SimState:
         """The starting state: the algorithm's init, one client state stacked for every client
         (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
-        state = self._init_state()
+        with self.precision():
+            state = self._init_state()
         return state if self.mesh is None else jax.device_put(state, self._replicated())
 
     def check_state(self, state: SimState) -> None:
@@ -397,7 +412,8 @@ class Simulation:
         self.check_state(state)
         if num_rounds not in self._executables:
             start = time.perf_counter()
-            self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
+            with self.precision():
+                self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
             self.compile_seconds += time.perf_counter() - start
         new_state, metrics = self._executables[num_rounds](state, self.data)
         failure = first_nonfinite(metrics) if self.nonfinite == "error" and raise_nonfinite else None
@@ -484,4 +500,5 @@ class Simulation:
     def evaluate(self, state: SimState) -> dict:
         """Personalized accuracy of every client (and global accuracy where there is a global model)."""
         self.check_state(state)
-        return {k: float(v) for k, v in self._eval(state, self.data).items()}
+        with self.precision():
+            return {k: float(v) for k, v in self._eval(state, self.data).items()}

@@ -144,6 +144,10 @@ def time_rounds(config: Config, rounds: int) -> dict:
 def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=()) -> dict:
     """Every measurement of one workload, as a JSON-ready dict."""
     config = workload_config(workload, overrides)
+    if config.host_devices:  # the process entry of `jaxfed bench`: before anything starts JAX's backend
+        from jaxfed.runs.distributed import split_host
+
+        split_host(config.host_devices)
     if baseline not in ("torch", "none"):
         raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
     if baseline == "torch" and config.algorithm != "fedavg":
