@@ -67,9 +67,9 @@ def report(title: str, traced) -> list[str]:
     files = {site.split(":")[0] for site in config_calls}
     lines = [
         f"## {title}",
-        f"- the Config reaches {len(config_calls)} functions in {len(files)} files ({sum(config_calls.values())} calls)",
-        f"- the options object (lr's path) reaches {len(option_calls)} functions "
-        f"({sum(option_calls.values())} calls)",
+        f"- the Config reaches {len(config_calls)} functions in {len(files)} files "
+        f"({sum(config_calls.values())} calls)",
+        f"- the options object (lr's path) reaches {len(option_calls)} functions ({sum(option_calls.values())} calls)",
         *(f"- {what}: {count}" for what, count in sorted(steps.items())),
         "- Config receivers: " + ", ".join(sorted(config_calls)),
     ]

@@ -225,3 +225,15 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
 def test_cohort_evaluation_needs_the_fixed_cohort(mlp, digits_federation):
     with pytest.raises(ValueError, match="eval_clients"):
         Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, eval_clients="cohort")
+
+
+def test_a_variant_runs_its_own_algorithm_and_key(mlp, digits_federation):
+    template = Simulation(fedavg(mlp, lr=0.05), mlp, digits_federation, participation=0.5, seed=0)
+    alone = Simulation(local(mlp, lr=0.1), mlp, digits_federation, participation=0.5, seed=3)
+    member = template.variant(jax.random.key(3), alone.algorithm)
+    template.run_rounds(template.init(), 1)  # the template compiled first: its programs must not be reused
+    ran, _ = member.run_rounds(member.init(), 2)
+    expected, _ = alone.run_rounds(alone.init(), 2)
+    for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
+    assert member.evaluate(ran) == alone.evaluate(expected)

@@ -183,6 +183,11 @@ class Simulation:
         self.client_chunk = default_client_chunk(devices[0].platform) if client_chunk is None else client_chunk
         self.eval_examples_per_call = eval_examples_per_call
         self.client_eval_batch = client_eval_batch(data.test_count, eval_batch_size)
+        self._new_compiled_calls()
+
+    def _new_compiled_calls(self) -> None:
+        """The jitted entry points, bound to this object (its algorithm and root key), and an
+        empty compile cache."""
         self.compile_seconds = 0.0
         self._executables: dict[int, Any] = {}
         self._init_state = jax.jit(self.init_pure)
@@ -230,6 +235,7 @@ class Simulation:
         strategy): a member of a vectorized sweep, whose seed and learning rate may be traced."""
         member = copy.copy(self)
         member.root, member.algorithm = root, algorithm
+        member._new_compiled_calls()  # the copied ones would run this simulation's algorithm and key
         return member
 
     def sampled_ids(self, round_index: int) -> np.ndarray:
