@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.algorithms import RoundInfo
 from jaxfed.data import ClientData
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
@@ -74,7 +75,8 @@ def loop_round_seconds(sim, rounds: int, batch_size: int):
     compile_start = time.perf_counter()
     for steps in sorted({-(-int(c) // batch_size) for c in counts}):
         k = int(np.flatnonzero(-(-counts // batch_size) == steps)[0])
-        jax.block_until_ready(update(alg.broadcast(server, 0), client_state, view(k), jax.random.key(0)))
+        first = RoundInfo(round=jnp.int32(0), tier=0)
+        jax.block_until_ready(update(alg.broadcast(server, first), client_state, view(k), jax.random.key(0), first))
     compile_seconds = time.perf_counter() - compile_start
     server_update = jax.jit(alg.server_update)
 
@@ -83,14 +85,15 @@ def loop_round_seconds(sim, rounds: int, batch_size: int):
         tick = time.perf_counter()
         key = sampling.round_key(sim.root, t)
         ids = np.asarray(sampling.sample_clients(sim.root, key, sim.num_clients, sim.num_sampled))
-        message = alg.broadcast(server, 0)
+        info = RoundInfo(round=jnp.int32(t), tier=0)
+        message = alg.broadcast(server, info)
         rngs = sampling.client_keys(key, jnp.asarray(ids))  # the engine's per-client keys
         uploads = []
         for k, rng in zip(ids, rngs):
-            _, up, _ = update(message, client_state, view(int(k)), rng)
+            _, up, _ = update(message, client_state, view(int(k)), rng, info)
             uploads.append(up)
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *uploads)
-        server = server_update(server, stacked, jnp.asarray(counts[ids], jnp.float32))
+        server = server_update(server, stacked, jnp.asarray(counts[ids], jnp.float32), RoundInfo(info.round, None))
         jax.block_until_ready(server)
         times.append(time.perf_counter() - tick)
         real = -(-counts[ids] // batch_size)

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxfed
-from jaxfed.algorithms import FederatedAlgorithm
+from jaxfed.algorithms import FederatedAlgorithm, RoundInfo
 from jaxfed.algorithms.training import train_classifier
-from jaxfed.core import tree_select
+from jaxfed.core import uniform_mean
 from jaxfed.nn import split_variables
 from jaxfed.options import TrainingOptions, option, positive, resolve
 
@@ -61,13 +61,6 @@ def _zeros(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _mean(stacked, weights):
-    """The plain mean over the rows that carry weight (padding and skipped rows weigh 0)."""
-    present = (weights > 0).astype(jnp.float32)
-    count = jnp.maximum(jnp.sum(present), 1.0)
-    return jax.tree.map(lambda x: jnp.tensordot(present, x, axes=1) / count, stacked)
-
-
 def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int, **overrides) -> FederatedAlgorithm:
     options = resolve(ScaffoldOptions, options, overrides)
 
@@ -75,11 +68,11 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
         params, model_state = split_variables(model.init(rng))
         return ServerState(params, _zeros(params)), ClientState(_zeros(params), model_state)
 
-    def broadcast(server: ServerState, tier: int = 0) -> ServerState:
+    def broadcast(server: ServerState, info: RoundInfo) -> ServerState:
         return server
 
-    def client_update(server: ServerState, client: ClientState, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(server: ServerState, client: ClientState, data, rng, info: RoundInfo):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         correction = jax.tree.map(jnp.subtract, server.control, client.control)  # c - c_i
 
         def drift_correction(params):  # its gradient is c - c_i at every step
@@ -96,7 +89,7 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
             **options.batching(),
         )
         params, model_state = split_variables(variables)
-        scale = 1.0 / (jnp.maximum(metrics["steps"], 1.0) * options.learning_rate(data.round))
+        scale = 1.0 / (jnp.maximum(metrics["steps"], 1.0) * options.learning_rate(info.round))
         new_control = jax.tree.map(
             lambda ci, c, x, y: ci - c + (x - y) * scale, client.control, server.control, server.params, params
         )
@@ -106,15 +99,16 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
         )
         return ClientState(new_control, model_state), upload, metrics
 
-    def server_update(server: ServerState, uploads: Upload, weights) -> ServerState:
+    def server_update(server: ServerState, uploads: Upload, weights, info: RoundInfo) -> ServerState:
+        # Plain means over the sampled clients: padding and skipped rows weigh 0, and a round in
+        # which every weight is 0 leaves the server state as it was (the engine's rule).
         sampled = jnp.sum(weights > 0)
-        step = _mean(uploads.delta_params, weights)
-        control_step = _mean(uploads.delta_control, weights)
-        new = ServerState(
+        step = uniform_mean(uploads.delta_params, weights)
+        control_step = uniform_mean(uploads.delta_control, weights)
+        return ServerState(
             params=jax.tree.map(lambda x, d: x + options.server_lr * d, server.params, step),
             control=jax.tree.map(lambda c, d: c + sampled / num_clients * d, server.control, control_step),
         )
-        return tree_select(sampled > 0, new, server)
 
     def eval_params(server: ServerState, client: ClientState):
         return {"params": server.params, **client.model_state}

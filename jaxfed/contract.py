@@ -1,44 +1,15 @@
 """The algorithm contract: a federated algorithm is a record of pure functions.
 
-In the spirit of optax's ``GradientTransformation`` and fedjax's ``FederatedAlgorithm``. The
-full contract, with the engine's rules, is ``docs/contract.md``; in short:
-
-- ``init(rng) -> (server_state, client_state)``: ``client_state`` is ONE client's state; the
-  engine stacks it along a leading client axis.
-- ``broadcast(server_state, tier) -> message_down``: what a client of ``tier`` receives
-  (``tier`` is 0 for an algorithm without tiers).
-- ``client_update(message_down, client_state, data, rng) -> (client_state, message_up, metrics)``
-  written for one client (``data``: :class:`jaxfed.data.ClientData`); the engine vmaps it.
-  ``metrics`` is a dict of scalars; the engine reports their sample-weighted mean.
-- ``server_update(server_state, messages_up, weights) -> server_state``: aggregation over the
-  leading axis of the stacked ``messages_up``. Rows come in the engine's run order (not by id)
-  and may include padding or skipped clients: those rows have weight 0, so aggregate with the
-  weights (:func:`jaxfed.core.weighted_mean`). The server sees nothing but the messages.
-- ``eval_params(server_state, client_state) -> variables``: a client's personalized model as
-  Flax variables; ``global_params(server_state) -> variables`` where there is a global model.
-
-Optional:
-
-- ``num_tiers``: clients sit in static tiers of equal contiguous id blocks (client k of N is in
-  tier ``k * num_tiers // N``); each tier's clients run with their own ``broadcast`` and shapes.
-- ``receive(server_state, message_up, tier) -> message``: the server's decoding of one upload
-  of ``tier`` into the common shape every tier shares (FedHM: factors to full kernels), applied
-  before ``server_update``; so tiered and untiered algorithms have the same ``server_update``.
-- ``eval_server(server_state, tier)``: what ``eval_params`` receives for the clients of ``tier``,
-  computed once per tier at evaluation (default: the server state itself).
-- ``message_bytes(message_up)``: the bytes one client's upload really takes (default: its arrays).
-- ``download_bytes(message_down, client_state, round) -> bytes``: what one client of this round
-  must download when it keeps what it received before (its ``client_state``, before the update,
-  says what that is): the engine's ``bytes_down_cached``. Default: the whole ``message_down``.
-- ``init_client(client_state, client_id) -> client_state``: a client's own starting state.
-- ``eval_model``: the model ``eval_params``' variables belong to when it is not the run's model.
-- ``evaluates_global``: True where every client's personalized model is the global model; the
-  engine then evaluates the global model once over the pooled test examples.
+In the spirit of optax's ``GradientTransformation`` and fedjax's ``FederatedAlgorithm``: the
+record is :class:`FederatedAlgorithm`, each of its functions has a typed ``Protocol`` below, and
+the round being run and the tier being served reach every function in one record,
+:class:`RoundInfo`. The engine's rules (weight-0 rows, tiers, bytes) are ``docs/contract.md``;
+``tests/test_contract_doc.py`` checks that page's signatures against this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -46,49 +17,257 @@ import jax
 PyTree = Any
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundInfo:
+    """Where a call stands: the round being run and the tier being served, in one place.
+
+    The engine makes one per call from its own state (``SimState.round``), so every function of a
+    round sees the same round: no algorithm keeps a round counter of its own.
+
+    Attributes:
+      round: int32 scalar, the 0-based index of the round being run (= the rounds completed
+        before it). At evaluation: the rounds completed. A traced array inside the round.
+      tier: the tier of the clients this call serves, a static Python int (0 for an algorithm
+        without tiers); None in ``server_update``, which aggregates every tier at once.
+
+    A pytree whose only leaf is ``round``: ``tier`` is static (pytree metadata), so it can index
+    Python lists and pick shapes inside ``jit`` and ``vmap``. Outside the engine (tests,
+    experiments) write ``RoundInfo(round=jnp.int32(0), tier=0)``.
+    """
+
+    round: jax.Array
+    tier: int | None
+
+
+jax.tree_util.register_dataclass(RoundInfo, data_fields=["round"], meta_fields=["tier"])
+
+
 class InitFn(Protocol):
-    def __call__(self, rng: jax.Array) -> tuple[PyTree, PyTree]: ...
+    def __call__(self, rng: jax.Array) -> tuple[PyTree, PyTree]:
+        """The starting states.
+
+        Args:
+          rng: a PRNG key.
+
+        Returns:
+          ``(server_state, client_state)``: ``client_state`` is ONE client's state; the engine
+          stacks it once per client along a new leading axis.
+        """
 
 
 class BroadcastFn(Protocol):
-    def __call__(self, server_state: PyTree, tier: int) -> PyTree: ...
+    def __call__(self, server_state: PyTree, info: RoundInfo) -> PyTree:
+        """What every client of ``info.tier`` receives this round.
+
+        Args:
+          server_state: the server's state.
+          info: the round being run and the tier served (0 without tiers).
+
+        Returns:
+          ``message_down``, the same for every client of the tier (its bytes are ``bytes_down``).
+        """
 
 
 class ClientUpdateFn(Protocol):
     def __call__(
-        self, message_down: PyTree, client_state: PyTree, data: Any, rng: jax.Array
-    ) -> tuple[PyTree, PyTree, dict[str, jax.Array]]: ...
+        self, message_down: PyTree, client_state: PyTree, data: Any, rng: jax.Array, info: RoundInfo
+    ) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
+        """One client's local update, written for ONE client: the engine vmaps (or maps) it.
+
+        Args:
+          message_down: what ``broadcast`` sent the client's tier.
+          client_state: this client's state (private: it never reaches the server).
+          data: the client's training data, a :class:`jaxfed.data.ClientData`.
+          rng: a key from the root seed, the round and the client id.
+          info: the round being run (``options.optimizer(info.round)``: that round's learning
+            rate) and the client's tier.
+
+        Returns:
+          ``(client_state, message_up, metrics)``: the client's new state, its upload, and a dict
+          of scalars whose sample-weighted mean the engine reports.
+        """
 
 
 class ServerUpdateFn(Protocol):
-    def __call__(self, server_state: PyTree, messages_up: PyTree, weights: jax.Array) -> PyTree: ...
+    def __call__(self, server_state: PyTree, messages_up: PyTree, weights: jax.Array, info: RoundInfo) -> PyTree:
+        """The server's aggregation of the round's uploads.
+
+        Args:
+          server_state: the server's state.
+          messages_up: every upload of the round (decoded by ``receive`` where there is one),
+            stacked along a leading axis in the engine's run order, not by client id.
+          weights: ``[rows]`` float32, each row's training-set size; 0 for padding rows and for
+            skipped clients (aggregate with the weights, never by row position).
+          info: the round being run; ``tier`` is None (every tier's rows are here).
+
+        Returns:
+          the new server state. The engine keeps the old one when every weight is 0.
+        """
 
 
 class EvalParamsFn(Protocol):
-    def __call__(self, server_state: PyTree, client_state: PyTree) -> dict: ...
+    def __call__(self, server_state: PyTree, client_state: PyTree) -> dict:
+        """A client's personalized model.
+
+        Args:
+          server_state: the server's state (or, with ``eval_server``, the tier's view of it).
+          client_state: the client's state.
+
+        Returns:
+          Flax variables, ``{"params": ..., **collections}``.
+        """
 
 
 class GlobalParamsFn(Protocol):
-    def __call__(self, server_state: PyTree) -> dict: ...
+    def __call__(self, server_state: PyTree) -> dict:
+        """The global model, for an algorithm that has one.
+
+        Args:
+          server_state: the server's state.
+
+        Returns:
+          Flax variables, ``{"params": ..., **collections}``.
+        """
 
 
 class ReceiveFn(Protocol):
-    def __call__(self, server_state: PyTree, message_up: PyTree, tier: int) -> PyTree: ...
+    def __call__(self, server_state: PyTree, message_up: PyTree, info: RoundInfo) -> PyTree:
+        """The server's decoding of one upload of tier ``info.tier`` into the shape every tier shares.
+
+        Args:
+          server_state: the server's state.
+          message_up: one client's upload (the engine vmaps this over a tier's uploads).
+          info: the round being run and the tier of the client that sent it.
+
+        Returns:
+          the decoded upload (FedHM: factors reconstructed to full kernels).
+        """
+
+
+class EvalServerFn(Protocol):
+    def __call__(self, server_state: PyTree, info: RoundInfo) -> PyTree:
+        """What ``eval_params`` receives for the clients of ``info.tier``, once per tier at evaluation.
+
+        Args:
+          server_state: the server's state.
+          info: the rounds completed and the tier evaluated.
+
+        Returns:
+          the tier's view of the server state (FedARA: the global extractor truncated to the
+          tier's rank).
+        """
+
+
+class MessageBytesFn(Protocol):
+    def __call__(self, message_up: PyTree) -> jax.Array:
+        """The bytes one upload really takes, where only part of a fixed-shape message is sent.
+
+        Args:
+          message_up: one client's upload.
+
+        Returns:
+          a scalar (the engine's ``bytes_up`` sums it over the round's real clients).
+        """
+
+
+class DownloadBytesFn(Protocol):
+    def __call__(self, message_down: PyTree, client_state: PyTree, info: RoundInfo) -> jax.Array:
+        """The bytes one client of this round must download when it keeps what it received before.
+
+        Args:
+          message_down: what ``broadcast`` sent the client's tier.
+          client_state: the client's state BEFORE this round's update (what it holds).
+          info: the round being run and the client's tier.
+
+        Returns:
+          a scalar (the engine's ``bytes_down_cached`` sums it over the round's real clients).
+        """
+
+
+class InitClientFn(Protocol):
+    def __call__(self, client_state: PyTree, client_id: jax.Array) -> PyTree:
+        """A client's own starting state, applied once per client at init.
+
+        Args:
+          client_state: the state ``init`` made (the same for every client).
+          client_id: int32 scalar, the client's id.
+
+        Returns:
+          the client's starting state.
+        """
 
 
 class FederatedAlgorithm(NamedTuple):
+    """A federated algorithm: a name and pure functions the engine calls every round.
+
+    A round: ``broadcast`` per tier, ``client_update`` per sampled client (vmapped), ``receive``
+    per upload (tiers only), then one ``server_update`` over every upload. The server sees the
+    uploads (``message_up``) and nothing else: what a client keeps private stays in its
+    ``client_state``. States and messages are pytrees of arrays (``NamedTuple`` records read best).
+
+    Construct it with keywords: the optional fields come in groups (evaluation, tiers,
+    accounting, client init) whose order may change. A minimal FedAvg::
+
+        def init(rng):
+            return model.init(rng)["params"], ()
+
+        def broadcast(server_state, info):
+            return server_state
+
+        def client_update(params, client_state, data, rng, info):
+            variables, metrics = train_classifier(
+                model, options.optimizer(info.round), {"params": params}, data, rng, **options.batching()
+            )
+            return client_state, variables["params"], metrics
+
+        def server_update(server_state, messages_up, weights, info):
+            return weighted_mean(messages_up, weights)  # rows of weight 0 drop out
+
+        fedavg = FederatedAlgorithm(
+            name="fedavg", init=init, broadcast=broadcast, client_update=client_update,
+            server_update=server_update,
+            eval_params=lambda server_state, client_state: {"params": server_state},
+            global_params=lambda server_state: {"params": server_state},
+        )
+
+    Attributes:
+      name: the algorithm's name (metrics, checkpoints).
+      init: :class:`InitFn`.
+      broadcast: :class:`BroadcastFn`.
+      client_update: :class:`ClientUpdateFn`.
+      server_update: :class:`ServerUpdateFn`.
+      eval_params: :class:`EvalParamsFn`.
+      global_params: (evaluation) :class:`GlobalParamsFn`; None: no global model, no global accuracy.
+      evaluates_global: (evaluation) every client's personalized model is the global one: the
+        engine evaluates it once over the pooled test examples.
+      eval_model: (evaluation) the model ``eval_params``' variables belong to when it is not the
+        run's model (the ensemble's mixture).
+      num_tiers: (tiers) clients sit in this many static tiers of equal contiguous id blocks
+        (client k of N in tier ``k * num_tiers // N``); each tier runs with its own broadcast and
+        shapes, its sampled clients padded with weight-0 rows.
+      receive: (tiers) :class:`ReceiveFn`; without it every tier's uploads share one shape.
+      eval_server: (tiers) :class:`EvalServerFn`; default: the server state itself.
+      message_bytes: (accounting) :class:`MessageBytesFn`; default: the upload's arrays.
+      download_bytes: (accounting) :class:`DownloadBytesFn`; default: all of ``message_down``.
+      init_client: (client init) :class:`InitClientFn`; default: every client starts alike.
+    """
+
     name: str
     init: InitFn
     broadcast: BroadcastFn
     client_update: ClientUpdateFn
     server_update: ServerUpdateFn
     eval_params: EvalParamsFn
+    # evaluation
     global_params: GlobalParamsFn | None = None
-    num_tiers: int | None = None
-    message_bytes: Callable[[PyTree], jax.Array] | None = None
-    download_bytes: Callable[[PyTree, PyTree, jax.Array], jax.Array] | None = None
-    eval_server: Callable[[PyTree, int], PyTree] | None = None
-    init_client: Callable[[PyTree, jax.Array], PyTree] | None = None
-    eval_model: Any = None
     evaluates_global: bool = False
+    eval_model: Any = None
+    # tiers
+    num_tiers: int | None = None
     receive: ReceiveFn | None = None
+    eval_server: EvalServerFn | None = None
+    # accounting
+    message_bytes: MessageBytesFn | None = None
+    download_bytes: DownloadBytesFn | None = None
+    # client init
+    init_client: InitClientFn | None = None

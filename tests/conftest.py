@@ -8,9 +8,11 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxfed.contract import RoundInfo
 from jaxfed.core import lowrank
 from jaxfed.data import federate, load_dataset, partition
 from jaxfed.nn import get_model
@@ -31,6 +33,12 @@ _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(pre
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def round_info(round_: int = 0, tier: int | None = 0) -> RoundInfo:
+    """The :class:`RoundInfo` the engine passes in round ``round_`` (0-based) to a client of ``tier``
+    (``tier=None``: server_update's)."""
+    return RoundInfo(round=jnp.int32(round_), tier=tier)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
@@ -65,8 +65,8 @@ def test_fedprox_keeps_clients_near_the_global_model(mlp, digits_federation):
 
     def drift(alg):
         server, client = alg.init(jax.random.key(0))
-        message = alg.broadcast(server, 0)
-        _, params, _ = jax.jit(alg.client_update)(message, client, view, jax.random.key(1))
+        message = alg.broadcast(server, round_info())
+        _, params, _ = jax.jit(alg.client_update)(message, client, view, jax.random.key(1), round_info())
         return sum(float(jnp.sum((p - g) ** 2)) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(message)))
 
     plain = drift(fedavg(mlp, lr=0.1, local_epochs=3, batch_size=16))
@@ -109,13 +109,15 @@ def test_private_client_state_never_reaches_the_server(name, digits):
     state = sim.init()
 
     tiers = sampling.tier_bounds(4, alg.num_tiers) if alg.num_tiers else [(0, 4)]
-    update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, 0, ClientData.vmap_axes(), 0)))
+    update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, 0, ClientData.vmap_axes(), 0, None)))
     new_clients, messages, weights = [], [], []
     for tier, (lo, hi) in enumerate(tiers):
         ids = jnp.arange(lo, hi)
         keys = sampling.client_keys(sampling.round_key(sim.root, 0), ids)  # the engine's keys for round 0
-        message_down = alg.broadcast(state.server, tier)
-        clients, message, _ = update(message_down, gather_clients(state.clients, ids), fed.train_data(ids), keys)
+        message_down = alg.broadcast(state.server, round_info(0, tier))
+        clients, message, _ = update(
+            message_down, gather_clients(state.clients, ids), fed.train_data(ids), keys, round_info(0, tier)
+        )
         new_clients.append(clients)
         messages.append(message)
         weights.append(fed.train_count[lo:hi].astype(jnp.float32))
@@ -128,8 +130,10 @@ def test_private_client_state_never_reaches_the_server(name, digits):
 
     server_after_round = jax.jit(sim.round)(state, fed)[0].server
     if alg.receive is not None:  # each tier's uploads decoded to the shape every tier shares
-        messages = [jax.vmap(lambda m, t=t: alg.receive(state.server, m, t))(m) for t, m in enumerate(messages)]
+        messages = [
+            jax.vmap(lambda m, t=t: alg.receive(state.server, m, round_info(0, t)))(m) for t, m in enumerate(messages)
+        ]
     stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *messages)
-    expected = jax.jit(alg.server_update)(state.server, stacked, jnp.concatenate(weights))
+    expected = jax.jit(alg.server_update)(state.server, stacked, jnp.concatenate(weights), round_info(0, None))
     for a, b in zip(jax.tree.leaves(server_after_round), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

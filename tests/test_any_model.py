@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms import fedara, feddecomp, fedhm, fedloru, floral
 from jaxfed.core import lowrank
@@ -86,7 +86,7 @@ def test_low_rank_algorithms_train_a_user_module(build, user_model, digits):
 def test_fedhm_factorizes_the_stock_conv(user_model):
     alg = fedhm.fedhm(user_model, tiers=(0.5,))
     server, _ = alg.init(jax.random.key(0))
-    message = alg.broadcast(server, 0)
+    message = alg.broadcast(server, round_info())
     assert set(message["Conv_1"]) == {"u", "v", "bias"} and "kernel" in message["Conv_0"]
 
 

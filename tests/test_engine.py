@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import round_info
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
@@ -34,17 +35,17 @@ def test_vmapped_client_update_equals_python_loop(mlp, digits_federation):
     fed = digits_federation
     alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=16)
     server, client = alg.init(jax.random.key(0))
-    message = alg.broadcast(server, 0)
+    message = alg.broadcast(server, round_info(0, 0))
     ids = [0, 3, 4, 7]
     rngs = [jax.random.key(100 + k) for k in ids]
     stacked = fed.train_data(jnp.array(ids))
 
-    vmapped = jax.jit(jax.vmap(alg.client_update, in_axes=(None, None, ClientData.vmap_axes(), 0)))
-    _, params_v, metrics_v = vmapped(message, client, stacked, jnp.stack(rngs))
+    vmapped = jax.jit(jax.vmap(alg.client_update, in_axes=(None, None, ClientData.vmap_axes(), 0, None)))
+    _, params_v, metrics_v = vmapped(message, client, stacked, jnp.stack(rngs), round_info())
 
     one = jax.jit(alg.client_update)
     for row, (k, rng) in enumerate(zip(ids, rngs)):
-        _, params_k, metrics_k = one(message, client, _client_view(fed, k), rng)
+        _, params_k, metrics_k = one(message, client, _client_view(fed, k), rng, round_info())
         for a, b in zip(jax.tree.leaves(params_k), jax.tree.leaves(params_v)):
             np.testing.assert_allclose(b[row], a, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(metrics_v["train_loss"][row], metrics_k["train_loss"], rtol=1e-5)
@@ -61,14 +62,14 @@ def test_padding_is_exact(mlp, digits_federation):
     assert counts[big] > counts[0] and counts[big] > counts[small]
     alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=8)  # momentum: a padded step would move
     server, client = alg.init(jax.random.key(0))
-    message = alg.broadcast(server, 0)
-    update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, None, ClientData.vmap_axes(), 0)))
+    message = alg.broadcast(server, round_info(0, 0))
+    update = jax.jit(jax.vmap(alg.client_update, in_axes=(None, None, ClientData.vmap_axes(), 0, None)))
     rngs = jnp.stack([jax.random.key(1), jax.random.key(2)])
 
     def client0_with(other):
         width = max(counts[0], counts[other])
         views = _stack([_client_view(fed, 0, width), _client_view(fed, other, width)])
-        _, params, metrics = update(message, client, views, rngs)
+        _, params, metrics = update(message, client, views, rngs, round_info())
         return jax.tree.map(lambda p: p[0], params), metrics["steps"][0]
 
     alone_params, alone_steps = client0_with(small)
@@ -89,9 +90,9 @@ def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation
     key = sampling.round_key(sim.root, 0)
     ids = np.asarray(sampling.sample_clients(sim.root, key, fed.num_clients, 4))
     rngs = sampling.client_keys(key, jnp.asarray(ids))
-    message = alg.broadcast(state.server, 0)
+    message = alg.broadcast(state.server, round_info(0, 0))
     one = jax.jit(alg.client_update)
-    uploads = [one(message, ClientStats({}), _client_view(fed, k), rngs[i])[1] for i, k in enumerate(ids)]
+    uploads = [one(message, ClientStats({}), _client_view(fed, k), rngs[i], round_info())[1] for i, k in enumerate(ids)]
     counts = np.asarray(fed.train_count)[ids].astype(np.float64)
     for leaf_new, *leaves in zip(jax.tree.leaves(new_state.server.params), *map(jax.tree.leaves, uploads)):
         expected = sum(c * np.asarray(leaf, np.float64) for c, leaf in zip(counts, leaves)) / counts.sum()

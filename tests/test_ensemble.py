@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import round_info
 
 from jaxfed.algorithms.ensemble import Upload, ensemble
 from jaxfed.data import ClientData
@@ -32,7 +33,7 @@ def test_members_are_averaged_with_p_k_given_c_and_routers_stay_private(mlp, dig
     stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server.members)
     pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
     weights = np.array([20.0, 50.0, 30.0])
-    new = alg.server_update(server, Upload(stacked, pi), jnp.asarray(weights))
+    new = alg.server_update(server, Upload(stacked, pi), jnp.asarray(weights), round_info(0, None))
     w = weights[:, None] * np.asarray(pi, np.float64)
     w = w / w.sum(0)
     for got, rows in zip(jax.tree.leaves(new.members), jax.tree.leaves(stacked)):
@@ -43,7 +44,10 @@ def test_members_are_averaged_with_p_k_given_c_and_routers_stay_private(mlp, dig
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     client = client._replace(router=jnp.array([0.3, -0.3]))
-    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    info = round_info()
+    new_client, upload, _ = jax.jit(alg.client_update)(
+        alg.broadcast(server, info), client, view, jax.random.key(2), info
+    )
     assert set(upload._fields) == {"members", "mixture_weights"}
     assert not np.array_equal(new_client.router, [0.3, -0.3])  # trained, kept on the client
     np.testing.assert_allclose(upload.mixture_weights, jax.nn.softmax(new_client.router), rtol=1e-6)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import metrics_rows as _rows
+from conftest import round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
@@ -57,10 +58,10 @@ def test_scaffold_client_step_matches_fedavg_then_the_control_formula(scaffold_m
     alg = scaffold_module.scaffold(mlp, num_clients=10, lr=0.05, local_epochs=1, batch_size=16)
     server, client = alg.init(jax.random.key(0))
     data, rng = _client(digits_federation), jax.random.key(3)
-    new_client, upload, metrics = jax.jit(alg.client_update)(server, client, data, rng)
+    new_client, upload, metrics = jax.jit(alg.client_update)(server, client, data, rng, round_info())
 
     plain = fedavg(mlp, lr=0.05, local_epochs=1, batch_size=16)
-    _, y, plain_metrics = jax.jit(plain.client_update)(server.params, ClientStats({}), data, rng)
+    _, y, plain_metrics = jax.jit(plain.client_update)(server.params, ClientStats({}), data, rng, round_info())
     chex.assert_trees_all_close(jax.tree.map(jnp.add, server.params, upload.delta_params), y, rtol=1e-5, atol=1e-6)
     steps = float(plain_metrics["steps"])
     assert float(metrics["steps"]) == steps > 0
@@ -84,7 +85,7 @@ def test_scaffold_server_step_is_the_papers_formula(scaffold_module, mlp):
     ]
     stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *uploads)
     weights = jnp.array([40.0, 0.0, 10.0])  # the middle row is padding: weight 0
-    new = alg.server_update(server, stacked, weights)
+    new = alg.server_update(server, stacked, weights, round_info(0, None))
     for key in ("fc1", "head"):
         dx = [np.float64(u.delta_params[key]["kernel"]) for u in uploads]
         dc = [np.float64(u.delta_control[key]["kernel"]) for u in uploads]

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms.fedara import class_anchors, fedara, frobenius_penalty, lambda_at
 from jaxfed.cli import main
@@ -29,7 +29,7 @@ def _client(fed, client=2):
 def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federation):
     alg = _fedara(mlp, tiers=(0.5,))
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    message = alg.broadcast(server, 0)
+    message = alg.broadcast(server, round_info(0, 0))
     variables = {"params": {**message.fe, "head": client.head}}
     data = _client(digits_federation)
     with factorized_execution():
@@ -87,10 +87,10 @@ def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_feder
         mlp, lr=lr, tiers=(0.5,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512
     )  # one full batch per epoch: three plain gradient steps
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    server = server._replace(round=jnp.int32(4))  # past round 1: lambda is on
-    message = alg.broadcast(server, 0)
+    info = round_info(4, 0)  # past the first round: lambda is on
+    message = alg.broadcast(server, info)
     data = _client(digits_federation)
-    new_client, upload, metrics = jax.jit(alg.client_update)(message, client, data, jax.random.key(1))
+    new_client, upload, metrics = jax.jit(alg.client_update)(message, client, data, jax.random.key(1), info)
     assert float(metrics["lambda"]) == lam and float(metrics["steps"]) == 3
     expected = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr)
     moving = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr, fixed_anchors=False)
@@ -108,13 +108,13 @@ def test_global_anchors_come_from_the_full_rank_global_fe(mlp, digits_federation
     options = dict(lr=lr, tiers=(0.25,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512)
     alg = _fedara(mlp, anchor_model="global", **options)
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    server = server._replace(round=jnp.int32(4))
-    message = alg.broadcast(server, 0)
-    received_only = _fedara(mlp, **options).broadcast(server, 0)
+    info = round_info(4, 0)
+    message = alg.broadcast(server, info)
+    received_only = _fedara(mlp, **options).broadcast(server, info)
     assert received_only.anchor_fe is None  # the default sends the tier's factors alone
     assert tree_bytes(message) == tree_bytes(received_only) + tree_bytes(server.fe)
     data = _client(digits_federation)
-    _, upload, _ = jax.jit(alg.client_update)(message, client, data, jax.random.key(1))
+    _, upload, _ = jax.jit(alg.client_update)(message, client, data, jax.random.key(1), info)
     expected = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr, anchor_fe=server.fe)
     from_received = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr)
     for got, want in zip(jax.tree.leaves(upload), jax.tree.leaves(expected["fe"])):
@@ -133,18 +133,20 @@ def test_lambda_ramps_from_zero_in_round_one():
 def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_cnn, digits_federation):
     alg = _fedara(small_cnn, lr=0.0, tiers=(1.0,), mu_fro=0.0)
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    message = jax.jit(alg.broadcast, static_argnums=1)(server, 0)
+    message = jax.jit(alg.broadcast)(server, round_info())
     x = digits_federation.x_test[:16]
     full = small_cnn.apply({"params": {**server.fe, "head": client.head}}, x, features=True)[0]
     with factorized_execution():
         factored = small_cnn.apply({"params": {**message.fe, "head": client.head}}, x, features=True)[0]
     np.testing.assert_allclose(factored, full, rtol=1e-4, atol=1e-4)
     # decompose -> train with lr 0 -> reconstruct -> aggregate gives the global FE back
-    _, upload, metrics = jax.jit(alg.client_update)(message, client, _client(digits_federation), jax.random.key(1))
+    _, upload, metrics = jax.jit(alg.client_update)(
+        message, client, _client(digits_federation), jax.random.key(1), round_info()
+    )
     assert float(metrics["steps"]) > 0
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), upload)
-    received = jax.vmap(lambda m: alg.receive(server, m, 0))(stacked)  # the server decodes each upload
-    new = alg.server_update(server, received, jnp.array([30.0, 50.0]))
+    received = jax.vmap(lambda m: alg.receive(server, m, round_info(0, 0)))(stacked)  # the server decodes each upload
+    new = alg.server_update(server, received, jnp.array([30.0, 50.0]), round_info(0, None))
     for before, after in zip(jax.tree.leaves(server.fe), jax.tree.leaves(new.fe)):
         np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
 
@@ -156,13 +158,16 @@ def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
     sim = Simulation(alg, mlp, fed, participation=1.0)
     start = sim.init()
     for t in range(3):
-        assert "head" not in alg.broadcast(start.server, t).fe
+        assert "head" not in alg.broadcast(start.server, round_info(0, t)).fe
     state, metrics = sim.run_rounds(start, 3)
     sent = [float(metrics[f"bytes_up_client_tier{t}"][0]) for t in range(3)]
-    expected = [tree_bytes(alg.broadcast(start.server, t).fe) for t in range(3)]  # the upload has the FE's shapes
+    expected = [
+        tree_bytes(alg.broadcast(start.server, round_info(0, t)).fe) for t in range(3)
+    ]  # the upload has the FE's shapes
     # ratio 1.0 sends the 200 x 200 kernel: as many values as its rank-100 factors at ratio 0.5
     assert sent == expected and sent[0] == sent[1] > sent[2]
-    assert "kernel" in alg.broadcast(start.server, 0).fe["fc2"] and "u" in alg.broadcast(start.server, 1).fe["fc2"]
+    assert "kernel" in alg.broadcast(start.server, round_info(0, 0)).fe["fc2"]
+    assert "u" in alg.broadcast(start.server, round_info(0, 1)).fe["fc2"]
     assert "head" not in state.server.fe
     heads = np.asarray(state.clients.head["kernel"])
     assert not np.allclose(heads[0], heads[3])  # personal heads
@@ -176,7 +181,7 @@ def test_client_flops_fall_with_the_tier_rank(mlp, digits_federation):
     data = _client(digits_federation)
     flops = [
         jax.jit(alg.client_update)
-        .lower(alg.broadcast(server, t), client, data, jax.random.key(1))
+        .lower(alg.broadcast(server, round_info(0, t)), client, data, jax.random.key(1), round_info(0, t))
         .cost_analysis()["flops"]
         for t in range(3)
     ]
@@ -236,8 +241,8 @@ def test_each_tier_decomposes_its_largest_layers_and_penalizes_only_those(small_
     server, _ = jax.jit(alg.init)(jax.random.key(0))
     rng = np.random.default_rng(1)
     for tier, q in enumerate(sets):
-        message = alg.broadcast(server, tier)
-        assert set(lowrank.layers_with_factors(message.fe)) == set(q) and int(message.tier) == tier
+        message = alg.broadcast(server, round_info(0, tier))
+        assert set(lowrank.layers_with_factors(message.fe)) == set(q)
         # the Frobenius term over Q_k only: ||U V^T||^2 written out in float64
         fe = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), message.fe)
         expected = 0.0

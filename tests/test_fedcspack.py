@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, round_info
 from test_packs import _np_scores
 
 from jaxfed.algorithms.fedcspack import fedcspack
@@ -24,7 +24,8 @@ def _fedcspack(model, **options):
 def _client_update(alg, fed, server, client_state, client=2, seed=1):
     data = fed.train_data(jnp.array([client]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    return jax.jit(alg.client_update)(alg.broadcast(server, 0), client_state, view, jax.random.key(seed))
+    info = round_info()
+    return jax.jit(alg.client_update)(alg.broadcast(server, info), client_state, view, jax.random.key(seed), info)
 
 
 def _packs(tree):
@@ -72,8 +73,9 @@ def test_masked_merge_keeps_the_packs_the_global_mask_does_not_flag(mlp, merge):
     num_packs = _packs(server.params).shape[0]
     flagged = np.arange(num_packs) % 3 == 0
     mask = jnp.asarray(flagged, jnp.float32) * 0.4
-    updated = jnp.asarray(np.where(flagged, 5, np.arange(num_packs) % 5), jnp.int32)  # M moved these in round 5
-    server = server._replace(mask=mask, updated=updated, round=jnp.int32(5))
+    # M moved these in round 4 (0-based; updated = 1 + the round), the round the client last took part in
+    updated = jnp.asarray(np.where(flagged, 5, np.arange(num_packs) % 5), jnp.int32)
+    server = server._replace(mask=mask, updated=updated)
     merged = _packs(alg.eval_params(server, client._replace(params=other, last_seen=jnp.int32(4)))["params"])
     np.testing.assert_array_equal(merged[flagged], _packs(server.params)[flagged])
     keep = _packs(other)[~flagged] if merge == "masked" else _packs(server.params)[~flagged]
@@ -85,8 +87,8 @@ def test_a_rarely_sampled_client_takes_every_pack_moved_since_it_last_took_part(
     server, client = jax.jit(alg.init)(jax.random.key(0))
     other = jax.tree.map(lambda x: x + 1.0, client.params)
     num_packs = _packs(server.params).shape[0]
-    updated = np.arange(num_packs) % 6  # pack p last moved after round updated[p] (0: never)
-    server = server._replace(updated=jnp.asarray(updated, jnp.int32), round=jnp.int32(5))
+    updated = np.arange(num_packs) % 6  # pack p last moved in round updated[p] - 1 (0: never)
+    server = server._replace(updated=jnp.asarray(updated, jnp.int32))
     for last_seen, take in ((2, updated > 2), (-1, np.ones(num_packs, bool))):  # -1: never took part
         merged = _packs(
             alg.eval_params(server, client._replace(params=other, last_seen=jnp.int32(last_seen)))["params"]
@@ -113,7 +115,7 @@ def test_server_moves_only_sent_packs_and_the_new_mask_sums_the_weights(mlp, dig
     server, client = jax.jit(alg.init)(jax.random.key(0))
     uploads = [_client_update(alg, digits_federation, server, client, client=c, seed=c)[1] for c in (1, 4)]
     stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *uploads)
-    new = alg.server_update(server, stacked, jnp.array([50.0, 80.0]))
+    new = alg.server_update(server, stacked, jnp.array([50.0, 80.0]), round_info(0, None))
     before, after = _packs(server.params), _packs(new.params)
     mask = np.zeros(before.shape[0])
     for u in uploads:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import round_info
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.feddecomp import FedDecompOptions, auto_lora_epochs, decomposition_ranks, feddecomp, layer_scales
@@ -29,8 +30,10 @@ def _one_client_update(alg, fed, client=2, seed=1):
     server, client_state = jax.jit(alg.init)(jax.random.key(0))
     data = fed.train_data(jnp.array([client]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    message = alg.broadcast(server, 0)
-    new_client, upload, metrics = jax.jit(alg.client_update)(message, client_state, view, jax.random.key(seed))
+    message = alg.broadcast(server, round_info(0, 0))
+    new_client, upload, metrics = jax.jit(alg.client_update)(
+        message, client_state, view, jax.random.key(seed), round_info()
+    )
     return message, client_state, new_client, upload, metrics
 
 
@@ -128,7 +131,7 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
     rng = np.random.default_rng(0)
     uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server)
     counts = np.array([10.0, 30.0, 0.0])  # the third is padding
-    new = alg.server_update(server, uploads, jnp.asarray(counts))
+    new = alg.server_update(server, uploads, jnp.asarray(counts), round_info(0, None))
     p = counts / counts.sum() if aggregation == "samples" else np.array([0.5, 0.5, 0.0])
     for got, stacked in zip(jax.tree.leaves(new.params), jax.tree.leaves(uploads)):
         expected = np.tensordot(p, np.asarray(stacked, np.float64), axes=1)
@@ -239,11 +242,13 @@ def test_batchnorm_statistics_are_averaged_with_sigma_or_kept_by_each_client(dig
     for k in range(3):  # a Python loop over clients, then one server step on the stacked uploads
         data = digits_federation.train_data(jnp.array([k]))
         view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-        new_client, upload, _ = update(alg.broadcast(server, 0), client, view, jax.random.key(k))
+        new_client, upload, _ = update(
+            alg.broadcast(server, round_info()), client, view, jax.random.key(k), round_info()
+        )
         uploads.append(upload)
         clients.append(new_client)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *uploads)
-    new_server = alg.server_update(server, stacked, jnp.ones(3))
+    new_server = alg.server_update(server, stacked, jnp.ones(3), round_info(0, None))
     evaluated = alg.eval_params(new_server, clients[0])
     if batch_stats == "shared":
         assert jax.tree.leaves(new_server.model_state) and not jax.tree.leaves(clients[0].model_state)

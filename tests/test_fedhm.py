@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms.fedhm import fedhm
 from jaxfed.cli import main
@@ -26,7 +26,7 @@ def test_full_rank_factors_reproduce_the_global_model(digits, model_name, reques
     model = request.getfixturevalue(model_name)
     alg = _fedhm(model, tiers=(1.0, 0.25))
     server, _ = jax.jit(alg.init)(jax.random.key(0))
-    broadcast = jax.jit(alg.broadcast, static_argnums=1)
+    broadcast = jax.jit(alg.broadcast)  # the tier is static in the RoundInfo
     x = jnp.asarray(digits.x_test[:32])
 
     @jax.jit
@@ -34,7 +34,7 @@ def test_full_rank_factors_reproduce_the_global_model(digits, model_name, reques
         with factorized_execution():
             return model.apply({"params": params}, x)[0]
 
-    full = broadcast(server, 0)  # ratio 1.0: every layer travels as its kernel, unfactorized
+    full = broadcast(server, round_info(0, 0))  # ratio 1.0: every layer travels as its kernel, unfactorized
     chex.assert_trees_all_equal(full, server.params)
     expected = logits(server.params)
     factorized = lowrank.factorize_layers(
@@ -42,7 +42,7 @@ def test_full_rank_factors_reproduce_the_global_model(digits, model_name, reques
         {k: lowrank.max_rank(lowrank.get_layer(server.params, k)["kernel"].shape) for k in interior_layers(model)},
     )
     np.testing.assert_allclose(logits(factorized), expected, rtol=1e-4, atol=1e-4)  # full-rank factors: the same model
-    truncated = logits(broadcast(server, 1))  # the rank-0.25 tier is a different model
+    truncated = logits(broadcast(server, round_info(0, 1)))  # the rank-0.25 tier is a different model
     assert float(jnp.abs(truncated - expected).max()) > 1e-3
 
 
@@ -63,10 +63,11 @@ def test_server_reconstructs_each_upload_then_averages_with_sample_weights(mlp):
     def noisy(tree, n):  # n clients' uploads: the broadcast factors plus client-specific noise
         return jax.tree.map(lambda a: jnp.asarray(a + rng.normal(size=(n,) + a.shape), jnp.float32), tree)
 
-    messages = (noisy(alg.broadcast(server, 0), 2), noisy(alg.broadcast(server, 1), 1))
+    messages = (noisy(alg.broadcast(server, round_info(0, 0)), 2), noisy(alg.broadcast(server, round_info(0, 1)), 1))
     weights = jnp.array([10.0, 30.0, 60.0])
-    received = [jax.vmap(lambda m, t=t: alg.receive(server, m, t))(m) for t, m in enumerate(messages)]
-    new = alg.server_update(server, jax.tree.map(lambda *rows: jnp.concatenate(rows), *received), weights)
+    received = [jax.vmap(lambda m, t=t: alg.receive(server, m, round_info(0, t)))(m) for t, m in enumerate(messages)]
+    stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *received)
+    new = alg.server_update(server, stacked, weights, round_info(0, None))
 
     uploads = [jax.tree.map(lambda a, i=i: np.float64(a[i]), m) for m, n in zip(messages, (2, 1)) for i in range(n)]
     fc2 = [m["fc2"]["u"] @ m["fc2"]["v"].T for m in uploads]  # each client's kernel, then the mean
@@ -81,7 +82,7 @@ def test_fedhm_learns_with_upload_bytes_falling_with_the_tier_ratio(mlp, digits)
     fed = make_federation(digits, num_clients=9, alpha=0.5)
     alg = _fedhm(mlp, tiers=(1.0, 0.5, 0.25))
     server, _ = jax.jit(alg.init)(jax.random.key(0))
-    fc2 = alg.broadcast(server, 2)["fc2"]  # 200 x 200 at ratio 0.25
+    fc2 = alg.broadcast(server, round_info(0, 2))["fc2"]  # 200 x 200 at ratio 0.25
     assert fc2["u"].shape == (200, 50) and fc2["v"].shape == (200, 50)
     sim = Simulation(alg, mlp, fed, participation=1.0)
     state, metrics = sim.run_rounds(sim.init(), 8)
@@ -112,7 +113,7 @@ def test_tier_errors_are_clear(mlp, digits, capsys, tmp_path):
 def _broadcast_ranks(alg, tier):
     """``{layer: rank}`` of what ``alg`` sends tier ``tier`` (shapes only: nothing is computed)."""
     server, _ = jax.eval_shape(alg.init, jax.random.key(0))
-    message = jax.eval_shape(lambda s: alg.broadcast(s, tier), server)
+    message = jax.eval_shape(lambda s: alg.broadcast(s, round_info(0, tier)), server)
     return {key: layer["u"].shape[-1] for key, layer in lowrank.layers_with_factors(message).items()}
 
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import UNCLIPPED, make_federation, with_random_lora_updates
+from conftest import UNCLIPPED, make_federation, round_info, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import Upload, fedloru
 from jaxfed.cli import main
@@ -31,11 +31,11 @@ def _message(alg, server):
 def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
     alg = _algorithm(mlp, accumulate_every=3, reinit=reinit)
     server, _ = alg.init(jax.random.key(0))
-    server = with_random_lora_updates(server._replace(round=jnp.int32(2)), seed=1)  # the next round accumulates
+    server = with_random_lora_updates(server, seed=1)
     x = jnp.asarray(digits.x_test[:64])
     before = _logits(alg, mlp, server, x)
     stacked = jax.tree.map(lambda a: a[None], _message(alg, server))
-    after_state = alg.server_update(server, stacked, jnp.ones(1))
+    after_state = alg.server_update(server, stacked, jnp.ones(1), round_info(2, None))  # round 2 (0-based) accumulates
     np.testing.assert_allclose(_logits(alg, mlp, after_state, x), before, rtol=1e-5, atol=1e-5)
     key = next(iter(server.loras))
     kernel_before = lowrank.get_layer(server.params, key)["kernel"]
@@ -48,9 +48,10 @@ def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
         np.testing.assert_array_equal(after_state.loras[key].up, server.loras[key].up)
         np.testing.assert_array_equal(after_state.merged[key].up, server.loras[key].up)
         again = alg.server_update(
-            after_state._replace(round=jnp.int32(5)),
+            after_state,
             jax.tree.map(lambda a: a[None], _message(alg, after_state)),
             jnp.ones(1),
+            round_info(5, None),  # and round 5
         )
         np.testing.assert_allclose(_logits(alg, mlp, again, x), before, rtol=1e-5, atol=1e-5)
 
@@ -62,7 +63,7 @@ def test_factors_are_averaged_separately(mlp):
     two = two._replace(loras={k: lowrank.LoRA(2 * f.down, f.up) for k, f in two.loras.items()})
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), _message(alg, one), _message(alg, two))
     weights = jnp.array([1.0, 3.0])
-    new = alg.server_update(server, stacked, weights)
+    new = alg.server_update(server, stacked, weights, round_info(0, None))
     for key in server.loras:
         a, b = one.loras[key], two.loras[key]
         np.testing.assert_allclose(new.loras[key].down, (np.asarray(a.down) + 3 * np.asarray(b.down)) / 4, rtol=1e-6)
@@ -106,7 +107,7 @@ def test_merged_travels_only_when_it_can_be_non_zero(mlp):
     for reinit, accumulate_every, sent in ((True, 5, False), (False, 5, True), (False, 0, False)):
         alg = fedloru(mlp, lora_rank=4, reinit=reinit, accumulate_every=accumulate_every)
         server, _ = alg.init(jax.random.key(0))
-        assert (alg.broadcast(server, 0).merged is not None) == sent, (reinit, accumulate_every)
+        assert (alg.broadcast(server, round_info(0, 0)).merged is not None) == sent, (reinit, accumulate_every)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import UNCLIPPED, make_federation, with_random_lora_updates
+from conftest import UNCLIPPED, make_federation, round_info, with_random_lora_updates
 
 from jaxfed.algorithms.fedloru import Upload, fedloru, mfedloru, pfedloru, with_nested
 from jaxfed.core import lowrank, tree_bytes
@@ -19,8 +19,10 @@ def _one_client_update(alg, fed, client=2, tier=0, seed=1):
     server, client_state = jax.jit(alg.init)(jax.random.key(0))
     data = fed.train_data(jnp.array([client]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    message = alg.broadcast(server, tier)
-    new_client, upload, _ = jax.jit(alg.client_update)(message, client_state, view, jax.random.key(seed))
+    message = alg.broadcast(server, round_info(0, tier))
+    new_client, upload, _ = jax.jit(alg.client_update)(
+        message, client_state, view, jax.random.key(seed), round_info(0, tier)
+    )
     return server, client_state, message, new_client, upload
 
 
@@ -85,7 +87,7 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
     alg = _mfedloru(mlp, (0.5,), accumulate_every=0)
     server, _ = jax.jit(alg.init)(jax.random.key(0))
     server = with_random_lora_updates(server, 3)
-    message = alg.broadcast(server, 0)
+    message = alg.broadcast(server, round_info(0, 0))
     d, u = message.nested["fc2"]
     assert (d.down.shape, d.up.shape, u.down.shape, u.up.shape) == ((200, 8), (8, 16), (16, 8), (8, 200))
     start = with_nested(server.loras, message.nested)
@@ -101,8 +103,8 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
         for _ in range(2)
     ]
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), *uploads)
-    received = jax.vmap(lambda m: alg.receive(server, m, 0))(stacked)  # the server decodes each upload
-    new = alg.server_update(server, received, jnp.array([1.0, 3.0]))
+    received = jax.vmap(lambda m: alg.receive(server, m, round_info(0, 0)))(stacked)  # the server decodes each upload
+    new = alg.server_update(server, received, jnp.array([1.0, 3.0]), round_info(0, None))
     base = server.loras["fc2"]
     (d0, u0), (d1, u1) = (u.nested["fc2"] for u in uploads)
     down = [np.float64(base.down) + np.float64(d.down) @ np.float64(d.up) for d in (d0, d1)]

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms.floral import Upload, floral, local_adaptor
 from jaxfed.cli import main
@@ -38,7 +38,9 @@ def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
     stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(n,) + a.shape), jnp.float32), server)
     pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
     weights = np.array([20.0, 50.0, 30.0])
-    new = alg.server_update(server, Upload(stacked.base, stacked.adaptors, pi), jnp.asarray(weights))
+    new = alg.server_update(
+        server, Upload(stacked.base, stacked.adaptors, pi), jnp.asarray(weights), round_info(0, None)
+    )
     p = weights / weights.sum()
     for got, rows in zip(jax.tree.leaves(new.base), jax.tree.leaves(stacked.base)):
         np.testing.assert_allclose(got, np.tensordot(p, np.asarray(rows, np.float64), axes=1), rtol=1e-5, atol=1e-6)
@@ -57,7 +59,9 @@ def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
     client = client._replace(router=jnp.array([0.5, -0.5, 2.0]))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    new_client, upload, _ = jax.jit(alg.client_update)(
+        alg.broadcast(server, round_info()), client, view, jax.random.key(2), round_info()
+    )
     assert set(upload._fields) == {"base", "adaptors", "mixture_weights"}
     router = np.asarray(new_client.router)
     assert not np.array_equal(router, [0.5, -0.5, 2.0])  # the router trained
@@ -67,7 +71,9 @@ def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
     if not stateful:  # a stateless client started from zero logits
         alg_from_zero = _floral(mlp, num_adaptors=3, adaptor_rank=4)
         zero = client._replace(router=jnp.zeros(3))
-        again, _, _ = jax.jit(alg_from_zero.client_update)(alg.broadcast(server, 0), zero, view, jax.random.key(2))
+        again, _, _ = jax.jit(alg_from_zero.client_update)(
+            alg.broadcast(server, round_info()), zero, view, jax.random.key(2), round_info()
+        )
         np.testing.assert_allclose(new_client.router, again.router, rtol=1e-6)
 
 
@@ -108,7 +114,9 @@ def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_f
     server, client = jax.jit(alg.init)(jax.random.key(0))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    new_client, upload, _ = jax.jit(alg.client_update)(
+        alg.broadcast(server, round_info()), client, view, jax.random.key(2), round_info()
+    )
     assert jax.tree.structure(upload) == jax.tree.structure(server.params)
     ups = [np.asarray(a["up"]) for a in new_client.adaptors["kernels"].values()]
     assert all(float(np.abs(u).max()) > 0 for u in ups)  # trained (they start at zero)
@@ -191,7 +199,9 @@ def test_mixture_floor_clamps_the_uploaded_and_the_evaluated_weights(mlp, digits
     client = client._replace(router=jnp.array([6.0, 0.0, -6.0]))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-    new_client, upload, _ = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))
+    new_client, upload, _ = jax.jit(alg.client_update)(
+        alg.broadcast(server, round_info()), client, view, jax.random.key(2), round_info()
+    )
     clamped = np.maximum(np.asarray(jax.nn.softmax(new_client.router), np.float64), 0.05)
     assert clamped.min() == 0.05  # the floor binds
     np.testing.assert_allclose(upload.mixture_weights, clamped, rtol=1e-6)
@@ -214,7 +224,9 @@ def test_conv_precondition_reaches_the_conv_adaptors(small_cnn, digits_federatio
         server = server._replace(  # nonzero up factors, so the conv Gram tensors are not zero
             adaptors=jax.tree.map(lambda a: a + 0.05, server.adaptors)
         )
-        uploads[form] = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(2))[1]
+        uploads[form] = jax.jit(alg.client_update)(
+            alg.broadcast(server, round_info()), client, view, jax.random.key(2), round_info()
+        )[1]
     plan = ad.adaptor_plan(jax.eval_shape(small_cnn.init, jax.random.key(0))["params"], 2, rank=2)
     kinds = {key: spec.kind for key, spec in plan.kernels.items()}
     assert "dense" in kinds.values() and set(kinds.values()) - {"dense"}

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import round_info
 
 from jaxfed import NonFiniteUpdateError
 from jaxfed.algorithms.fedavg import fedavg
@@ -41,11 +42,11 @@ def test_skip_drops_the_client_from_the_mean(mlp, digits_federation):
     key = sampling.round_key(sim.root, 0)
     ids = np.asarray(sampling.sample_clients(sim.root, key, fed.num_clients, fed.num_clients))
     rngs = sampling.client_keys(key, jnp.asarray(ids))
-    message = alg.broadcast(state.server, 0)
+    message = alg.broadcast(state.server, round_info(0, 0))
     one = jax.jit(alg.client_update)
     uploads, counts = [], []
     for i, k in enumerate(ids):
-        upload = one(message, ClientStats({}), _view(fed, k), rngs[i])[1]
+        upload = one(message, ClientStats({}), _view(fed, k), rngs[i], round_info())[1]
         finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(upload))
         assert finite == (k != bad)
         if finite:

@@ -170,6 +170,7 @@ def test_the_engine_hands_each_round_its_index_so_schedules_apply(mlp, digits_fe
 
 def test_clip_norm_bounds_each_local_step(mlp, digits_federation):
     """One full-batch step: the model moves by at most lr * clip_norm, and further without clipping."""
+    from jaxfed.contract import RoundInfo
     from jaxfed.data import ClientData
 
     data = digits_federation.train_data(jnp.array([0]))
@@ -178,7 +179,10 @@ def test_clip_norm_bounds_each_local_step(mlp, digits_federation):
     for clip in (0.0, 0.01):
         alg = fedavg(mlp, lr=0.5, local_epochs=1, batch_size=512, clip_norm=clip)
         server, client = alg.init(jax.random.key(0))
-        _, params, metrics = jax.jit(alg.client_update)(alg.broadcast(server, 0), client, view, jax.random.key(1))
+        info = RoundInfo(round=jnp.int32(0), tier=0)
+        _, params, metrics = jax.jit(alg.client_update)(
+            alg.broadcast(server, info), client, view, jax.random.key(1), info
+        )
         assert float(metrics["steps"]) == 1
         diffs = jax.tree.leaves(jax.tree.map(lambda a, b: np.float64(a) - np.float64(b), params, server.params))
         moved[clip] = np.sqrt(sum(np.sum(d**2) for d in diffs))

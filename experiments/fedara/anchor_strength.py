@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.algorithms import RoundInfo
 from jaxfed.algorithms.fedara import anchor_drift, class_anchors, fedara
 from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import lowrank
@@ -55,9 +56,10 @@ def main(argv=None):
     for k in (int(v) for v in args.clients.split(",")):
         tier = k * num_tiers // sim.num_clients
         data = sim.data.train_data(jnp.array([k]))
-        data = ClientData(data.x, data.y, data.indices[0], data.count[0], round=state.round)
+        data = ClientData(data.x, data.y, data.indices[0], data.count[0])
+        info = RoundInfo(round=state.round, tier=tier)  # the next round, for this client's tier
         client = jax.tree.map(lambda a, k=k: a[k], state.clients)
-        message = alg.broadcast(state.server, tier)
+        message = alg.broadcast(state.server, info)
         positions = np.asarray(data.indices)[: int(data.count)]
         x, y = jnp.asarray(np.asarray(data.x)[positions]), jnp.asarray(np.asarray(data.y)[positions])
         with factorized_execution():
@@ -72,7 +74,7 @@ def main(argv=None):
             f"truncated vs full FE {float(jnp.mean((before - full) ** 2)):.3g}, cos {float(jnp.mean(cosine)):.4f}"
         )
         for lam in lambdas:
-            new_client, upload, metrics = updates[lam](message, client, data, jax.random.key(1))
+            new_client, upload, metrics = updates[lam](message, client, data, jax.random.key(1), info)
             after, logits = features_of(model, upload, new_client.head, x)
             print(
                 f"  lambda {lam:g} (lambda_t {float(metrics['lambda']):g}): "

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.algorithms import RoundInfo
 from jaxfed.algorithms.fedcspack import score_and_select
 from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import packs as pk
@@ -35,15 +36,16 @@ def main(argv=None):
     sim = build(config).simulation
     state, _ = sim.run_rounds(sim.init(), config.rounds)
     alg, options = sim.algorithm, config.options
-    message = alg.broadcast(state.server, 0)
+    info = RoundInfo(round=state.round, tier=0)  # the next round
+    message = alg.broadcast(state.server, info)
     view = pk.pack_view(message.params, options.pack_size)
     update = jax.jit(alg.client_update)
     betas, thetas = [], []
     for k in range(sim.num_clients):
         data = sim.data.train_data(jnp.array([k]))
         client = jax.tree.map(lambda a, k=k: a[k], state.clients)
-        view_k = ClientData(data.x, data.y, data.indices[0], data.count[0], round=state.round)
-        new_client, upload, _ = update(message, client, view_k, jax.random.key(k))
+        view_k = ClientData(data.x, data.y, data.indices[0], data.count[0])
+        new_client, upload, _ = update(message, client, view_k, jax.random.key(k), info)
         local, global_ = view.to_packs(new_client.params), view.to_packs(message.params)
         indices, sent, _ = score_and_select(local, global_, view.num_packs, options.weight)
         chosen = np.asarray(indices)[np.asarray(sent)]

@@ -7,6 +7,6 @@ first time; ``jaxfed.register`` adds one from research code. Every constructor h
 """
 
 from jaxfed.algorithms.registry import get, names, register
-from jaxfed.contract import FederatedAlgorithm
+from jaxfed.contract import FederatedAlgorithm, RoundInfo
 
-__all__ = ["FederatedAlgorithm", "get", "names", "register"]
+__all__ = ["FederatedAlgorithm", "RoundInfo", "get", "names", "register"]

@@ -20,7 +20,6 @@ from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_or
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import per_key, train_routed
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import tree_select
 from jaxfed.core.routing import mixture_average, oracle_init
 from jaxfed.nn import split_variables
 from jaxfed.nn.models import Mixture
@@ -57,8 +56,8 @@ def ensemble(
         members, member_state = split_variables(jax.vmap(model.init)(jax.random.split(rng, num_members)))
         return ServerState(members), RoutedClient(jnp.zeros((num_members,), jnp.float32), member_state)
 
-    def client_update(message, client_state, data, rng):
-        transforms = {"members": options.optimizer(data.round)}  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        transforms = {"members": options.optimizer(info.round)}  # this round's learning rate
         if learned:
             transforms["router"] = sgd(options.router_lr)
         optimizer = per_key(transforms)
@@ -81,9 +80,8 @@ def ensemble(
         )
         return RoutedClient(new_logits, model_state), Upload(members["members"], pi), metrics
 
-    def server_update(server_state, messages, weights):
-        members = mixture_average(messages.members, messages.mixture_weights, weights, server_state.members)
-        return tree_select(jnp.sum(weights) > 0, ServerState(members), server_state)
+    def server_update(server_state, messages, weights, info):
+        return ServerState(mixture_average(messages.members, messages.mixture_weights, weights, server_state.members))
 
     def eval_params(server_state, client_state):
         pi = options.mixture(client_state.router)
@@ -92,7 +90,7 @@ def ensemble(
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=lambda server_state, tier=0: server_state,
+        broadcast=lambda server_state, info: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,

@@ -31,11 +31,11 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.fedhm import TieredOptions, average_received, reconstruct_upload, tier_ranks
+from jaxfed.algorithms.fedhm import TieredOptions, reconstruct_upload, tier_ranks
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import TrainState, gradient_step, run_epochs
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank
+from jaxfed.core import lowrank, weighted_mean
 from jaxfed.core.losses import masked_loss
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
@@ -109,13 +109,10 @@ class FedARAOptions(TieredOptions):
 
 class ServerState(NamedTuple):
     fe: Any  # the feature extractor's parameters (every layer but the head)
-    round: jax.Array  # rounds completed
 
 
 class Broadcast(NamedTuple):
     fe: Any  # the extractor with the tier's Q_k factorized to its rank
-    round: jax.Array  # the 1-based round being run
-    tier: jax.Array  # the receiving tier (selects its Q_k for the Frobenius term)
     anchor_fe: Any = None  # with anchor_model=global, the full-rank global FE the anchors come from
 
 
@@ -252,21 +249,20 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         extractor, head_params = lowrank.pop_layer(params, head)
-        return ServerState(extractor, jnp.int32(0)), ClientState(head_params, model_state)
+        return ServerState(extractor), ClientState(head_params, model_state)
 
-    def broadcast(server_state, tier):
-        fe = lowrank.factorize_layers(server_state.fe, ranks[tier])
-        anchor_fe = server_state.fe if options.anchor_model == "global" else None
-        return Broadcast(fe, server_state.round + 1, jnp.int32(tier), anchor_fe)
+    def broadcast(server_state, info):
+        fe = lowrank.factorize_layers(server_state.fe, ranks[info.tier])
+        return Broadcast(fe, server_state.fe if options.anchor_model == "global" else None)
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         anchor_fe = message.fe if message.anchor_fe is None else message.anchor_fe
         frozen = {"params": lowrank.replace_layer(anchor_fe, head, client_state.head), **client_state.model_state}
         with factorized_execution():
             anchors, _ = class_anchors(model, head, frozen, data, options.batch_size)
-            lam_t = lambda_at(message.round, options.lambda_, options.lambda_warmup_rounds)
-            in_tier = membership[message.tier]
+            lam_t = lambda_at(info.round + 1, options.lambda_, options.lambda_warmup_rounds)  # 1-based round
+            in_tier = membership[info.tier]  # the client's tier's Q_k, for the Frobenius term
             loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed, in_tier)
             trainable = {"fe": message.fe, "head": client_state.head}
             state = TrainState(trainable, optimizer.init(trainable), client_state.model_state)
@@ -274,12 +270,12 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         new_client = ClientState(state.params["head"], state.model_state)
         return new_client, state.params["fe"], {**metrics, "lambda": lam_t}
 
-    def server_update(server_state, messages, weights):
-        return ServerState(average_received(server_state.fe, messages, weights), server_state.round + 1)
+    def server_update(server_state, messages, weights, info):
+        return ServerState(weighted_mean(messages, weights))  # the full-kernel uploads, by sample count
 
-    def eval_server(server_state, tier):
+    def eval_server(server_state, info):
         """The global FE truncated to the tier's rank (as the tier's clients run it), once per tier."""
-        truncated = lowrank.reconstruct_layers(lowrank.factorize_layers(server_state.fe, ranks[tier]))
+        truncated = lowrank.reconstruct_layers(lowrank.factorize_layers(server_state.fe, ranks[info.tier]))
         return server_state._replace(fe=truncated)
 
     def eval_params(server_view, client_state):

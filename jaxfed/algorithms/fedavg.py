@@ -21,7 +21,7 @@ from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import tree_select, weighted_mean
+from jaxfed.core import weighted_mean
 from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
 
@@ -75,11 +75,11 @@ def fedavg(
         opt_state = server_optimizer.init(params) if server_optimizer else ()
         return ServerState(params, opt_state), ClientStats(model_state)
 
-    def broadcast(server_state, tier=0):
+    def broadcast(server_state, info):
         return server_state.params
 
-    def client_update(global_params, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(global_params, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         regularizer = None if penalty is None else (lambda p: penalty(p, global_params))
         variables, metrics = train_classifier(
             model,
@@ -93,20 +93,14 @@ def fedavg(
         params, model_state = split_variables(variables)
         return ClientStats(model_state), params, metrics
 
-    def server_update(server_state, messages, weights):
+    def server_update(server_state, messages, weights, info):
         params = server_state.params
         average = weighted_mean(messages, weights)
         if server_optimizer is None:
-            new_params, opt_state = average, server_state.opt_state
-        else:
-            pseudo_grad = jax.tree.map(jnp.subtract, params, average)
-            updates, opt_state = server_optimizer.update(pseudo_grad, server_state.opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-        received = jnp.sum(weights) > 0
-        return ServerState(
-            params=tree_select(received, new_params, params),
-            opt_state=tree_select(received, opt_state, server_state.opt_state),
-        )
+            return ServerState(average, server_state.opt_state)
+        pseudo_grad = jax.tree.map(jnp.subtract, params, average)
+        updates, opt_state = server_optimizer.update(pseudo_grad, server_state.opt_state, params)
+        return ServerState(optax.apply_updates(params, updates), opt_state)
 
     def eval_params(server_state, client_state):
         return {"params": server_state.params, **client_state.model_state}

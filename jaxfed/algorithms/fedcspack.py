@@ -76,14 +76,13 @@ class FedCSPACKOptions(TrainingOptions):
 class ServerState(NamedTuple):
     params: Any  # the global model
     mask: jax.Array  # [packs]: the global mask M, the summed weights of the last round's senders
-    updated: jax.Array  # [packs] int32: the round count after the last round that moved each pack (0: never)
-    round: jax.Array  # rounds completed
+    updated: jax.Array  # [packs] int32: 1 + the index of the last round that moved each pack (0: never)
 
 
 class ClientState(NamedTuple):
     params: Any  # the client's own model (its unshared packs are personal)
     model_state: Any  # non-trainable collections (BatchNorm statistics), {} when none
-    last_seen: jax.Array  # int32: rounds completed when it last participated (-1: never)
+    last_seen: jax.Array  # int32: the index of the last round it participated in (-1: never)
 
 
 class Upload(NamedTuple):
@@ -143,7 +142,7 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         packs = view.num_packs
-        server = ServerState(params, jnp.ones((packs,), jnp.float32), jnp.zeros((packs,), jnp.int32), jnp.int32(0))
+        server = ServerState(params, jnp.ones((packs,), jnp.float32), jnp.zeros((packs,), jnp.int32))
         return server, ClientState(params, model_state, jnp.int32(-1))
 
     def personalized_params(server_state, client_state):
@@ -152,8 +151,8 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         merged = merge_packs(view.to_packs(client_state.params), view.to_packs(server_state.params), take, merge)
         return view.to_tree(merged)
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         start = personalized_params(message, client_state)
         params, model_state, metrics = train_parameters(
             model,
@@ -169,16 +168,15 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         deltas = jnp.where(sent[:, None], local_packs[indices] - global_packs[indices], 0.0)
         upload = Upload(indices, sent, deltas, weights)
         metrics = {**metrics, "packs_sent": jnp.sum(sent).astype(jnp.float32)}
-        return ClientState(params, model_state, message.round), upload, metrics
+        return ClientState(params, model_state, info.round), upload, metrics
 
-    def server_update(server_state, messages, weights):
+    def server_update(server_state, messages, weights, info):
         participating = (weights > 0)[:, None]  # padding and skipped clients send nothing
         pack_weights = jnp.where(participating & messages.sent, messages.weights, 0.0)
         global_packs = view.to_packs(server_state.params)
         new_packs, mask = pk.aggregate_packs(global_packs, messages.indices, messages.deltas, pack_weights)
-        round_ = server_state.round + 1
-        updated = jnp.where(mask > 0, round_, server_state.updated)
-        return ServerState(view.to_tree(new_packs), mask, updated, round_)
+        updated = jnp.where(mask > 0, info.round + 1, server_state.updated)  # > the last_seen of this round
+        return ServerState(view.to_tree(new_packs), mask, updated)
 
     def eval_params(server_state, client_state):
         return {"params": personalized_params(server_state, client_state), **client_state.model_state}
@@ -192,7 +190,7 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=lambda server_state, tier=0: server_state,
+        broadcast=lambda server_state, info: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank, tree_select, weighted_mean
+from jaxfed.core import lowrank, uniform_mean, weighted_mean
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import no_adaptable_layers
@@ -228,8 +228,8 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
             drop_last=options.drop_last,
         )
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         sigma, tau, model_state = message.params, client_state.tau, statistics(message, client_state)
         # The sigma phase shuffles with ``rng`` itself, as FedAvg does: lora_epochs=0 is FedAvg.
         tau_rng = jax.random.fold_in(rng, 1)
@@ -256,11 +256,10 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
             return ClientState(tau, {}), SharedModel(sigma, model_state), metrics
         return ClientState(tau, model_state), SharedModel(sigma, {}), metrics
 
-    def server_update(server_state, messages, weights):
-        if aggregation == "uniform":
-            weights = (weights > 0).astype(jnp.float32)  # padding and skipped clients keep weight 0
-        average = weighted_mean(messages, weights)
-        return tree_select(jnp.sum(weights) > 0, average, server_state)
+    def server_update(server_state, messages, weights, info):
+        if aggregation == "uniform":  # each kept client once; padding and skipped rows weigh 0
+            return uniform_mean(messages, weights)
+        return weighted_mean(messages, weights)
 
     def eval_params(server_state, client_state):
         tau = client_state.tau
@@ -272,7 +271,7 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=lambda server_state, tier=0: server_state,
+        broadcast=lambda server_state, info: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,

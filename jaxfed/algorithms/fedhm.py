@@ -21,7 +21,7 @@ from jaxfed.algorithms.records import ClientStats, GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank, tree_select, weighted_mean
+from jaxfed.core import lowrank, weighted_mean
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import choose_layers
@@ -104,15 +104,9 @@ def tier_ranks(template, layers_per_tier, tiers, rank_rule: str = "min_dim") -> 
     return ranks
 
 
-def reconstruct_upload(server_state, message, tier):
+def reconstruct_upload(server_state, message, info):
     """``receive`` of FedHM and FedARA: a tier's factorized upload as full kernels."""
     return lowrank.reconstruct_layers(message)
-
-
-def average_received(previous, messages, weights):
-    """The sample-weighted mean of the received (full-kernel) uploads; ``previous`` when nobody
-    contributed: FedHM's and FedARA's server step."""
-    return tree_select(weights.sum() > 0, weighted_mean(messages, weights), previous)
 
 
 def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **overrides) -> FederatedAlgorithm:
@@ -126,11 +120,11 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         params, model_state = split_variables(model.init(rng))
         return GlobalParams(params), ClientStats(model_state)
 
-    def broadcast(server_state, tier):
-        return lowrank.factorize_layers(server_state.params, ranks[tier])
+    def broadcast(server_state, info):
+        return lowrank.factorize_layers(server_state.params, ranks[info.tier])
 
-    def client_update(factorized, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(factorized, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         with factorized_execution():
             variables, metrics = train_classifier(
                 model,
@@ -143,8 +137,8 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         trained, model_state = split_variables(variables)
         return ClientStats(model_state), trained, metrics
 
-    def server_update(server_state, messages, weights):
-        return GlobalParams(average_received(server_state.params, messages, weights))
+    def server_update(server_state, messages, weights, info):
+        return GlobalParams(weighted_mean(messages, weights))  # the full-kernel uploads, by sample count
 
     def eval_params(server_state, client_state):
         return {"params": server_state.params, **client_state.model_state}

@@ -186,7 +186,6 @@ class ServerState(NamedTuple):
     params: Any  # W: the global model (adapted kernels frozen during a round)
     loras: Any  # {layer: LoRA}: the global factors (down, up)
     merged: Any  # {layer: LoRA}: what W already holds of the factors (zeros with reinit)
-    round: jax.Array  # rounds completed
     key_data: jax.Array  # raw PRNG bits (checkpointable), folded with the round for re-initialization
 
 
@@ -214,7 +213,8 @@ NO_W = -1  # a client's w_round before its first download
 
 
 class LowRankClient(NamedTuple):
-    """A FedLoRU-family client: model statistics and the round whose W it holds (``NO_W``: none)."""
+    """A FedLoRU-family client: model statistics and the round whose W it holds (the index of the
+    round it last received W in; ``NO_W``: none)."""
 
     model_state: Any
     w_round: jax.Array
@@ -229,41 +229,36 @@ class PersonalClient(NamedTuple):
 
 
 def _broadcaster(options):
-    """``broadcast(server_state, tier)`` of the family: ``merged`` travels only when it can be
+    """``broadcast(server_state, info)`` of the family: ``merged`` travels only when it can be
     non-zero (accumulation without ``reinit``, the 'momentum' init)."""
     accumulate_every, reinit = _accumulation(options)
     sends_merged = bool(accumulate_every) and not reinit
 
-    def broadcast(server_state, tier=0) -> Broadcast:
+    def broadcast(server_state, info) -> Broadcast:
         return Broadcast(server_state.params, server_state.loras, server_state.merged if sends_merged else None)
 
     return broadcast
 
 
 def _download_counter(adapted: _Adapted, options):
-    """``download_bytes(message, client_state, round_)``: the broadcast without the frozen kernels
-    W, plus what brings the client's W (from round ``client_state.w_round``) up to this round's:
+    """``download_bytes(message, client_state, info)``: the broadcast without the frozen kernels
+    W, plus what brings the client's W (from round ``client_state.w_round``) up to round ``info.round``'s:
     all of W on a first download, else ``min(W, missed accumulations x rank-r factors)`` (with
     ``reinit``; without it ``merged`` in the broadcast already carries the change)."""
     accumulate_every, reinit = _accumulation(options)
 
-    def download_bytes(message: Broadcast, client_state, round_):
+    def download_bytes(message: Broadcast, client_state, info):
         frozen = tree_bytes(adapted.split(message.params)[1])
         held = client_state.w_round
         refresh = jnp.float32(0.0)
         if accumulate_every and reinit:
-            missed = round_ // accumulate_every - held // accumulate_every  # accumulations since round w_round
+            # the accumulations since W of round w_round: those with rounds completed in (w_round, info.round]
+            missed = info.round // accumulate_every - held // accumulate_every
             refresh = jnp.minimum(frozen, missed.astype(jnp.float32) * tree_bytes(message.loras))
         refresh = jnp.where(held == NO_W, jnp.float32(frozen), refresh)
         return tree_bytes(message) - frozen + refresh
 
     return download_bytes
-
-
-def _w_round(client_state, data) -> jax.Array:
-    """The round whose W a client holds after this update: this one (kept as is where the caller
-    gives no round)."""
-    return jnp.asarray(client_state.w_round if data.round is None else data.round, jnp.int32)
 
 
 def _upload(trained: dict) -> Upload:
@@ -296,31 +291,30 @@ def _server_init(model, adapted: _Adapted, init: str = "lora"):
         loras = adapted.fresh(lora_rng)
         if init == "authors":
             params, loras = pure_low_rank_start(jax.random.fold_in(lora_rng, 1), params, loras)
-        server = ServerState(params, loras, _zeros_like(loras), jnp.int32(0), jax.random.key_data(server_rng))
+        server = ServerState(params, loras, _zeros_like(loras), jax.random.key_data(server_rng))
         return server, LowRankClient(model_state, jnp.int32(NO_W))
 
     return init_fn
 
 
 def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
-    """``update(server_state, free, loras, weights)``: FedLoRU's server step from the stacked
-    uploads of the full parameters and the (rank-r) factors: separate weighted means, then
-    accumulation every ``accumulate_every`` rounds."""
+    """``server_update(server_state, messages, weights, info)``: FedLoRU's server step from the
+    stacked uploads of the full parameters and the (rank-r) factors: separate weighted means, then
+    accumulation after every ``accumulate_every``-th round (rounds completed a multiple of it)."""
 
-    def update(server_state, free, loras, weights):
-        params = lowrank.merge_kernels(weighted_mean(free, weights), adapted.split(server_state.params)[1])
-        loras, merged = weighted_mean(loras, weights), server_state.merged
-        round_ = server_state.round + 1
+    def update(server_state, messages, weights, info):
+        params = lowrank.merge_kernels(weighted_mean(messages.free, weights), adapted.split(server_state.params)[1])
+        loras, merged = weighted_mean(messages.loras, weights), server_state.merged
         if accumulate_every:
-            lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), round_)
+            completed = info.round + 1  # the rounds completed after this one
+            lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), completed)
             accumulated = adapted.effective(params, loras, merged)
             restarted = adapted.fresh(lora_rng) if reinit else loras
-            now = round_ % accumulate_every == 0
+            now = completed % accumulate_every == 0
             params = tree_select(now, accumulated, params)
             merged = tree_select(now, _zeros_like(loras) if reinit else loras, merged)
             loras = tree_select(now, restarted, loras)
-        new = server_state._replace(params=params, loras=loras, merged=merged, round=round_)
-        return tree_select(jnp.sum(weights) > 0, new, server_state)
+        return server_state._replace(params=params, loras=loras, merged=merged)
 
     return update
 
@@ -345,8 +339,8 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     global_params = _global_model(adapted)
     aggregate = _aggregate(adapted, *_accumulation(options))
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         free, frozen = adapted.split(message.params)
 
         def to_params(t):
@@ -363,16 +357,14 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
             to_params=to_params,
             **options.batching(),
         )
-        return LowRankClient(model_state, _w_round(client_state, data)), _upload(trained), metrics
+        return LowRankClient(model_state, info.round), _upload(trained), metrics
 
     return FederatedAlgorithm(
         name=name,
         init=_server_init(model, adapted, options.init),
         broadcast=_broadcaster(options),
         client_update=client_update,
-        server_update=lambda server_state, messages, weights: aggregate(
-            server_state, messages.free, messages.loras, weights
-        ),
+        server_update=aggregate,
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,
@@ -406,8 +398,8 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
         server, client = server_init(server_rng)
         return server, PersonalClient(client.model_state, personal.fresh(personal_rng), client.w_round)
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         personal_rng, global_rng = jax.random.split(rng)
         free, frozen = adapted.split(message.params)
 
@@ -438,7 +430,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
             **batching,
         )
         metrics = {**metrics, "steps": metrics["steps"] + personal_metrics["steps"]}
-        return PersonalClient(model_state, personal_pair, _w_round(client_state, data)), _upload(trained), metrics
+        return PersonalClient(model_state, personal_pair, info.round), _upload(trained), metrics
 
     def eval_params(server_state, client_state):
         shared = global_params(server_state)["params"]
@@ -450,9 +442,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
         init=init,
         broadcast=_broadcaster(options),
         client_update=client_update,
-        server_update=lambda server_state, messages, weights: aggregate(
-            server_state, messages.free, messages.loras, weights
-        ),
+        server_update=aggregate,
         eval_params=eval_params,
         global_params=None if adapted.has_private_stats else global_params,
         download_bytes=_download_counter(adapted, options),
@@ -502,16 +492,16 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
 
     shared_message = _broadcaster(options)
 
-    def broadcast(server_state, tier):
-        message = shared_message(server_state)
-        if tier_ranks[tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
+    def broadcast(server_state, info):
+        message = shared_message(server_state, info)
+        if tier_ranks[info.tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
             return message
         # The nested pairs' start (a real deployment would send its seed; counted as sent here).
-        rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), server_state.round)
-        return message._replace(nested=nested_start(jax.random.fold_in(rng, tier + 1), tier_ranks[tier]))
+        rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), info.round)
+        return message._replace(nested=nested_start(jax.random.fold_in(rng, info.tier + 1), tier_ranks[info.tier]))
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         free, frozen = adapted.split(message.params)
         nested = message.nested is not None
         key = "nested" if nested else "loras"
@@ -530,23 +520,20 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
             to_params=to_params,
             **options.batching(),
         )
-        return LowRankClient(model_state, _w_round(client_state, data)), _upload(trained), metrics
+        return LowRankClient(model_state, info.round), _upload(trained), metrics
 
-    def receive(server_state, message, tier):
+    def receive(server_state, message, info):
         """A client's upload as its rank-r factors ``(down + D1 D2, up + U1 U2)``."""
         if message.nested is None:
             return message
         return Upload(free=message.free, loras=with_nested(server_state.loras, message.nested))
-
-    def server_update(server_state, messages, weights):
-        return aggregate(server_state, messages.free, messages.loras, weights)
 
     return FederatedAlgorithm(
         name="mfedloru",
         init=_server_init(model, adapted, options.init),
         broadcast=broadcast,
         client_update=client_update,
-        server_update=server_update,
+        server_update=aggregate,
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,

@@ -32,7 +32,7 @@ from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import per_key, train_parameters, train_routed
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import adaptors as ad
-from jaxfed.core import tree_select, weighted_mean
+from jaxfed.core import weighted_mean
 from jaxfed.core.routing import ROUTERS, check_router, mixture_average, mixture_weights, oracle_init
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
@@ -222,9 +222,9 @@ def floral(
         server = ServerState(params, ad.init_adaptors(adaptor_rng, template, plan))
         return server, RoutedClient(jnp.zeros((num_adaptors,), jnp.float32), model_state)
 
-    def client_update(message, client_state, data, rng):
+    def client_update(message, client_state, data, rng, info):
         router_lr = options.router_lr if learned else None
-        optimizer = _local_optimizer(plan, options, data.round, router_lr)
+        optimizer = _local_optimizer(plan, options, info.round, router_lr)
         router_logits = client_state.router
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
@@ -244,12 +244,11 @@ def floral(
         )
         return RoutedClient(new_logits, model_state), Upload(trained["base"], trained["adaptors"], pi), metrics
 
-    def server_update(server_state, messages, weights):
-        new = ServerState(
+    def server_update(server_state, messages, weights, info):
+        return ServerState(
             base=weighted_mean(messages.base, weights),
             adaptors=mixture_average(messages.adaptors, messages.mixture_weights, weights, server_state.adaptors),
         )
-        return tree_select(jnp.sum(weights) > 0, new, server_state)
 
     def eval_params(server_state, client_state):
         pi = options.mixture(client_state.router)
@@ -261,7 +260,7 @@ def floral(
     return FederatedAlgorithm(
         name=name,
         init=init,
-        broadcast=lambda server_state, tier=0: server_state,
+        broadcast=lambda server_state, info: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,
@@ -281,8 +280,8 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         params, model_state = split_variables(model.init(base_rng))
         return GlobalParams(params), AdaptorClient(ad.init_adaptors(adaptor_rng, template, plan), model_state)
 
-    def client_update(message, client_state, data, rng):
-        optimizer = _local_optimizer(plan, options, data.round)
+    def client_update(message, client_state, data, rng, info):
+        optimizer = _local_optimizer(plan, options, info.round)
         trainable = {"base": message.params, "adaptors": client_state.adaptors}
         trained, model_state, metrics = train_parameters(
             model,
@@ -296,8 +295,8 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         )
         return AdaptorClient(trained["adaptors"], model_state), trained["base"], metrics
 
-    def server_update(server_state, messages, weights):
-        return GlobalParams(tree_select(jnp.sum(weights) > 0, weighted_mean(messages, weights), server_state.params))
+    def server_update(server_state, messages, weights, info):
+        return GlobalParams(weighted_mean(messages, weights))
 
     def eval_params(server_state, client_state):
         return {
@@ -308,7 +307,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
     return FederatedAlgorithm(
         name="local_adaptor",
         init=init,
-        broadcast=lambda server_state, tier=0: server_state,
+        broadcast=lambda server_state, info: server_state,
         client_update=client_update,
         server_update=server_update,
         eval_params=eval_params,

@@ -30,21 +30,29 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
     def init(rng):
         return (), ClientState(model.init(rng))
 
-    def broadcast(server_state, tier=0):
+    def broadcast(server_state, info):
         return ()
 
-    def client_update(message, client_state, data, rng):
-        optimizer = options.optimizer(data.round)  # this round's learning rate
+    def client_update(message, client_state, data, rng, info):
+        optimizer = options.optimizer(info.round)  # this round's learning rate
         variables, metrics = train_classifier(model, optimizer, client_state.variables, data, rng, **options.batching())
         return ClientState(variables), (), metrics
 
-    def server_update(server_state, messages, weights):
+    def server_update(server_state, messages, weights, info):
         return server_state
 
     def eval_params(server_state, client_state):
         return client_state.variables
 
-    return FederatedAlgorithm("local", init, broadcast, client_update, server_update, eval_params, None)
+    return FederatedAlgorithm(
+        name="local",
+        init=init,
+        broadcast=broadcast,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=eval_params,
+        global_params=None,  # every client's model is its own
+    )
 
 
 builtin("local", LocalOptions, lambda model, options, config: local(model, options))

@@ -10,6 +10,7 @@ from jaxfed.core.tree import (
     stack_clients,
     tree_bytes,
     tree_select,
+    uniform_mean,
     weighted_mean,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "stack_clients",
     "tree_bytes",
     "tree_select",
+    "uniform_mean",
     "weighted_mean",
 ]

@@ -31,7 +31,7 @@ def weighted_mean(stacked, weights):
     """``sum_k w_k x_k / sum_k w_k`` over the client axis of every leaf.
 
     Weights need not be normalized; a zero weight removes a client. With all weights zero the
-    result is zero (callers that can receive no client keep their previous value themselves).
+    result is zero (the engine keeps the previous server state in a round where every weight is 0).
     """
     weights = jnp.asarray(weights, jnp.float32)
     total = jnp.sum(weights)
@@ -41,6 +41,13 @@ def weighted_mean(stacked, weights):
         return jnp.tensordot(scale.astype(x.dtype), x, axes=(0, 0))
 
     return jax.tree.map(reduce, stacked)
+
+
+def uniform_mean(stacked, weights):
+    """The plain mean over the client axis of the rows that carry weight (``weights > 0``): every
+    kept client counts once, whatever its weight; padding and skipped rows (weight 0) drop out.
+    With no such row the result is zero, like :func:`weighted_mean`'s."""
+    return weighted_mean(stacked, (jnp.asarray(weights) > 0).astype(jnp.float32))
 
 
 def masked_weighted_mean(previous, stacked, masks, weights):
@@ -70,7 +77,7 @@ def concat_clients(stacks):
     rows = [jax.tree.map(lambda x: x.shape[1:], stack) for stack in stacks]
     if any(jax.tree.structure(r) != jax.tree.structure(rows[0]) or r != rows[0] for r in rows[1:]):
         raise ValueError(
-            "the stacks' rows differ in shape; a tiered algorithm needs a receive(server_state, message, tier) "
+            "the stacks' rows differ in shape; a tiered algorithm needs a receive(server_state, message, info) "
             "that decodes every tier's upload to one shape"
         )
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *stacks)

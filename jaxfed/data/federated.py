@@ -32,7 +32,6 @@ class ClientData:
     y: jax.Array
     indices: jax.Array  # [max_examples] int32, padded
     count: jax.Array  # scalar int32
-    round: jax.Array | None = None  # the 0-based index of the round being run (set by the engine)
 
     def batch(self, positions) -> Batch:
         """Examples at ``positions`` of this client's list; positions >= count are padding."""
@@ -43,7 +42,7 @@ class ClientData:
     @staticmethod
     def vmap_axes():
         """``in_axes`` for vmapping a stacked ClientData: index tables per client, arrays shared."""
-        return ClientData(x=None, y=None, indices=0, count=0, round=None)
+        return ClientData(x=None, y=None, indices=0, count=0)
 
 
 @struct.dataclass

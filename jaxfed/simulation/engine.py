@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxfed.contract import FederatedAlgorithm
+from jaxfed.contract import FederatedAlgorithm, RoundInfo
 from jaxfed.core import (
     concat_clients,
     finite_rows,
@@ -314,12 +314,13 @@ class Simulation:
         alg = self.algorithm
         ids = ids[self._run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
         client_data = data.train_data(ids)
-        message_down = alg.broadcast(state.server, tier)
+        info = RoundInfo(round=state.round, tier=tier)  # the round's one home is the engine's state
+        message_down = alg.broadcast(state.server, info)
 
         def update(shared, args):
-            message_down, x, y, round_ = shared
+            message_down, x, y, info = shared
             client_state, indices, count, rng = args
-            return alg.client_update(message_down, client_state, ClientData(x, y, indices, count, round_), rng)
+            return alg.client_update(message_down, client_state, ClientData(x, y, indices, count), rng, info)
 
         per_client = (
             gather_clients(state.clients, ids),
@@ -327,28 +328,29 @@ class Simulation:
             client_data.count,
             sampling.client_keys(key, ids),
         )
-        shared = (message_down, client_data.x, client_data.y, state.round)
+        shared = (message_down, client_data.x, client_data.y, info)
         new_states, messages_up, client_metrics = self._map_clients(update, shared, per_client)
         is_real = ids < self.num_clients
         updated = (new_states, messages_up, client_metrics)
         bad = is_real & ~finite_rows(updated, len(ids))
-        down_bytes = self._download_bytes(message_down, per_client[0], state.round, len(ids))
+        down_bytes = self._download_bytes(message_down, per_client[0], info, len(ids))
         return _Group(tier, ids, is_real, client_data.count, message_down, *updated, bad, down_bytes)
 
-    def _download_bytes(self, message_down, client_states, round_, count: int) -> jax.Array:
+    def _download_bytes(self, message_down, client_states, info: RoundInfo, count: int) -> jax.Array:
         """``[clients]``: the bytes each of ``count`` clients must download when it keeps what it
         received in earlier rounds (``download_bytes``; default: all of ``message_down``)."""
         if self.algorithm.download_bytes is None:
             return jnp.full(count, float(tree_bytes(message_down)), jnp.float32)
         per_client = jax.vmap(self.algorithm.download_bytes, in_axes=(None, 0, None))
-        return per_client(message_down, client_states, round_).astype(jnp.float32)
+        return per_client(message_down, client_states, info).astype(jnp.float32)
 
-    def _received(self, server, group: _Group):
+    def _received(self, server, group: _Group, round_):
         """The group's uploads as the server decodes them (``receive``, per client), in the shape
         every tier shares."""
         if self.algorithm.receive is None:
             return group.messages_up
-        return jax.vmap(lambda message: self.algorithm.receive(server, message, group.tier))(group.messages_up)
+        info = RoundInfo(round=round_, tier=group.tier)
+        return jax.vmap(lambda message: self.algorithm.receive(server, message, info))(group.messages_up)
 
     def _client_bytes(self, group: _Group) -> jax.Array:
         """``[clients]``: the bytes each client of ``group`` uploads."""
@@ -371,8 +373,9 @@ class Simulation:
             groups = [g._replace(kept=jnp.broadcast_to(round_ok, g.bad.shape)) for g in groups]
 
         weights = [jnp.where(g.is_real & g.kept, g.count, 0).astype(jnp.float32) for g in groups]
-        messages = concat_clients([self._received(state.server, g) for g in groups])
-        server = self.algorithm.server_update(state.server, messages, jnp.concatenate(weights))
+        messages = concat_clients([self._received(state.server, g, state.round) for g in groups])
+        info = RoundInfo(round=state.round, tier=None)  # server_update aggregates every tier
+        server = self.algorithm.server_update(state.server, messages, jnp.concatenate(weights), info)
         any_weight = jnp.any(jnp.concatenate(weights) > 0)
         server = tree_select(round_ok & any_weight, server, state.server)
         clients = state.clients
@@ -453,7 +456,10 @@ class Simulation:
         if alg.eval_server is None:
             correct, loss, count = evaluate_block(state.server, 0, self.num_clients)
         else:  # each tier's clients against that tier's view of the server, computed once
-            blocks = [evaluate_block(alg.eval_server(state.server, t), lo, hi) for t, (lo, hi) in enumerate(self.tiers)]
+            blocks = [
+                evaluate_block(alg.eval_server(state.server, RoundInfo(round=state.round, tier=t)), lo, hi)
+                for t, (lo, hi) in enumerate(self.tiers)
+            ]
             correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
         metrics = personalized_metrics(correct, loss, count, regression)
         if alg.global_params is not None:
