@@ -4,7 +4,7 @@
 
 Each point is ``jaxfed bench WORKLOAD --baseline none`` in a fresh process with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the device count is fixed when JAX starts).
-The sampled clients are dealt to the devices by size (``Simulation._map_clients``); each device
+The sampled clients are dealt to the devices by size (``ClientStrategy.map_clients``); each device
 runs its share with the default strategy. Prints a markdown table.
 """
 

@@ -10,7 +10,7 @@ from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.data import ClientData
-from jaxfed.simulation import Simulation, sampling
+from jaxfed.simulation import ClientStrategy, Simulation, sampling
 
 
 def _client_view(fed, k, pad_to=None):
@@ -238,3 +238,22 @@ def test_a_variant_runs_its_own_algorithm_and_key(mlp, digits_federation):
     for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(got, want)
     assert member.evaluate(ran) == alone.evaluate(expected)
+
+
+def test_the_client_strategy_is_one_swappable_object(mlp, digits_federation):
+    class Recording(ClientStrategy):
+        mapped = 0
+
+        def map_clients(self, f, shared, per_client):
+            Recording.mapped += 1
+            return super().map_clients(f, shared, per_client)
+
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
+    by_chunk = Simulation(alg, mlp, digits_federation, participation=0.5, client_chunk=2)
+    swapped = Simulation(alg, mlp, digits_federation, participation=0.5, strategy=Recording(chunk=2))
+    assert (swapped.client_chunk, swapped.num_devices) == (2, by_chunk.num_devices)
+    expected, _ = by_chunk.run_rounds(by_chunk.init(), 2)
+    ran, _ = swapped.run_rounds(swapped.init(), 2)
+    assert Recording.mapped == 1  # traced once: the round's client updates ran through it
+    for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)

@@ -53,7 +53,7 @@ from jaxfed.runs.rundir import (
     summary,
     written_config,
 )
-from jaxfed.simulation.engine import default_client_chunk
+from jaxfed.simulation.strategy import default_client_chunk
 
 
 def sweep_configs(base: Config, seeds=(), lrs=(), grid: dict[str, list[str]] | None = None) -> list[Config]:

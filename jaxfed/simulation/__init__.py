@@ -1,13 +1,20 @@
-"""The simulation engine: sampling, vmapped client updates, server updates, evaluation."""
+"""The engine, by job: the round's semantics (``engine.Simulation``: sampling, tiers, the
+non-finite policy, aggregation, the compile cache), the client-execution strategy
+(``strategy.ClientStrategy``: order, padding, vmap or chunks, devices), communication accounting
+(``accounting``) and evaluation (``evaluation.Evaluation``)."""
 
-from jaxfed.simulation.engine import CLIENT_AXIS, NONFINITE_POLICIES, SimState, Simulation, default_client_chunk
+from jaxfed.simulation.engine import NONFINITE_POLICIES, SimState, Simulation
+from jaxfed.simulation.evaluation import Evaluation
 from jaxfed.simulation.sampling import EVAL_CLIENTS, SAMPLINGS
+from jaxfed.simulation.strategy import CLIENT_AXIS, ClientStrategy, default_client_chunk
 
 __all__ = [
     "CLIENT_AXIS",
     "EVAL_CLIENTS",
     "NONFINITE_POLICIES",
     "SAMPLINGS",
+    "ClientStrategy",
+    "Evaluation",
     "SimState",
     "Simulation",
     "default_client_chunk",

@@ -23,7 +23,6 @@ The data and the state are replicated on the mesh, which may span several proces
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -32,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxfed.contract import FederatedAlgorithm, RoundInfo
 from jaxfed.core import (
@@ -42,25 +40,15 @@ from jaxfed.core import (
     scatter_clients,
     select_rows,
     stack_clients,
-    tree_bytes,
     tree_select,
     weighted_mean,
 )
-from jaxfed.core.losses import is_regression
 from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.simulation import sampling
-from jaxfed.simulation.evaluation import (
-    batch_outcomes,
-    batch_positions,
-    client_eval_batch,
-    client_totals,
-    evaluate_examples,
-    global_metrics,
-    personalized_metrics,
-)
+from jaxfed.simulation import accounting, sampling
+from jaxfed.simulation.evaluation import Evaluation
+from jaxfed.simulation.strategy import ClientStrategy
 
-CLIENT_AXIS = "clients"
 NONFINITE_POLICIES = ("error", "skip")
 MATMUL_PRECISIONS = ("default", "highest")
 
@@ -90,11 +78,6 @@ class _Group(NamedTuple):
         )
 
 
-def _real_total(group: _Group, per_client: jax.Array) -> jax.Array:
-    """The sum of ``per_client`` over the group's real clients (padding rows left out)."""
-    return jnp.sum(jnp.where(group.is_real, per_client, 0.0))
-
-
 def first_nonfinite(metrics):
     """``(round within the call, sorted client ids)`` of the first round whose metrics count a
     non-finite client update, or None (``metrics`` of one call, leading round axis)."""
@@ -112,13 +95,6 @@ class SimState:
     round: jax.Array  # rounds completed
 
 
-def default_client_chunk(platform: str) -> int:
-    """The documented default strategy: one client at a time (``1``) on CPU, where vmapping
-    clients measured slower for every model tried (benchmarks/fedavg_round.py: MLP on digits and
-    MNIST, CNN on MNIST); all sampled clients vmapped at once (``0``) on accelerators."""
-    return 1 if platform == "cpu" else 0
-
-
 class Simulation:
     """One algorithm on one federated dataset.
 
@@ -129,9 +105,13 @@ class Simulation:
     set (the global model): the same parameters in another implementation, e.g. XLA's
     convolution, which is faster than the patches convolution outside loops and vmaps.
 
-    ``client_chunk`` picks how the sampled clients run: 0 vmaps them all at once; k > 0 runs
-    ``lax.map`` over chunks of k vmapped clients (k = 1: one client at a time, each doing only
-    its own steps); ``None`` picks :func:`default_client_chunk` for the devices.
+    How the clients run is the ``strategy``'s job (:class:`~jaxfed.simulation.strategy.ClientStrategy`,
+    default built from ``client_chunk`` and ``devices``): ``client_chunk`` 0 vmaps the sampled
+    clients all at once; k > 0 runs ``lax.map`` over chunks of k vmapped clients (k = 1: one
+    client at a time, each doing only its own steps); ``None`` picks
+    :func:`~jaxfed.simulation.strategy.default_client_chunk` for the devices. Evaluation is
+    :class:`~jaxfed.simulation.evaluation.Evaluation`'s, traffic :mod:`~jaxfed.simulation.accounting`'s;
+    the round's semantics (sampling, tiers, the non-finite policy, aggregation) are this class's.
 
     ``matmul_precision`` is this simulation's own (``"default"``: XLA's, TF32 on recent NVIDIA
     GPUs; ``"highest"``: full float32), applied where its programs are traced (:meth:`precision`),
@@ -155,6 +135,7 @@ class Simulation:
         client_chunk: int | None = None,
         nonfinite: str = "error",
         matmul_precision: str = "default",
+        strategy: ClientStrategy | None = None,
     ):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
@@ -174,15 +155,17 @@ class Simulation:
             raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling_mode}'; cohort needs fixed")
         self.eval_clients = eval_clients
         self.root = jax.random.key(seed)
-        devices = list(devices if devices is not None else jax.devices())
-        self.mesh = Mesh(np.array(devices), (CLIENT_AXIS,)) if len(devices) > 1 else None
-        self.num_devices = len(devices)
-        # replicated on the mesh, which may span processes (jax.distributed)
-        self.data = data if self.mesh is None else jax.device_put(data, self._replicated())
-        self.eval_batch_size = eval_batch_size
-        self.client_chunk = default_client_chunk(devices[0].platform) if client_chunk is None else client_chunk
-        self.eval_examples_per_call = eval_examples_per_call
-        self.client_eval_batch = client_eval_batch(data.test_count, eval_batch_size)
+        self.strategy = strategy or ClientStrategy(client_chunk, devices)
+        self.data = self.strategy.replicate(data)  # the mesh may span processes (jax.distributed)
+        self.evaluation = Evaluation(
+            model,
+            pooled_eval_model or model,
+            self.strategy,
+            self.tiers,
+            data.test_count,
+            eval_batch_size,
+            eval_examples_per_call,
+        )
         self._new_compiled_calls()
 
     def _new_compiled_calls(self) -> None:
@@ -193,6 +176,18 @@ class Simulation:
         self._init_state = jax.jit(self.init_pure)
         self._run = jax.jit(self.rounds_pure, static_argnums=2)
         self._eval = jax.jit(self.evaluate_pure)
+
+    @property
+    def num_devices(self) -> int:
+        return self.strategy.num_devices
+
+    @property
+    def mesh(self):
+        return self.strategy.mesh
+
+    @property
+    def client_chunk(self) -> int:
+        return self.strategy.chunk
 
     # ----- state -----------------------------------------------------------------------------
 
@@ -206,7 +201,7 @@ class Simulation:
         (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
         with self.precision():
             state = self._init_state()
-        return state if self.mesh is None else jax.device_put(state, self._replicated())
+        return self.strategy.replicate(state)
 
     def check_state(self, state: SimState) -> None:
         """A ConfigError unless ``state`` holds one client state per client of this simulation's
@@ -218,9 +213,6 @@ class Simulation:
                 f"state: holds {held} client states, but this simulation's data has {self.num_clients} clients; "
                 "run a state with the simulation (and data) it was made for"
             )
-
-    def _replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
 
     def init_pure(self) -> SimState:
         """The starting state (pure, not jitted: for composing, e.g. vmapped over a sweep's members)."""
@@ -246,55 +238,6 @@ class Simulation:
 
     # ----- rounds ----------------------------------------------------------------------------
 
-    def _on_client_axis(self, tree):
-        if self.mesh is None:
-            return tree
-        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec(CLIENT_AXIS)))
-
-    def _run_order(self, sizes):
-        """The order to run items of ``sizes`` in: largest first, so that a vmapped chunk holds
-        items of similar size (a chunk runs as many local steps as its largest client: this is
-        the engine's bucketing by size), then dealt round-robin to the devices (device d gets
-        ranks d, d + D, ...). ``len(sizes)`` is a multiple of the device count."""
-        order = jnp.argsort(-sizes, stable=True)
-        if self.num_devices > 1:
-            order = order.reshape(-1, self.num_devices).T.reshape(-1)
-        return order
-
-    def _map_clients(self, f, shared, per_client):
-        """``f(shared, client)`` over the leading (client) axis of ``per_client``, in run order:
-        ``client_chunk=0`` vmaps all clients at once; k > 0 runs ``lax.map`` over chunks of k
-        vmapped clients."""
-        chunk = self.client_chunk
-
-        def mapped(shared, xs):
-            one = functools.partial(f, shared)
-            if chunk == 0:
-                return jax.vmap(one)(xs)
-            return jax.lax.map(one, xs, batch_size=chunk if chunk > 1 else None)
-
-        return self._over_devices(mapped, shared, per_client)
-
-    def _over_devices(self, f, shared, items):
-        """``f(shared, items)``; on several devices each device runs ``f`` on its own contiguous
-        block of ``items`` (``shard_map``: no cross-device step inside, so a device stops when its
-        own items are done) with ``shared`` replicated. The item axis is a multiple of the
-        device count."""
-        if self.mesh is None:
-            return f(shared, items)
-        spec = PartitionSpec(CLIENT_AXIS)
-        per_device = jax.shard_map(f, mesh=self.mesh, in_specs=(PartitionSpec(), spec), out_specs=spec, check_vma=False)
-        return per_device(shared, self._on_client_axis(items))
-
-    def _pad_to_devices(self, tree):
-        """Rows appended to the leading axis up to a multiple of the device count (copies of the
-        last row)."""
-        n = jax.tree.leaves(tree)[0].shape[0]
-        pad = -n % self.num_devices
-        if not pad:
-            return tree
-        return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), tree)
-
     def _client_groups(self, real_ids):
         """``[(tier, ids)]`` with static sizes: all sampled clients for an untiered algorithm;
         for a tiered one, each tier's sampled clients padded to ``min(num_sampled, tier size)``.
@@ -307,12 +250,12 @@ class Simulation:
                 (t, sampling.tier_members(real_ids, lo, hi, min(self.num_sampled, hi - lo), fill))
                 for t, (lo, hi) in enumerate(self.tiers)
             ]
-        return [(t, sampling.pad_ids(ids, self.num_devices, fill=fill)) for t, ids in groups]
+        return [(t, self.strategy.padded_ids(ids, fill)) for t, ids in groups]
 
     def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids):
         """``client_update`` of the clients ``ids`` (one tier): their new states, messages, metrics."""
         alg = self.algorithm
-        ids = ids[self._run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
+        ids = ids[self.strategy.run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
         client_data = data.train_data(ids)
         info = RoundInfo(round=state.round, tier=tier)  # the round's one home is the engine's state
         message_down = alg.broadcast(state.server, info)
@@ -329,20 +272,12 @@ class Simulation:
             sampling.client_keys(key, ids),
         )
         shared = (message_down, client_data.x, client_data.y, info)
-        new_states, messages_up, client_metrics = self._map_clients(update, shared, per_client)
+        new_states, messages_up, client_metrics = self.strategy.map_clients(update, shared, per_client)
         is_real = ids < self.num_clients
         updated = (new_states, messages_up, client_metrics)
         bad = is_real & ~finite_rows(updated, len(ids))
-        down_bytes = self._download_bytes(message_down, per_client[0], info, len(ids))
+        down_bytes = accounting.download_bytes(alg, message_down, per_client[0], info, len(ids))
         return _Group(tier, ids, is_real, client_data.count, message_down, *updated, bad, down_bytes)
-
-    def _download_bytes(self, message_down, client_states, info: RoundInfo, count: int) -> jax.Array:
-        """``[clients]``: the bytes each of ``count`` clients must download when it keeps what it
-        received in earlier rounds (``download_bytes``; default: all of ``message_down``)."""
-        if self.algorithm.download_bytes is None:
-            return jnp.full(count, float(tree_bytes(message_down)), jnp.float32)
-        per_client = jax.vmap(self.algorithm.download_bytes, in_axes=(None, 0, None))
-        return per_client(message_down, client_states, info).astype(jnp.float32)
 
     def _received(self, server, group: _Group, round_):
         """The group's uploads as the server decodes them (``receive``, per client), in the shape
@@ -351,12 +286,6 @@ class Simulation:
             return group.messages_up
         info = RoundInfo(round=round_, tier=group.tier)
         return jax.vmap(lambda message: self.algorithm.receive(server, message, info))(group.messages_up)
-
-    def _client_bytes(self, group: _Group) -> jax.Array:
-        """``[clients]``: the bytes each client of ``group`` uploads."""
-        if self.algorithm.message_bytes is None:
-            return jnp.full(len(group.ids), float(tree_bytes(group.messages_up) // len(group.ids)), jnp.float32)
-        return jax.vmap(self.algorithm.message_bytes)(group.messages_up).astype(jnp.float32)
 
     def round(self, state: SimState, data: FederatedData):
         """One round (pure): returns the new state and this round's metrics."""
@@ -385,24 +314,14 @@ class Simulation:
         client_metrics = concat_clients([g.client_metrics for g in groups])
         trained = weighted_mean(client_metrics, jnp.concatenate(weights))  # NaN: no client's update was used
         trained = jax.tree.map(lambda m: jnp.where(any_weight, m, jnp.nan), trained)
-        sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
-        client_bytes = [self._client_bytes(g) for g in groups]
-        uploaded = [_real_total(g, b) for g, b in zip(groups, client_bytes)]  # per group
+        traffic, traffic_per_tier = accounting.traffic(self.algorithm, groups, self.tiers is not None)
         metrics = {
             **trained,
-            "bytes_up": sum(uploaded),
-            "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
-            "bytes_down_cached": sum(_real_total(g, g.down_bytes) for g in groups),
+            **traffic,
             "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),
             "nonfinite_ids": jnp.concatenate([jnp.where(g.bad, g.ids, -1) for g in groups]),
+            **traffic_per_tier,
         }
-        if self.tiers is not None:  # what one client of the tier uploads (the mean, if it varies)
-            metrics.update(
-                {
-                    f"bytes_up_client_tier{g.tier}": up / jnp.maximum(n, 1.0) if self.algorithm.message_bytes else b[0]
-                    for g, b, up, n in zip(groups, client_bytes, uploaded, sent)
-                }
-            )
         next_round = state.round + round_ok.astype(state.round.dtype)
         return SimState(server=server, clients=clients, round=next_round), metrics
 
@@ -436,78 +355,13 @@ class Simulation:
 
     def evaluate_pure(self, state: SimState, data: FederatedData):
         """Every client's evaluation on ``data`` (pure, not jitted): metrics as arrays."""
-        alg = self.algorithm
-        model = alg.eval_model or self.model
-        pooled_model = alg.eval_model or self.pooled_eval_model
-        test = data.test_data(jnp.arange(self.num_clients, dtype=jnp.int32))
-        if self.eval_clients == "cohort":  # the others count as clients without test examples
-            test = test.replace(count=jnp.where(self._in_cohort(), test.count, 0))
-        regression = is_regression(data.y_test)
-        if alg.evaluates_global:  # one pass over the pooled test set, each client's share summed
-            outcomes = self._pooled_outcomes(pooled_model, alg.global_params(state.server), data)
-            correct, loss = (client_totals(o, test.indices, test.count) for o in outcomes)
-            metrics = personalized_metrics(correct, loss, test.count.astype(jnp.float32), regression)
-            return {**metrics, **global_metrics(*outcomes, regression)}
-
-        def evaluate_block(server_view, lo, hi):
-            block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
-            return self._evaluate_clients(model, server_view, block, data)
-
-        if alg.eval_server is None:
-            correct, loss, count = evaluate_block(state.server, 0, self.num_clients)
-        else:  # each tier's clients against that tier's view of the server, computed once
-            blocks = [
-                evaluate_block(alg.eval_server(state.server, RoundInfo(round=state.round, tier=t)), lo, hi)
-                for t, (lo, hi) in enumerate(self.tiers)
-            ]
-            correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
-        metrics = personalized_metrics(correct, loss, count, regression)
-        if alg.global_params is not None:
-            metrics.update(
-                global_metrics(*self._pooled_outcomes(pooled_model, alg.global_params(state.server), data), regression)
-            )
-        return metrics
+        counted = self._in_cohort() if self.eval_clients == "cohort" else None
+        return self.evaluation(self.algorithm, state, data, counted)
 
     def _in_cohort(self) -> jax.Array:
         """``[num_clients]`` bool: the clients of the fixed cohort."""
         ids = sampling.cohort(self.root, self.num_clients, self.num_sampled)
         return jnp.zeros(self.num_clients, bool).at[ids].set(True)
-
-    def _evaluate_clients(self, model, server_view, clients, data: FederatedData):
-        """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts)``,
-        each on its own test split: chunks of clients with similar test sizes under ``lax.map``.
-        The rows come in run order, with padding clients (count 0) appended: the summaries that
-        follow do not depend on the order and skip clients without test examples."""
-        eval_batch = self.client_eval_batch
-        clients_per_chunk = max(1, self.eval_examples_per_call // eval_batch)
-
-        def one_client(shared, args):
-            server_view, x, y = shared
-            client_state, indices, count = args
-            variables = self.algorithm.eval_params(server_view, client_state)
-            return evaluate_examples(model, variables, ClientData(x, y, indices, count), eval_batch)
-
-        def evaluate_all(shared, xs):
-            return jax.lax.map(functools.partial(one_client, shared), xs, batch_size=clients_per_chunk)
-
-        states, indices, counts = self._pad_to_devices(clients)
-        real = jnp.arange(counts.shape[0]) < clients[2].shape[0]
-        counts = jnp.where(real, counts, 0)  # padding clients have no test examples: not counted
-        order = self._run_order(counts)
-        clients = jax.tree.map(lambda x: x[order], (states, indices, counts))
-        return self._over_devices(evaluate_all, (server_view, data.x_test, data.y_test), clients)
-
-    def _pooled_outcomes(self, model, variables, data: FederatedData):
-        """``(correct, loss)`` of ``variables`` on every test example (``[N]`` each), in batches of
-        ``eval_batch_size`` shared out to the devices."""
-        n = data.x_test.shape[0]
-        positions = batch_positions(n, self.eval_batch_size)
-
-        def outcomes(shared, batches):
-            return jax.lax.map(functools.partial(batch_outcomes, model, *shared), batches)
-
-        per_batch = self._over_devices(outcomes, (variables, data.x_test, data.y_test), self._pad_to_devices(positions))
-        return tuple(o.reshape(-1)[:n] for o in per_batch)  # padding batches last
 
     def evaluate(self, state: SimState) -> dict:
         """Personalized accuracy of every client (and global accuracy where there is a global model)."""

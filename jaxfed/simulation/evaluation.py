@@ -6,12 +6,14 @@ squared errors, under ``personalized_mse_*`` and ``global_mse``."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.contract import RoundInfo
 from jaxfed.core.losses import example_losses, is_regression
 from jaxfed.data import ClientData
 
@@ -96,3 +98,87 @@ def global_metrics(correct, loss, regression: bool = False) -> dict:
         "global_mse" if regression else "global_acc": jnp.sum(loss if regression else correct) / n,
         "global_loss": jnp.sum(loss) / n,
     }
+
+
+class Evaluation:
+    """Every client's personalized model on its own test split (chunks of clients with similar
+    test sizes under ``lax.map``, spread over the strategy's devices) and, where the algorithm has
+    one, the global model on the pooled test set. The algorithm is given per call (a sweep's
+    member has its own)."""
+
+    def __init__(self, model, pooled_model, strategy, tiers, test_counts, batch_size: int, examples_per_call: int):
+        self.model, self.pooled_model, self.strategy, self.tiers = model, pooled_model, strategy, tiers
+        self.batch_size = batch_size
+        self.client_batch = client_eval_batch(test_counts, batch_size)
+        self.clients_per_chunk = max(1, examples_per_call // self.client_batch)
+
+    def __call__(self, algorithm, state, data, counted=None) -> dict:
+        """The metrics (as arrays) of ``state`` (a :class:`~jaxfed.simulation.SimState`) on
+        ``data``'s test splits; ``counted``: ``[num_clients]`` bool, the clients whose results
+        count (the others count as clients without test examples), default all."""
+        model = algorithm.eval_model or self.model
+        pooled_model = algorithm.eval_model or self.pooled_model
+        num_clients = data.num_clients
+        test = data.test_data(jnp.arange(num_clients, dtype=jnp.int32))
+        if counted is not None:
+            test = test.replace(count=jnp.where(counted, test.count, 0))
+        regression = is_regression(data.y_test)
+        if algorithm.evaluates_global:  # one pass over the pooled test set, each client's share summed
+            outcomes = self.pooled_outcomes(pooled_model, algorithm.global_params(state.server), data)
+            correct, loss = (client_totals(o, test.indices, test.count) for o in outcomes)
+            metrics = personalized_metrics(correct, loss, test.count.astype(jnp.float32), regression)
+            return {**metrics, **global_metrics(*outcomes, regression)}
+
+        def evaluate_block(server_view, lo, hi):
+            block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
+            return self.clients(algorithm, model, server_view, block, data)
+
+        if algorithm.eval_server is None:
+            correct, loss, count = evaluate_block(state.server, 0, num_clients)
+        else:  # each tier's clients against that tier's view of the server, computed once
+            blocks = [
+                evaluate_block(algorithm.eval_server(state.server, RoundInfo(round=state.round, tier=t)), lo, hi)
+                for t, (lo, hi) in enumerate(self.tiers)
+            ]
+            correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
+        metrics = personalized_metrics(correct, loss, count, regression)
+        if algorithm.global_params is not None:
+            outcomes = self.pooled_outcomes(pooled_model, algorithm.global_params(state.server), data)
+            metrics.update(global_metrics(*outcomes, regression))
+        return metrics
+
+    def clients(self, algorithm, model, server_view, clients, data):
+        """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts)``,
+        each on its own test split. The rows come in run order, with padding clients (count 0)
+        appended: the summaries that follow do not depend on the order and skip clients without
+        test examples."""
+        batch = self.client_batch
+
+        def one_client(shared, args):
+            server_view, x, y = shared
+            client_state, indices, count = args
+            variables = algorithm.eval_params(server_view, client_state)
+            return evaluate_examples(model, variables, ClientData(x, y, indices, count), batch)
+
+        def evaluate_all(shared, xs):
+            return jax.lax.map(functools.partial(one_client, shared), xs, batch_size=self.clients_per_chunk)
+
+        states, indices, counts = self.strategy.padded_rows(clients)
+        real = jnp.arange(counts.shape[0]) < clients[2].shape[0]
+        counts = jnp.where(real, counts, 0)  # padding clients have no test examples: not counted
+        order = self.strategy.run_order(counts)
+        clients = jax.tree.map(lambda x: x[order], (states, indices, counts))
+        return self.strategy.over_devices(evaluate_all, (server_view, data.x_test, data.y_test), clients)
+
+    def pooled_outcomes(self, model, variables, data):
+        """``(correct, loss)`` of ``variables`` on every test example (``[N]`` each), in batches of
+        ``batch_size`` shared out to the devices."""
+        n = data.x_test.shape[0]
+        positions = batch_positions(n, self.batch_size)
+
+        def outcomes(shared, batches):
+            return jax.lax.map(functools.partial(batch_outcomes, model, *shared), batches)
+
+        shared = (variables, data.x_test, data.y_test)
+        per_batch = self.strategy.over_devices(outcomes, shared, self.strategy.padded_rows(positions))
+        return tuple(o.reshape(-1)[:n] for o in per_batch)  # padding batches last

@@ -1,0 +1,54 @@
+"""Communication accounting: the bytes a round's clients upload and download, counted from the
+messages actually sent (an algorithm's ``message_bytes`` / ``download_bytes`` where it says what
+one upload or download really takes, else the arrays' sizes), over the real clients only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfed.contract import FederatedAlgorithm, RoundInfo
+from jaxfed.core import tree_bytes
+
+
+def download_bytes(algorithm: FederatedAlgorithm, message_down, client_states, info: RoundInfo, count: int):
+    """``[count]``: the bytes each client must download when it keeps what it received in earlier
+    rounds (its state before the update says what that is); default: all of ``message_down``."""
+    if algorithm.download_bytes is None:
+        return jnp.full(count, float(tree_bytes(message_down)), jnp.float32)
+    per_client = jax.vmap(algorithm.download_bytes, in_axes=(None, 0, None))
+    return per_client(message_down, client_states, info).astype(jnp.float32)
+
+
+def upload_bytes(algorithm: FederatedAlgorithm, messages_up, count: int):
+    """``[count]``: the bytes each of the ``count`` stacked uploads takes."""
+    if algorithm.message_bytes is None:
+        return jnp.full(count, float(tree_bytes(messages_up) // count), jnp.float32)
+    return jax.vmap(algorithm.message_bytes)(messages_up).astype(jnp.float32)
+
+
+def real_total(is_real, per_client):
+    """The sum of ``per_client`` over the real clients (padding rows left out)."""
+    return jnp.sum(jnp.where(is_real, per_client, 0.0))
+
+
+def traffic(algorithm: FederatedAlgorithm, groups, tiered: bool) -> tuple[dict, dict]:
+    """A round's traffic metrics from its client groups (each with ``tier``, ``is_real``,
+    ``message_down``, ``messages_up`` and ``down_bytes``): ``(totals, per_tier)``. ``totals``:
+    ``bytes_up``, ``bytes_down`` (every sampled client downloads the whole message),
+    ``bytes_down_cached`` (what it must download, keeping what it received before); ``per_tier``
+    (a tiered algorithm's): what one client of each tier uploads (``bytes_up_client_tier<t>``,
+    the mean where it varies)."""
+    sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
+    per_client = [upload_bytes(algorithm, g.messages_up, len(g.ids)) for g in groups]
+    uploaded = [real_total(g.is_real, b) for g, b in zip(groups, per_client)]
+    totals = {
+        "bytes_up": sum(uploaded),
+        "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
+        "bytes_down_cached": sum(real_total(g.is_real, g.down_bytes) for g in groups),
+    }
+    per_tier = {}
+    if tiered:
+        for g, b, up, n in zip(groups, per_client, uploaded, sent):
+            per_tier[f"bytes_up_client_tier{g.tier}"] = up / jnp.maximum(n, 1.0) if algorithm.message_bytes else b[0]
+    return totals, per_tier
