@@ -90,7 +90,8 @@ def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
 # paths), fedhm (fedara's tiered reconstruct-and-average), local (no message at all), and those
 # whose own test file checks that their private state never enters a message: pfedloru and
 # mfedloru (test_fedloru_variants), feddecomp (tau), fedcspack (only the sent packs), floral and
-# local_adaptor (routers, private adaptors), ensemble (routers).
+# local_adaptor (routers, private adaptors), ensemble (routers). tests/test_privacy.py perturbs
+# every built-in's private state and checks its upload stays as it was.
 LEFT_OUT = {"fedprox", "fedlora", "fedhm", "local", "pfedloru", "mfedloru", "feddecomp", "fedcspack"}
 LEFT_OUT |= {"floral", "local_adaptor", "ensemble"}
 

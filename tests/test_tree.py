@@ -1,7 +1,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.core import gather_clients, scatter_clients, stack_clients, tree_bytes, weighted_mean
+from jaxfed.core import gather_clients, scatter_clients, stack_clients, tree_bytes, uniform_mean, weighted_mean
 
 
 def test_weighted_mean_matches_formula():
@@ -12,6 +12,14 @@ def test_weighted_mean_matches_formula():
     for key in tree:
         expected = np.einsum("k,k...->...", w.astype(np.float64), tree[key].astype(np.float64)) / w.sum()
         np.testing.assert_allclose(got[key], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_uniform_mean_counts_each_kept_row_once():
+    rng = np.random.default_rng(1)
+    tree = {"a": rng.normal(size=(4, 3)).astype(np.float32)}
+    w = np.array([10.0, 0.0, 1.0, 0.5], np.float32)  # the row of weight 0 (padding, skipped) drops out
+    np.testing.assert_allclose(uniform_mean(tree, w)["a"], tree["a"][[0, 2, 3]].mean(0), rtol=1e-6)
+    np.testing.assert_array_equal(uniform_mean(tree, np.zeros(4, np.float32))["a"], np.zeros(3))
 
 
 def test_gather_scatter_drop_padding_ids():
