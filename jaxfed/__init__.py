@@ -33,6 +33,7 @@ from jaxfed.runs.config import Config
 _LAZY = {  # name -> module: the heavier pieces (the engine, orbax) load when first used
     "FederatedAlgorithm": "jaxfed.contract",
     "LoopSettings": "jaxfed.runs.rundir",
+    "RoundInfo": "jaxfed.contract",
     "Simulation": "jaxfed.simulation",
     "build": "jaxfed.runs.build",
     "load_state": "jaxfed.runs.checkpoint",
@@ -60,6 +61,7 @@ __all__ = [
     "FederatedAlgorithm",
     "LoopSettings",
     "NonFiniteUpdateError",
+    "RoundInfo",
     "Simulation",
     "build",
     "load_state",
