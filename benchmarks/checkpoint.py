@@ -21,6 +21,7 @@ from jaxfed.core import tree_bytes
 from jaxfed.runs.build import build
 from jaxfed.runs.checkpoint import RunCheckpoints, load_state, save_state
 from jaxfed.runs.config import Config
+from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import run
 
 
@@ -31,6 +32,7 @@ def directory_bytes(path: Path) -> int:
 def state_cost(config: Config, repeats: int) -> dict:
     """Save (blocking, and the run's asynchronous save: time until training may go on) and
     restore of ``config``'s initial state, median of ``repeats``."""
+    split_host_for([config])  # this script is its process's entry
     sim = build(config).simulation
     state = jax.block_until_ready(sim.init())
     saves, async_returns, async_totals, restores = [], [], [], []

@@ -27,6 +27,7 @@ from jaxfed.algorithms import RoundInfo
 from jaxfed.data import ClientData
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
+from jaxfed.runs.distributed import split_host_for
 from jaxfed.simulation import sampling
 
 WORKLOAD = [
@@ -111,6 +112,7 @@ def main():
     args = parser.parse_args()
 
     config = Config().with_overrides(WORKLOAD + [f"data_dir={args.data_dir}"] + args.set)
+    split_host_for([config])  # this script is its process's entry
     sim = build(config).simulation
     engine_s, engine_compile = engine_round_seconds(sim, args.rounds, args.rounds_per_call)
     result = {

@@ -87,3 +87,46 @@ def test_a_sweep_says_what_it_needs_of_an_algorithm_in_one_line(capsys, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no float option lr" in err[0]
     assert TrainingOptions.field_for("lr") is not None  # what the message points to has one
+
+
+def test_a_sweep_traces_with_its_members_matmul_precision():
+    configs = sweep_configs(Config().with_overrides([*TINY, "matmul_precision=highest"]), seeds=[0, 1])
+    sweep = Sweep(configs)
+    states = sweep.init()
+    with sweep.template.precision():
+        text = jax.jit(sweep.members_run(1)).lower(sweep.seeds, sweep.values, states, sweep.data).as_text()
+    assert "HIGHEST" in text
+    sweep.run_rounds(states, 1)
+    assert jax.config.jax_default_matmul_precision is None
+
+
+def test_a_config_checked_before_is_checked_again_when_its_algorithm_is_replaced():
+    jaxfed.register("replaced_later", _NoLearningRate, lambda model, options, config: None, replace=True)
+    config = Config(algorithm="replaced_later", options=_NoLearningRate()).validate()
+
+    @dataclasses.dataclass(frozen=True)
+    class Other(Options):
+        other: int = option(1, "another option")
+
+    jaxfed.register("replaced_later", Other, lambda model, options, config: None, replace=True)
+    with pytest.raises(ConfigError, match="options: _NoLearningRate given for algorithm replaced_later"):
+        config.validate()
+
+
+def test_an_lr_written_as_an_int_is_still_a_float_option_for_sweeps():
+    configs = sweep_configs(Config.of({"lr": 1, **dict(pair.split("=") for pair in TINY)}), seeds=[0, 1])
+    assert [c.options.lr for c in configs] == [1.0, 1.0]
+
+
+def test_a_stale_resume_point_is_read_again_under_the_lock_and_sets_nothing_aside(tmp_path):
+    from jaxfed.runs.driver import ResumePoint, resume_point
+
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out), "--set", *TINY]) == 0
+    config, stale = resume_point(out)
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=4"]) == 0  # moves on meanwhile
+    assert stale.round == 2 and RunCheckpoints(out / "checkpoints").rounds() == [2, 4]
+    config = dataclasses.replace(config, rounds=6)
+    summary = jaxfed.run(config, out, resume=ResumePoint(*stale), progress=False, log=lambda message: None)
+    assert summary["rounds"] == 6
+    assert not list((out / "checkpoints").glob("*.unreadable*"))

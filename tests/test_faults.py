@@ -283,7 +283,7 @@ def test_a_sweep_splits_the_host_before_jax_starts(tmp_path):
 def test_a_sweep_over_host_devices_is_a_one_line_error(tmp_path, capsys):
     args = ["sweep", "--quiet", "--out", str(tmp_path / "s"), *TINY, "--grid", "host_devices=1,2"]
     assert main(args) == 2
-    assert "host_devices: a sweep runs on one set of devices, got [1, 2]" in _one_line_error(capsys)
+    assert "host_devices: one process runs on one set of devices, got [1, 2]" in _one_line_error(capsys)
     assert not (tmp_path / "s").exists()
 
 

@@ -28,6 +28,7 @@ from jaxfed.data import ClientData
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_input
 from jaxfed.runs.build import build
+from jaxfed.runs.distributed import split_host_for
 
 
 def features_of(model, fe, head_params, x):
@@ -45,6 +46,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.algorithm = "fedara"
     config = config_from_args(args)
+    split_host_for([config])  # this script is its process's entry
     sim = build(config).simulation
     state, _ = sim.run_rounds(sim.init(), config.rounds)
     accuracy = sim.evaluate(state)["personalized_acc_mean"]

@@ -25,6 +25,7 @@ from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import packs as pk
 from jaxfed.data import ClientData
 from jaxfed.runs.build import build
+from jaxfed.runs.distributed import split_host_for
 
 
 def main(argv=None):
@@ -33,6 +34,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.algorithm = "fedcspack"
     config = config_from_args(args)
+    split_host_for([config])  # this script is its process's entry
     sim = build(config).simulation
     state, _ = sim.run_rounds(sim.init(), config.rounds)
     alg, options = sim.algorithm, config.options

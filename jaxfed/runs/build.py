@@ -67,6 +67,7 @@ def build_data(config: Config, load=None) -> DataPart:
     """The federated dataset of ``config`` (a validated config): loaded (``load``: a function of
     ``config`` giving the :class:`~jaxfed.data.Dataset`, e.g. one that caches, default
     :func:`load_config_dataset`), partitioned by ``config.seed``, placed on the device."""
+    config = config.validate()
     if config.dataset in SYNTHETIC_TASKS:
         dataset, train_parts, test_parts = _synthetic_task(config)
     else:
@@ -84,18 +85,19 @@ def load_config_dataset(config: Config):
 
 def build_model(config: Config, part: DataPart):
     """The model of ``config`` for the inputs and outputs of ``part``."""
-    default_hidden = (2 * config.synthetic_dim,) if config.dataset in SYNTHETIC_TASKS else None
-    return _model(config, part.input_shape, part.outputs, default_hidden)
+    return _model(config.validate(), part.input_shape, part.outputs)
 
 
 def build_algorithm(config: Config, model):
     """The registered algorithm of ``config``, built with its options."""
+    config = config.validate()
     return registry.get(config.algorithm).build(model, config.options, config)
 
 
 def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simulation:
     """The engine running ``algorithm`` on ``part``'s data with ``config``'s run settings, on the
     first ``config.devices`` devices; refused here if its state cannot fit in memory."""
+    config = config.validate()
     available = jax.devices()
     if config.host_devices and len(jax.devices("cpu")) != config.host_devices:
         raise ConfigError(
@@ -108,7 +110,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
     pooled_eval_model = None
     if config.dataset not in SYNTHETIC_TASKS and config.conv != "xla":
         # the global model's passes over the whole test set: XLA's conv is faster there
-        pooled_eval_model = build_model(dataclasses.replace(config, conv="xla"), part)
+        pooled_eval_model = _model(dataclasses.replace(config, conv="xla"), part.input_shape, part.outputs)
     simulation = Simulation(
         algorithm,
         model,
@@ -144,9 +146,12 @@ def check_batch_size(options, train_examples: int) -> None:
         )
 
 
-def _model(config: Config, input_shape, outputs: int, default_hidden=None):
+def _model(config: Config, input_shape, outputs: int):
+    """The model ``config`` names (default: the dataset's) for ``input_shape`` and ``outputs``; a
+    synthetic task's MLP defaults to one hidden layer twice the input's width."""
     name = config.model or default_model(config.dataset)
-    hidden = config.hidden_widths() or (default_hidden if name == "mlp" else None)
+    synthetic_hidden = (2 * config.synthetic_dim,) if config.dataset in SYNTHETIC_TASKS else None
+    hidden = config.hidden_widths() or (synthetic_hidden if name == "mlp" else None)
     return get_model(name, input_shape, outputs, config.norm, config.conv, hidden)
 
 
@@ -178,7 +183,7 @@ def _synthetic_task(config: Config):
     outputs = config.synthetic_outputs or DEFAULT_OUTPUTS[config.dataset]
     samples = config.samples_per_client
     if not samples:
-        model = _model(config, (config.synthetic_dim,), outputs, default_hidden=(2 * config.synthetic_dim,))
+        model = _model(config, (config.synthetic_dim,), outputs)
         samples = auto_samples_per_client(config.dataset, count_parameters(model))
     return synthetic_task(
         config.dataset,

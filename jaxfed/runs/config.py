@@ -262,6 +262,13 @@ class Config(Options):
 
     # ----- validation ----------------------------------------------------------------------------
 
+    def validate(self):
+        """As :meth:`Options.validate`; a config checked before is checked again when its
+        algorithm's registered options class has changed since (``register(..., replace=True)``)."""
+        if self.__dict__.get("_validated") and not isinstance(self.options, _options_class(self.algorithm)):
+            object.__setattr__(self, "_validated", False)
+        return super().validate()
+
     def check(self) -> None:
         """The run keys' choices and the rules that span several keys (the per-field checks run first)."""
         from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS, SYNTHETIC_TASKS

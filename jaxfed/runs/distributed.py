@@ -86,3 +86,14 @@ def split_host(count: int) -> None:
             f"host_devices: JAX had started with {len(cpus)} CPU device(s) before {count} could be set; "
             f"set XLA_FLAGS={flag}={count} before starting Python instead"
         )
+
+
+def split_host_for(configs) -> None:
+    """Split the host into the configs' ``host_devices`` (where set) before anything starts JAX's
+    backend: what a process entry does with the configs it runs (one process has one device
+    count, so they must share it)."""
+    counts = sorted({c.host_devices for c in configs})
+    if len(counts) > 1:
+        raise ConfigError(f"host_devices: one process runs on one set of devices, got {counts}; run one per value")
+    if counts and counts[0]:
+        split_host(counts[0])

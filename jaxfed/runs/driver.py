@@ -21,7 +21,7 @@ from jaxfed.data import describe
 from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
-from jaxfed.runs.distributed import split_host, to_host
+from jaxfed.runs.distributed import split_host, split_host_for, to_host
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -254,23 +254,33 @@ def run(
     config = Config.of(config).validate()
     if resume:
         check_same_host_devices(out_dir, config)
-    if config.host_devices:  # the process entry for research code: before anything starts JAX's backend
-        split_host(config.host_devices)
+    split_host_for([config])  # the process entry for research code: before anything starts JAX's backend
     directory = RunDirectory(out_dir, config.keep_checkpoints)
     with directory.locked():  # refuse before anything is built or written; held until the run ends
-        point = None
+        at_most = None
         if resume:
-            point = resume if isinstance(resume, ResumePoint) else ResumePoint(*directory.newest_checkpoint_record(log))
+            point = resume if isinstance(resume, ResumePoint) else None
+            if point is None or point.round != max(directory.checkpoints.rounds(), default=-1):
+                point = ResumePoint(*directory.newest_checkpoint_record(log))  # read under the lock
             saved = Config.from_dict({**point.record["config"], "plugins": list(config.plugins)})
             check_resumable(saved, config)
             check_rounds(point.round, config.rounds)
+            at_most = point.round
         else:
             directory.refuse_existing()
         built = build(config)
         log(f"partition: {describe(built.partition_summary)}")
         settings = LoopSettings.of(config)
         return _run_in(
-            directory, built.simulation, settings, config.to_dict(), point, progress, log, built.partition_summary
+            directory,
+            built.simulation,
+            settings,
+            config.to_dict(),
+            resume,
+            at_most,
+            progress,
+            log,
+            built.partition_summary,
         )
 
 
@@ -296,22 +306,21 @@ def run_simulation(
     config = config or {"algorithm": sim.algorithm.name, **settings._asdict()}
     directory = RunDirectory(out_dir, settings.keep_checkpoints)
     with directory.locked():
-        point = None
-        if resume:
-            point = ResumePoint(*directory.newest_checkpoint_record(log))
-            check_rounds(point.round, settings.rounds)
-        else:
+        if not resume:
             directory.refuse_existing()
-        return _run_in(directory, sim, settings, config, point, progress, log, partition)
+        return _run_in(directory, sim, settings, config, resume, None, progress, log, partition)
 
 
-def _run_in(directory: RunDirectory, sim, settings: LoopSettings, config: dict, point, progress, log, partition):
-    """The loop of one run in its locked ``directory``, from the start or from ``point``."""
+def _run_in(
+    directory: RunDirectory, sim, settings: LoopSettings, config: dict, resume, at_most, progress, log, partition
+):
+    """The loop of one run in its locked ``directory``: from the start, or (``resume``) from its
+    newest readable checkpoint of a round ``<= at_most`` (where given)."""
     start = time.perf_counter()
-    if point is None:
+    if not resume:
         state, record = sim.init(), RunRecord(config)
     else:
-        state, record = directory.restore(sim.init(), log, at_most=point.round)
+        state, record = directory.restore(sim.init(), log, at_most=at_most)
         check_rounds(int(state.round), settings.rounds)
         if record.devices is not None and record.devices != sim.num_devices:
             log(

@@ -258,7 +258,8 @@ class RunDirectory:
         if restored is None:
             self.newest_checkpoint_record(log)  # raises, saying what to do
         round_, (state, saved) = restored
-        for newer in [r for r in self.checkpoints.rounds() if r > round_] if is_primary() else []:
+        unread = [r for r in self.checkpoints.rounds() if round_ < r <= (at_most if at_most is not None else r)]
+        for newer in unread if is_primary() else []:
             log(f"moved the unreadable checkpoint to {self.checkpoints.set_aside(newer)}")
         log(f"resuming from round {round_} ({self.checkpoints.directory / str(round_)})")
         return state, RunRecord(saved["config"], saved)

@@ -39,9 +39,10 @@ from jaxfed.algorithms import registry
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
 from jaxfed.errors import ConfigError
+from jaxfed.options import field_types
 from jaxfed.runs.build import build, build_algorithm, build_data, build_model, build_simulation, load_config_dataset
 from jaxfed.runs.config import Config
-from jaxfed.runs.distributed import split_host
+from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
 from jaxfed.runs.plots import read_json
 from jaxfed.runs.rundir import (
@@ -159,16 +160,17 @@ def require_lr(config: Config) -> None:
     """What a sweep needs of an algorithm: a float option ``lr`` (every member's learning rate is
     traced, and names its directory), as :class:`jaxfed.options.TrainingOptions` has."""
     field = type(config.options).field_for("lr")
-    if field is None or not isinstance(getattr(config.options, field.name), float):
+    if field is None or field_types(type(config.options))[field.name] is not float:
         raise ConfigError(
             f"sweep: algorithm {config.algorithm} has no float option lr, which a sweep traces and names its members "
             "by; give its options an `lr: float` (jaxfed.options.TrainingOptions has one), or use jaxfed run"
         )
 
 
-def member_data(configs: list[Config]) -> list:
-    """Each member's :class:`~jaxfed.runs.build.DataPart`: each distinct dataset loaded once, each
-    distinct partition (it depends on the seed) built once."""
+def _member_data(configs: list[Config]) -> list:
+    """Each member's :class:`~jaxfed.runs.build.DataPart` for the members of one compiled sweep
+    (:func:`check_sweepable`: they differ only in seed and traced options, so a member's data
+    depends on its seed alone): the dataset loaded once, each seed's partition built once."""
     loaded, parts = {}, {}
 
     def load(config: Config):
@@ -215,7 +217,7 @@ class Sweep:
         check_sweepable(configs, traced)
         self.configs = configs
         first = configs[0]
-        self.parts = member_data(configs)
+        self.parts = _member_data(configs)
         model = build_model(first, self.parts[0])
         self.template = build_simulation(first, build_algorithm(first, model), model, self.parts[0])
         self.num_members, self.nonfinite = len(configs), self.template.nonfinite
@@ -268,15 +270,17 @@ class Sweep:
         return self.template.variant(jax.random.key(seed), algorithm)
 
     def init(self):
-        return self._init(self.seeds, self.values, None, self.data)
+        with self.template.precision():
+            return self._init(self.seeds, self.values, None, self.data)
 
     def run_rounds(self, states, num_rounds: int):
         """``num_rounds`` rounds of every member in one compiled call: the stacked states and each
         member's metrics (arrays with a leading round axis)."""
         if num_rounds not in self._executables:
             start = time.perf_counter()
-            lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, states, self.data)
-            self._executables[num_rounds] = lowered.compile()
+            with self.template.precision():
+                lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, states, self.data)
+                self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
         states, metrics = self._executables[num_rounds](self.seeds, self.values, states, self.data)
         metrics = jax.device_get(metrics)
@@ -294,18 +298,9 @@ class Sweep:
         )
 
     def evaluate(self, states) -> list[dict]:
-        metrics = jax.device_get(self._evaluate(self.seeds, self.values, states, self.data))
+        with self.template.precision():
+            metrics = jax.device_get(self._evaluate(self.seeds, self.values, states, self.data))
         return [{k: float(v[i]) for k, v in metrics.items()} for i in range(len(self.configs))]
-
-
-def split_host_for(configs: list[Config]) -> None:
-    """Split the host into the members' ``host_devices`` before anything starts JAX's backend (as
-    ``jaxfed run`` does); one process has one device count, so the members must share it."""
-    counts = sorted({c.host_devices for c in configs})
-    if len(counts) > 1:
-        raise ConfigError(f"host_devices: a sweep runs on one set of devices, got {counts}; run one sweep per value")
-    if counts and counts[0]:
-        split_host(counts[0])
 
 
 def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None, resume=False):

@@ -155,6 +155,8 @@ class Simulation:
             raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling_mode}'; cohort needs fixed")
         self.eval_clients = eval_clients
         self.root = jax.random.key(seed)
+        if strategy is not None and (client_chunk is not None or devices is not None):
+            raise ValueError("strategy: give a ClientStrategy or client_chunk / devices, not both")
         self.strategy = strategy or ClientStrategy(client_chunk, devices)
         self.data = self.strategy.replicate(data)  # the mesh may span processes (jax.distributed)
         self.evaluation = Evaluation(

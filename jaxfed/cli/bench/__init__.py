@@ -29,6 +29,7 @@ import numpy as np
 from jaxfed.cli.bench.measure import matmul_gflops, peak_memory_bytes, training_flops_per_example
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
+from jaxfed.runs.distributed import split_host_for
 
 W1 = [
     "algorithm=fedavg",
@@ -144,10 +145,7 @@ def time_rounds(config: Config, rounds: int) -> dict:
 def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=()) -> dict:
     """Every measurement of one workload, as a JSON-ready dict."""
     config = workload_config(workload, overrides)
-    if config.host_devices:  # the process entry of `jaxfed bench`: before anything starts JAX's backend
-        from jaxfed.runs.distributed import split_host
-
-        split_host(config.host_devices)
+    split_host_for([config])  # the process entry of `jaxfed bench`: before anything starts JAX's backend
     if baseline not in ("torch", "none"):
         raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
     if baseline == "torch" and config.algorithm != "fedavg":
