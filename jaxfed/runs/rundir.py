@@ -252,14 +252,14 @@ class RunDirectory:
 
     def restore(self, like, log, at_most: int | None = None):
         """``(state, RunRecord)`` of the newest readable checkpoint (of a round ``<= at_most``,
-        where given; unreadable newer ones are set aside)."""
+        where given: the newest found readable under this run's lock, so every newer one is
+        unreadable). The unreadable newer checkpoints are set aside."""
         load = lambda r: self.checkpoints.restore(r, like=like)  # noqa: E731
         restored = self.checkpoints.newest(load, warn=log, at_most=at_most)
         if restored is None:
             self.newest_checkpoint_record(log)  # raises, saying what to do
         round_, (state, saved) = restored
-        unread = [r for r in self.checkpoints.rounds() if round_ < r <= (at_most if at_most is not None else r)]
-        for newer in unread if is_primary() else []:
+        for newer in [r for r in self.checkpoints.rounds() if r > round_] if is_primary() else []:
             log(f"moved the unreadable checkpoint to {self.checkpoints.set_aside(newer)}")
         log(f"resuming from round {round_} ({self.checkpoints.directory / str(round_)})")
         return state, RunRecord(saved["config"], saved)
