@@ -28,7 +28,7 @@ from jaxfed.data import ClientData
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
-from jaxfed.simulation import sampling
+from jaxfed.simulation import sampling, server_step
 
 WORKLOAD = [
     "dataset=mnist",
@@ -79,7 +79,7 @@ def loop_round_seconds(sim, rounds: int, batch_size: int):
         first = RoundInfo(round=jnp.int32(0), tier=0)
         jax.block_until_ready(update(alg.broadcast(server, first), client_state, view(k), jax.random.key(0), first))
     compile_seconds = time.perf_counter() - compile_start
-    server_update = jax.jit(alg.server_update)
+    server_update = jax.jit(lambda server, stacked, weights, t: server_step(alg, server, stacked, weights, t))
 
     times, useful = [], []
     for t in range(rounds):
@@ -94,7 +94,7 @@ def loop_round_seconds(sim, rounds: int, batch_size: int):
             _, up, _ = update(message, client_state, view(int(k)), rng, info)
             uploads.append(up)
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *uploads)
-        server = server_update(server, stacked, jnp.asarray(counts[ids], jnp.float32), RoundInfo(info.round, None))
+        server = server_update(server, stacked, jnp.asarray(counts[ids], jnp.float32), info.round)
         jax.block_until_ready(server)
         times.append(time.perf_counter() - tick)
         real = -(-counts[ids] // batch_size)

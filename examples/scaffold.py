@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxfed
-from jaxfed.algorithms import FederatedAlgorithm, RoundInfo
+from jaxfed.algorithms import Aggregation, FederatedAlgorithm, RoundInfo
 from jaxfed.algorithms.training import train_classifier
-from jaxfed.core import uniform_mean
+from jaxfed.core import WeightedSum, mean_of, weighted_share
 from jaxfed.nn import split_variables
 from jaxfed.options import TrainingOptions, option, positive, resolve
 
@@ -99,12 +99,14 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
         )
         return ClientState(new_control, model_state), upload, metrics
 
-    def server_update(server: ServerState, uploads: Upload, weights, info: RoundInfo) -> ServerState:
-        # Plain means over the sampled clients: padding and skipped rows weigh 0, and a round in
-        # which every weight is 0 leaves the server state as it was (the engine's rule).
-        sampled = jnp.sum(weights > 0)
-        step = uniform_mean(uploads.delta_params, weights)
-        control_step = uniform_mean(uploads.delta_control, weights)
+    def contribute(server: ServerState, upload: Upload, weight, info: RoundInfo) -> WeightedSum:
+        # Plain means over the sampled clients: each counts once (padding and skipped rows count
+        # for nothing: the engine's rule), so the summed weight is the number sampled.
+        return weighted_share(upload, 1.0)
+
+    def apply(server: ServerState, total: WeightedSum, info: RoundInfo) -> ServerState:
+        sampled = total.weight
+        step, control_step = mean_of(total)  # a round where no client counted keeps the old state
         return ServerState(
             params=jax.tree.map(lambda x, d: x + options.server_lr * d, server.params, step),
             control=jax.tree.map(lambda c, d: c + sampled / num_clients * d, server.control, control_step),
@@ -118,7 +120,7 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=Aggregation(contribute, apply),
         eval_params=eval_params,
         global_params=lambda server: {"params": server.params},
     )

@@ -22,6 +22,8 @@ The public API, importable from here:
 - ``run(config, out_dir)``: ``jaxfed run``; ``run_simulation(sim, out_dir, settings)`` drives a
   ``Simulation`` built in research code with ``LoopSettings``.
 - ``save_state`` / ``load_state``: orbax checkpoints of a simulation state.
+- ``FederatedAlgorithm``, ``Aggregation``, ``RoundInfo``: the algorithm contract;
+  ``server_step(algorithm, server_state, uploads, weights)``: the server's step on stacked uploads.
 """
 
 import importlib
@@ -31,6 +33,7 @@ from jaxfed.errors import ConfigError, NonFiniteUpdateError
 from jaxfed.runs.config import Config
 
 _LAZY = {  # name -> module: the heavier pieces (the engine, orbax) load when first used
+    "Aggregation": "jaxfed.contract",
     "FederatedAlgorithm": "jaxfed.contract",
     "LoopSettings": "jaxfed.runs.rundir",
     "RoundInfo": "jaxfed.contract",
@@ -40,6 +43,7 @@ _LAZY = {  # name -> module: the heavier pieces (the engine, orbax) load when fi
     "run": "jaxfed.runs.driver",
     "run_simulation": "jaxfed.runs.driver",
     "save_state": "jaxfed.runs.checkpoint",
+    "server_step": "jaxfed.simulation",
 }
 
 
@@ -56,6 +60,7 @@ def __dir__():
 
 
 __all__ = [
+    "Aggregation",
     "Config",
     "ConfigError",
     "FederatedAlgorithm",
@@ -69,5 +74,6 @@ __all__ = [
     "run",
     "run_simulation",
     "save_state",
+    "server_step",
 ]
 __version__ = "0.1.0"

@@ -88,9 +88,54 @@ class ClientUpdateFn(Protocol):
         """
 
 
+class ContributeFn(Protocol):
+    def __call__(self, server_state: PyTree, message_up: PyTree, weight: jax.Array, info: RoundInfo) -> PyTree:
+        """One upload's share of what the server sums over the round's clients.
+
+        Args:
+          server_state: the server's state.
+          message_up: one client's upload (decoded by ``receive`` where there is one).
+          weight: float32 scalar, the client's training-set size. A row of weight 0 (padding, a
+            skipped client) counts as contributing zero, whatever this returns.
+          info: the round being run and the client's tier.
+
+        Returns:
+          a pytree of arrays of one structure and shape for every client of every tier (e.g.
+          :func:`jaxfed.core.weighted_share`); the engine sums them leafwise, chunk by chunk and
+          across devices, and never holds every upload of a round at once.
+        """
+
+
+class ApplyFn(Protocol):
+    def __call__(self, server_state: PyTree, total: PyTree, info: RoundInfo) -> PyTree:
+        """The server's new state from the round's summed contributions.
+
+        Args:
+          server_state: the server's state.
+          total: the leafwise sum of every kept client's ``contribute``.
+          info: the round being run; ``tier`` is None (every tier's clients are in the sum).
+
+        Returns:
+          the new server state. The engine keeps the old one when no client carried weight.
+        """
+
+
+class Aggregation(NamedTuple):
+    """Server aggregation as a reduction: ``contribute`` per upload, summed, then ``apply``.
+
+    Attributes:
+      contribute: :class:`ContributeFn`.
+      apply: :class:`ApplyFn`.
+    """
+
+    contribute: ContributeFn
+    apply: ApplyFn
+
+
 class ServerUpdateFn(Protocol):
     def __call__(self, server_state: PyTree, messages_up: PyTree, weights: jax.Array, info: RoundInfo) -> PyTree:
-        """The server's aggregation of the round's uploads.
+        """The server's aggregation of the round's uploads, all at once: for an algorithm whose
+        step is not a sum over clients (every built-in's is: they give an :class:`Aggregation`).
 
         Args:
           server_state: the server's state.
@@ -201,11 +246,13 @@ class FederatedAlgorithm(NamedTuple):
     """A federated algorithm: a name and pure functions the engine calls every round.
 
     A round: ``broadcast`` per tier, ``client_update`` per sampled client (vmapped), ``receive``
-    per upload (tiers only), then one ``server_update`` over every upload. The server sees the
-    uploads (``message_up``) and nothing else: what a client keeps private stays in its
-    ``client_state``. States and messages are pytrees of arrays (``NamedTuple`` records read best).
+    per upload (tiers only), then the server's step: ``aggregation`` (``contribute`` per upload,
+    summed over the clients as they run, then ``apply``), or ``server_update`` over every upload
+    at once. Give exactly one of the two. The server sees the uploads (``message_up``) and nothing
+    else: what a client keeps private stays in its ``client_state``. States and messages are
+    pytrees of arrays (``NamedTuple`` records read best).
 
-    Construct it with keywords: the optional fields come in groups (evaluation, tiers,
+    Construct it with keywords: the optional fields come in groups (server, evaluation, tiers,
     accounting, client init) whose order may change. A minimal FedAvg::
 
         def init(rng):
@@ -220,12 +267,12 @@ class FederatedAlgorithm(NamedTuple):
             )
             return client_state, variables["params"], metrics
 
-        def server_update(server_state, messages_up, weights, info):
-            return weighted_mean(messages_up, weights)  # rows of weight 0 drop out
-
         fedavg = FederatedAlgorithm(
             name="fedavg", init=init, broadcast=broadcast, client_update=client_update,
-            server_update=server_update,
+            aggregation=Aggregation(
+                contribute=lambda server_state, params, weight, info: weighted_share(params, weight),
+                apply=lambda server_state, total, info: mean_of(total),  # sum w x / sum w
+            ),
             eval_params=lambda server_state, client_state: {"params": server_state},
             global_params=lambda server_state: {"params": server_state},
         )
@@ -235,8 +282,10 @@ class FederatedAlgorithm(NamedTuple):
       init: :class:`InitFn`.
       broadcast: :class:`BroadcastFn`.
       client_update: :class:`ClientUpdateFn`.
-      server_update: :class:`ServerUpdateFn`.
       eval_params: :class:`EvalParamsFn`.
+      aggregation: (server) :class:`Aggregation`: the server's step as a sum over clients; a
+        round's memory then grows with the chunk of clients run together, not with the clients.
+      server_update: (server) :class:`ServerUpdateFn`: the server's step over every upload at once.
       global_params: (evaluation) :class:`GlobalParamsFn`; None: no global model, no global accuracy.
       evaluates_global: (evaluation) every client's personalized model is the global one: the
         engine evaluates it once over the pooled test examples.
@@ -256,8 +305,10 @@ class FederatedAlgorithm(NamedTuple):
     init: InitFn
     broadcast: BroadcastFn
     client_update: ClientUpdateFn
-    server_update: ServerUpdateFn
     eval_params: EvalParamsFn
+    # server: exactly one of
+    aggregation: Aggregation | None = None
+    server_update: ServerUpdateFn | None = None
     # evaluation
     global_params: GlobalParamsFn | None = None
     evaluates_global: bool = False
@@ -271,3 +322,13 @@ class FederatedAlgorithm(NamedTuple):
     download_bytes: DownloadBytesFn | None = None
     # client init
     init_client: InitClientFn | None = None
+
+
+def check_server_step(algorithm: FederatedAlgorithm) -> None:
+    """A ValueError unless ``algorithm`` gives exactly one of ``aggregation`` and ``server_update``."""
+    given = [f for f in ("aggregation", "server_update") if getattr(algorithm, f) is not None]
+    if len(given) != 1:
+        raise ValueError(
+            f"{algorithm.name}: give exactly one of aggregation (a sum over clients) and server_update "
+            f"(every upload at once); got {' and '.join(given) if given else 'neither'}"
+        )

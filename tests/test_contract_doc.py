@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import make_federation
 
-from jaxfed.contract import FederatedAlgorithm, RoundInfo
+from jaxfed.contract import Aggregation, FederatedAlgorithm, RoundInfo
 from jaxfed.options import TrainingOptions
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "contract.md"
@@ -25,12 +25,15 @@ TABLE_ROW = re.compile(r"^\| `(\w+)` \| (.*?) \|")
 
 
 def protocols(record=FederatedAlgorithm) -> dict[str, type]:
-    """``{field: Protocol}`` of the record's function fields, from their annotations."""
+    """``{field: Protocol}`` of the record's function fields, from their annotations; a field that
+    is itself a record of functions (``aggregation``) gives its own fields."""
     found = {}
     for name, hint in typing.get_type_hints(record).items():
         for kind in typing.get_args(hint) or (hint,):
             if getattr(kind, "_is_protocol", False):
                 found[name] = kind
+            elif isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields"):
+                found.update(protocols(kind))
     return found
 
 
@@ -133,8 +136,8 @@ def test_the_contract_page_matches_the_code():
 
 def test_every_function_field_has_a_protocol():
     functions = protocols()
-    data_fields = {"name", "num_tiers", "evaluates_global", "eval_model"}
-    assert set(functions) == set(FederatedAlgorithm._fields) - data_fields
+    data_fields = {"name", "num_tiers", "evaluates_global", "eval_model", "aggregation"}
+    assert set(functions) == set(FederatedAlgorithm._fields) - data_fields | set(Aggregation._fields)
 
 
 def _swap(text: str, a: str, b: str) -> str:
@@ -145,6 +148,7 @@ def _swap(text: str, a: str, b: str) -> str:
     "change, expected",
     [
         (lambda t: _swap(t, "num_tiers=None", "receive=None"), "record fields"),
+        (lambda t: t.replace("`contribute(server_state, message_up, weight, info)", "`contribute(m, w)"), "contribute"),
         (lambda t: t.replace("global_params=None,", "global_params=0,"), "record field global_params"),
         (lambda t: t.replace("`broadcast(server_state, info)", "`broadcast(server_state, tier)"), "broadcast"),
         (
@@ -197,14 +201,15 @@ def test_the_check_sees_code_that_drifted():
 def test_the_example_in_the_record_runs(mlp, digits):
     """FederatedAlgorithm's docstring example, run for two rounds by the engine: it learns."""
     from jaxfed.algorithms.training import train_classifier
-    from jaxfed.core import weighted_mean
+    from jaxfed.core import mean_of, weighted_share
     from jaxfed.simulation import Simulation
 
     doc = FederatedAlgorithm.__doc__
     example = textwrap.dedent(doc.split("A minimal FedAvg::\n", 1)[1].split("\n    Attributes:", 1)[0])
     options = TrainingOptions(lr=0.1, local_epochs=1, batch_size=32)
-    scope = {"model": mlp, "options": options, "train_classifier": train_classifier, "weighted_mean": weighted_mean}
-    scope["FederatedAlgorithm"] = FederatedAlgorithm
+    scope = {"model": mlp, "options": options, "train_classifier": train_classifier}
+    scope |= {"FederatedAlgorithm": FederatedAlgorithm, "Aggregation": Aggregation}
+    scope |= {"weighted_share": weighted_share, "mean_of": mean_of}
     exec(compile(example, "FederatedAlgorithm example", "exec"), scope)
     sim = Simulation(scope["fedavg"], mlp, make_federation(digits, num_clients=4, alpha=1.0), participation=1.0)
     state, metrics = sim.run_rounds(sim.init(), 2)

@@ -8,6 +8,7 @@ from conftest import round_info
 from jaxfed.algorithms.ensemble import Upload, ensemble
 from jaxfed.data import ClientData
 from jaxfed.nn.models import Mixture
+from jaxfed.simulation import server_step
 
 
 def _ensemble(model, **options):
@@ -33,7 +34,7 @@ def test_members_are_averaged_with_p_k_given_c_and_routers_stay_private(mlp, dig
     stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server.members)
     pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
     weights = np.array([20.0, 50.0, 30.0])
-    new = alg.server_update(server, Upload(stacked, pi), jnp.asarray(weights), round_info(0, None))
+    new = server_step(alg, server, Upload(stacked, pi), jnp.asarray(weights))
     w = weights[:, None] * np.asarray(pi, np.float64)
     w = w / w.sum(0)
     for got, rows in zip(jax.tree.leaves(new.members), jax.tree.leaves(stacked)):

@@ -21,6 +21,7 @@ from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.cli import main
 from jaxfed.data import ClientData
+from jaxfed.simulation import server_step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCAFFOLD = str(EXAMPLES / "scaffold.py")
@@ -85,7 +86,7 @@ def test_scaffold_server_step_is_the_papers_formula(scaffold_module, mlp):
     ]
     stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *uploads)
     weights = jnp.array([40.0, 0.0, 10.0])  # the middle row is padding: weight 0
-    new = alg.server_update(server, stacked, weights, round_info(0, None))
+    new = server_step(alg, server, stacked, weights)
     for key in ("fc1", "head"):
         dx = [np.float64(u.delta_params[key]["kernel"]) for u in uploads]
         dc = [np.float64(u.delta_control[key]["kernel"]) for u in uploads]

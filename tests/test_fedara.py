@@ -13,7 +13,7 @@ from jaxfed.core.losses import masked_loss
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 
 
 def _fedara(model, lr=0.05, **options):
@@ -145,8 +145,7 @@ def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_c
     )
     assert float(metrics["steps"]) > 0
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), upload)
-    received = jax.vmap(lambda m: alg.receive(server, m, round_info(0, 0)))(stacked)  # the server decodes each upload
-    new = alg.server_update(server, received, jnp.array([30.0, 50.0]), round_info(0, None))
+    new = server_step(alg, server, stacked, jnp.array([30.0, 50.0]))  # the server decodes each upload
     for before, after in zip(jax.tree.leaves(server.fe), jax.tree.leaves(new.fe)):
         np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
 

@@ -12,7 +12,7 @@ from jaxfed.algorithms.fedcspack import fedcspack
 from jaxfed.cli import main
 from jaxfed.core import packs as pk
 from jaxfed.data import ClientData
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 
 PACK = 1024
 
@@ -115,7 +115,7 @@ def test_server_moves_only_sent_packs_and_the_new_mask_sums_the_weights(mlp, dig
     server, client = jax.jit(alg.init)(jax.random.key(0))
     uploads = [_client_update(alg, digits_federation, server, client, client=c, seed=c)[1] for c in (1, 4)]
     stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *uploads)
-    new = alg.server_update(server, stacked, jnp.array([50.0, 80.0]), round_info(0, None))
+    new = server_step(alg, server, stacked, jnp.array([50.0, 80.0]))
     before, after = _packs(server.params), _packs(new.params)
     mask = np.zeros(before.shape[0])
     for u in uploads:

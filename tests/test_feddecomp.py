@@ -17,7 +17,7 @@ from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn import split_variables
 from jaxfed.nn.models import Model
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 
 
 def _feddecomp(model, local_epochs=1, lora_epochs=0, lr=0.05, momentum=0.0, **options):
@@ -131,7 +131,7 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
     rng = np.random.default_rng(0)
     uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server)
     counts = np.array([10.0, 30.0, 0.0])  # the third is padding
-    new = alg.server_update(server, uploads, jnp.asarray(counts), round_info(0, None))
+    new = server_step(alg, server, uploads, jnp.asarray(counts))
     p = counts / counts.sum() if aggregation == "samples" else np.array([0.5, 0.5, 0.0])
     for got, stacked in zip(jax.tree.leaves(new.params), jax.tree.leaves(uploads)):
         expected = np.tensordot(p, np.asarray(stacked, np.float64), axes=1)
@@ -248,7 +248,7 @@ def test_batchnorm_statistics_are_averaged_with_sigma_or_kept_by_each_client(dig
         uploads.append(upload)
         clients.append(new_client)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *uploads)
-    new_server = alg.server_update(server, stacked, jnp.ones(3), round_info(0, None))
+    new_server = server_step(alg, server, stacked, jnp.ones(3))
     evaluated = alg.eval_params(new_server, clients[0])
     if batch_stats == "shared":
         assert jax.tree.leaves(new_server.model_state) and not jax.tree.leaves(clients[0].model_state)

@@ -14,7 +14,7 @@ from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import interior_layers
 from jaxfed.runs.config import Config
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 
 
 def _fedhm(model, lr=0.05, **options):
@@ -65,9 +65,7 @@ def test_server_reconstructs_each_upload_then_averages_with_sample_weights(mlp):
 
     messages = (noisy(alg.broadcast(server, round_info(0, 0)), 2), noisy(alg.broadcast(server, round_info(0, 1)), 1))
     weights = jnp.array([10.0, 30.0, 60.0])
-    received = [jax.vmap(lambda m, t=t: alg.receive(server, m, round_info(0, t)))(m) for t, m in enumerate(messages)]
-    stacked = jax.tree.map(lambda *rows: jnp.concatenate(rows), *received)
-    new = alg.server_update(server, stacked, weights, round_info(0, None))
+    new = server_step(alg, server, list(messages), [weights[:2], weights[2:]])  # one stack per tier
 
     uploads = [jax.tree.map(lambda a, i=i: np.float64(a[i]), m) for m, n in zip(messages, (2, 1)) for i in range(n)]
     fc2 = [m["fc2"]["u"] @ m["fc2"]["v"].T for m in uploads]  # each client's kernel, then the mean

@@ -10,7 +10,7 @@ from jaxfed.algorithms.fedloru import Upload, fedloru
 from jaxfed.cli import main
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
-from jaxfed.simulation import Simulation, sampling
+from jaxfed.simulation import Simulation, sampling, server_step
 
 
 def _algorithm(mlp, **options):
@@ -35,7 +35,7 @@ def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
     x = jnp.asarray(digits.x_test[:64])
     before = _logits(alg, mlp, server, x)
     stacked = jax.tree.map(lambda a: a[None], _message(alg, server))
-    after_state = alg.server_update(server, stacked, jnp.ones(1), round_info(2, None))  # round 2 (0-based) accumulates
+    after_state = server_step(alg, server, stacked, jnp.ones(1), round_=2)  # round 2 (0-based) accumulates
     np.testing.assert_allclose(_logits(alg, mlp, after_state, x), before, rtol=1e-5, atol=1e-5)
     key = next(iter(server.loras))
     kernel_before = lowrank.get_layer(server.params, key)["kernel"]
@@ -47,12 +47,9 @@ def test_accumulation_leaves_the_model_unchanged(mlp, digits, reinit):
     else:  # continued factors: W holds them once, the model subtracts what W already holds
         np.testing.assert_array_equal(after_state.loras[key].up, server.loras[key].up)
         np.testing.assert_array_equal(after_state.merged[key].up, server.loras[key].up)
-        again = alg.server_update(
-            after_state,
-            jax.tree.map(lambda a: a[None], _message(alg, after_state)),
-            jnp.ones(1),
-            round_info(5, None),  # and round 5
-        )
+        again = server_step(
+            alg, after_state, jax.tree.map(lambda a: a[None], _message(alg, after_state)), jnp.ones(1), round_=5
+        )  # and round 5
         np.testing.assert_allclose(_logits(alg, mlp, again, x), before, rtol=1e-5, atol=1e-5)
 
 
@@ -63,7 +60,7 @@ def test_factors_are_averaged_separately(mlp):
     two = two._replace(loras={k: lowrank.LoRA(2 * f.down, f.up) for k, f in two.loras.items()})
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), _message(alg, one), _message(alg, two))
     weights = jnp.array([1.0, 3.0])
-    new = alg.server_update(server, stacked, weights, round_info(0, None))
+    new = server_step(alg, server, stacked, weights)
     for key in server.loras:
         a, b = one.loras[key], two.loras[key]
         np.testing.assert_allclose(new.loras[key].down, (np.asarray(a.down) + 3 * np.asarray(b.down)) / 4, rtol=1e-6)

@@ -10,7 +10,7 @@ from jaxfed.algorithms.fedloru import Upload, fedloru, mfedloru, pfedloru, with_
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 
 # ----- pFedLoRU --------------------------------------------------------------------------------
 
@@ -103,8 +103,7 @@ def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(ml
         for _ in range(2)
     ]
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), *uploads)
-    received = jax.vmap(lambda m: alg.receive(server, m, round_info(0, 0)))(stacked)  # the server decodes each upload
-    new = alg.server_update(server, received, jnp.array([1.0, 3.0]), round_info(0, None))
+    new = server_step(alg, server, stacked, jnp.array([1.0, 3.0]))  # the server decodes each upload
     base = server.loras["fc2"]
     (d0, u0), (d1, u1) = (u.nested["fc2"] for u in uploads)
     down = [np.float64(base.down) + np.float64(d.down) @ np.float64(d.up) for d in (d0, d1)]

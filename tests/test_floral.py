@@ -10,24 +10,30 @@ from conftest import make_federation, round_info
 from jaxfed.algorithms.floral import Upload, floral, local_adaptor
 from jaxfed.cli import main
 from jaxfed.core import adaptors as ad
-from jaxfed.core.routing import component_weights
+from jaxfed.core import mean_of
+from jaxfed.core.routing import mixture_share
 from jaxfed.data import ClientData
 from jaxfed.nn import Model
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 
 
 def _floral(model, **options):
     return floral(model, lr=0.05, local_epochs=1, batch_size=32, **options)
 
 
-def test_component_weights_are_p_k_given_c():
+def test_summed_mixture_shares_average_each_component_with_p_k_given_c():
     rng = np.random.default_rng(0)
     pi = rng.dirichlet(np.ones(3), size=4)
     p = np.array([10.0, 30.0, 0.0, 60.0])  # the third is padding
-    expected = np.array(
-        [[p[k] * pi[k, c] / sum(p[j] * pi[j, c] for j in range(4)) for c in range(3)] for k in range(4)]
-    )
-    np.testing.assert_allclose(component_weights(jnp.asarray(pi), jnp.asarray(p)), expected, rtol=1e-5)
+    x = rng.normal(size=(4, 3, 5))
+    previous = rng.normal(size=(3, 5))
+    shares = [mixture_share(jnp.asarray(x[k], jnp.float32), jnp.asarray(pi[k], jnp.float32), p[k]) for k in range(4)]
+    got = mean_of(jax.tree.map(lambda *s: sum(s), *shares), jnp.asarray(previous, jnp.float32))
+    p_k_c = np.array([[p[k] * pi[k, c] / sum(p[j] * pi[j, c] for j in range(4)) for c in range(3)] for k in range(4)])
+    expected = np.einsum("kc,kcd->cd", p_k_c, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    unused = mean_of(mixture_share(jnp.asarray(x[0], jnp.float32), jnp.array([1.0, 0.0, 0.0]), 5.0), previous)
+    np.testing.assert_array_equal(unused[1:], np.float32(previous[1:]))  # a component nobody used keeps its value
 
 
 def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
@@ -38,9 +44,7 @@ def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
     stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(n,) + a.shape), jnp.float32), server)
     pi = jnp.asarray([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], jnp.float32)
     weights = np.array([20.0, 50.0, 30.0])
-    new = alg.server_update(
-        server, Upload(stacked.base, stacked.adaptors, pi), jnp.asarray(weights), round_info(0, None)
-    )
+    new = server_step(alg, server, Upload(stacked.base, stacked.adaptors, pi), jnp.asarray(weights))
     p = weights / weights.sum()
     for got, rows in zip(jax.tree.leaves(new.base), jax.tree.leaves(stacked.base)):
         np.testing.assert_allclose(got, np.tensordot(p, np.asarray(rows, np.float64), axes=1), rtol=1e-5, atol=1e-6)

@@ -1,12 +1,12 @@
 """Property-based invariants (hypothesis): aggregation means and partitioners."""
 
+import jax
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxfed.core import masked_weighted_mean, weighted_mean
+from jaxfed.core import mean_of, weighted_mean, weighted_share
 from jaxfed.data import partition
 from jaxfed.errors import ConfigError
 
@@ -79,18 +79,19 @@ def masked_case(draw):
 
 @FAST
 @given(masked_case())
-def test_masked_mean_positions_nobody_sent_keep_the_previous_value(case):
+def test_summed_shares_keep_the_previous_value_where_nobody_sent(case):
+    """Per-position shares (a weight per position, 0 where not sent), summed over the clients in
+    any order, then :func:`mean_of`: the float64 formula; positions nobody sent keep their value."""
     previous, tree, masks, weights = case
-    result = masked_weighted_mean(previous, tree, masks, weights)
     for key in tree:
-        senders = masks[key].sum(axis=0)
-        got = np.asarray(result[key])
+        per_position = weights.reshape((-1,) + (1,) * (tree[key].ndim - 1)) * masks[key]
+        shares = [weighted_share(tree[key][k], per_position[k]) for k in range(len(weights))]
+        got = np.asarray(mean_of(jax.tree.map(lambda *s: sum(s), *shares), previous[key]))
+        backwards = jax.tree.map(lambda *s: sum(s), *shares[::-1])
+        np.testing.assert_allclose(got, mean_of(backwards, previous[key]), rtol=1e-5, atol=1e-4)
+        senders = (per_position > 0).sum(axis=0)
         np.testing.assert_array_equal(got[senders == 0], previous[key][senders == 0])
-        only = senders == 1  # exactly one sender: that sender's value
-        sender_value = np.where(masks[key], tree[key], 0).sum(axis=0)
-        np.testing.assert_allclose(got[only], sender_value[only], rtol=1e-6)
-        # everywhere: the formula in float64
-        w = weights.reshape((-1,) + (1,) * (tree[key].ndim - 1)).astype(np.float64) * masks[key]
+        w = per_position.astype(np.float64)
         expected = np.where(senders > 0, (w * tree[key]).sum(0) / np.maximum(w.sum(0), 1e-30), previous[key])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
@@ -140,9 +141,7 @@ def test_partitioners_cover_without_duplicates(name, num_clients, num_classes, a
         assert sum(map(len, test)) == int(np.isin(y_test, held).sum())
 
 
-@pytest.mark.parametrize("weights", [np.zeros(3, np.float32)])
-def test_masked_mean_with_no_weight_keeps_everything(weights):
-    previous = {"w": np.arange(4, dtype=np.float32)}
-    tree = {"w": np.ones((3, 4), np.float32)}
-    masks = {"w": np.ones((3, 4), bool)}
-    np.testing.assert_array_equal(masked_weighted_mean(previous, tree, masks, weights)["w"], previous["w"])
+def test_summed_shares_with_no_weight_keep_everything():
+    previous = np.arange(4, dtype=np.float32)
+    shares = [weighted_share(np.ones(4, np.float32), 0.0) for _ in range(3)]
+    np.testing.assert_array_equal(mean_of(jax.tree.map(lambda *s: sum(s), *shares), previous), previous)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import UNCLIPPED, make_federation
 
-from jaxfed.algorithms import RoundInfo
+from jaxfed.algorithms import Aggregation, RoundInfo
 from jaxfed.algorithms.fedara import fedara, lambda_at
 from jaxfed.algorithms.fedloru import fedloru
 from jaxfed.core import gather_clients, lowrank
@@ -43,11 +43,16 @@ def recorded_and_poisoned(alg, calls: list, bad_round: int = SKIPPED):
         )
         return new_state, upload, metrics
 
-    def server_update(server_state, messages, weights, info):
-        _record(calls, "server_update", info)
-        return alg.server_update(server_state, messages, weights, info)
+    def contribute(server_state, message, weight, info):
+        _record(calls, "contribute", info)
+        return alg.aggregation.contribute(server_state, message, weight, info)
 
-    wrapped = {"broadcast": broadcast, "client_update": client_update, "server_update": server_update}
+    def apply(server_state, total, info):
+        _record(calls, "apply", info)
+        return alg.aggregation.apply(server_state, total, info)
+
+    aggregation = Aggregation(contribute, apply)
+    wrapped = {"broadcast": broadcast, "client_update": client_update, "aggregation": aggregation}
     if alg.receive is not None:
 
         def receive(server_state, message, info):
@@ -99,9 +104,9 @@ def test_a_skipped_round_advances_fedaras_lambda_and_lr_together(mlp, digits):
         assert int(state.round) == r + 1
         if r != SKIPPED:  # lambda of the 1-based round r + 1: the warm-up does not fall behind
             np.testing.assert_allclose(float(metrics["lambda"]), float(lambda_at(r + 1, lam, warmup)), rtol=1e-6)
-    for name in ("broadcast", "client_update", "receive", "server_update"):  # every function saw every round
+    for name in ("broadcast", "client_update", "receive", "contribute", "apply"):  # every function saw every round
         assert _rounds_seen(calls, name) == list(range(rounds)), name
-    assert {t for n, _, t in calls if n == "server_update"} == {None}
+    assert {t for n, _, t in calls if n == "apply"} == {None}
     assert {t for n, _, t in calls if n == "broadcast"} == {0, 1}
 
     # The round after the skipped one, client 1 (tier 0) by hand: its new private head is the
@@ -159,7 +164,7 @@ def test_a_skipped_round_keeps_fedlorus_accumulations_and_downloads_on_the_engin
             if r != skipped:  # a skipped client keeps its old state: the W it held before
                 held[k] = r
         assert float(metrics["bytes_down_cached"]) == expected, r
-    for name in ("broadcast", "client_update", "download_bytes", "server_update"):
+    for name in ("broadcast", "client_update", "download_bytes", "contribute", "apply"):
         assert _rounds_seen(calls, name) == list(range(rounds)), name
 
 

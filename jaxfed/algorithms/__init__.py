@@ -7,6 +7,6 @@ Every constructor has the form ``name(model, options=None, **overrides)``.
 """
 
 from jaxfed.algorithms.registry import get, names, register
-from jaxfed.contract import FederatedAlgorithm, RoundInfo
+from jaxfed.contract import Aggregation, FederatedAlgorithm, RoundInfo
 
-__all__ = ["FederatedAlgorithm", "RoundInfo", "get", "names", "register"]
+__all__ = ["Aggregation", "FederatedAlgorithm", "RoundInfo", "get", "names", "register"]

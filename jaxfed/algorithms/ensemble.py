@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle, oracle_clusters
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import per_key, train_routed
-from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core.routing import mixture_average, oracle_init
+from jaxfed.contract import Aggregation, FederatedAlgorithm
+from jaxfed.core import mean_of
+from jaxfed.core.routing import mixture_share, oracle_init
 from jaxfed.nn import split_variables
 from jaxfed.nn.models import Mixture
 from jaxfed.options import at_least, option, resolve, sgd
@@ -80,8 +81,11 @@ def ensemble(
         )
         return RoutedClient(new_logits, model_state), Upload(members["members"], pi), metrics
 
-    def server_update(server_state, messages, weights, info):
-        return ServerState(mixture_average(messages.members, messages.mixture_weights, weights, server_state.members))
+    def contribute(server_state, message, weight, info):
+        return mixture_share(message.members, message.mixture_weights, weight)
+
+    def apply(server_state, total, info):
+        return ServerState(mean_of(total, server_state.members))  # a member nobody used keeps its value
 
     def eval_params(server_state, client_state):
         pi = options.mixture(client_state.router)
@@ -92,7 +96,7 @@ def ensemble(
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=Aggregation(contribute, apply),
         eval_params=eval_params,
         global_params=None,
         init_client=None if learned else oracle_init(num_members, num_clusters),

@@ -31,11 +31,12 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.fedhm import TieredOptions, reconstruct_upload, tier_ranks
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import TrainState, gradient_step, run_epochs
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank, weighted_mean
+from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
@@ -270,9 +271,6 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         new_client = ClientState(state.params["head"], state.model_state)
         return new_client, state.params["fe"], {**metrics, "lambda": lam_t}
 
-    def server_update(server_state, messages, weights, info):
-        return ServerState(weighted_mean(messages, weights))  # the full-kernel uploads, by sample count
-
     def eval_server(server_state, info):
         """The global FE truncated to the tier's rank (as the tier's clients run it), once per tier."""
         truncated = lowrank.reconstruct_layers(lowrank.factorize_layers(server_state.fe, ranks[info.tier]))
@@ -289,7 +287,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=averaging(lambda server_state, average, info: ServerState(average)),  # full kernels
         eval_params=eval_params,
         global_params=None,  # the heads are private: there is no global model
         num_tiers=len(ranks),

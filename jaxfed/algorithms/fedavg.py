@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import weighted_mean
 from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
 
@@ -93,9 +93,8 @@ def fedavg(
         params, model_state = split_variables(variables)
         return ClientStats(model_state), params, metrics
 
-    def server_update(server_state, messages, weights, info):
+    def finish(server_state, average, info):
         params = server_state.params
-        average = weighted_mean(messages, weights)
         if server_optimizer is None:
             return ServerState(average, server_state.opt_state)
         pseudo_grad = jax.tree.map(jnp.subtract, params, average)
@@ -114,7 +113,7 @@ def fedavg(
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=averaging(finish),
         eval_params=eval_params,
         # A model with BatchNorm has no global statistics: its global model is undefined.
         global_params=None if has_private_stats else global_params,

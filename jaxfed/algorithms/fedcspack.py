@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
-from jaxfed.contract import FederatedAlgorithm
+from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import packs as pk
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
@@ -170,11 +170,13 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         metrics = {**metrics, "packs_sent": jnp.sum(sent).astype(jnp.float32)}
         return ClientState(params, model_state, info.round), upload, metrics
 
-    def server_update(server_state, messages, weights, info):
-        participating = (weights > 0)[:, None]  # padding and skipped clients send nothing
-        pack_weights = jnp.where(participating & messages.sent, messages.weights, 0.0)
-        global_packs = view.to_packs(server_state.params)
-        new_packs, mask = pk.aggregate_packs(global_packs, messages.indices, messages.deltas, pack_weights)
+    def contribute(server_state, message, weight, info):
+        pack_weights = jnp.where(message.sent, message.weights, 0.0)
+        return pk.pack_share(view.to_packs(server_state.params), message.indices, message.deltas, pack_weights)
+
+    def apply(server_state, total, info):
+        new_packs = pk.aggregated_packs(view.to_packs(server_state.params), total)
+        mask = total.weight  # M_j
         updated = jnp.where(mask > 0, info.round + 1, server_state.updated)  # > the last_seen of this round
         return ServerState(view.to_tree(new_packs), mask, updated)
 
@@ -192,7 +194,7 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=Aggregation(contribute, apply),
         eval_params=eval_params,
         global_params=None if private_stats else global_params,
         message_bytes=message_bytes,

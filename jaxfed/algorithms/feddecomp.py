@@ -28,10 +28,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxfed.algorithms.aggregation import averaging, uniform_averaging
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank, uniform_mean, weighted_mean
+from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import no_adaptable_layers
@@ -256,10 +257,8 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
             return ClientState(tau, {}), SharedModel(sigma, model_state), metrics
         return ClientState(tau, model_state), SharedModel(sigma, {}), metrics
 
-    def server_update(server_state, messages, weights, info):
-        if aggregation == "uniform":  # each kept client once; padding and skipped rows weigh 0
-            return uniform_mean(messages, weights)
-        return weighted_mean(messages, weights)
+    def finish(server_state, average, info):
+        return average
 
     def eval_params(server_state, client_state):
         tau = client_state.tau
@@ -273,7 +272,8 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        server_update=server_update,
+        # each kept client once (uniform), or by its training-set size
+        aggregation=(uniform_averaging if aggregation == "uniform" else averaging)(finish),
         eval_params=eval_params,
         # With private BatchNorm statistics there is no global model to evaluate.
         global_params=global_params if shared_stats or not model_stats else None,

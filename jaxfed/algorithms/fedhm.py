@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.records import ClientStats, GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank, weighted_mean
+from jaxfed.core import lowrank
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import choose_layers
@@ -137,9 +138,6 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         trained, model_state = split_variables(variables)
         return ClientStats(model_state), trained, metrics
 
-    def server_update(server_state, messages, weights, info):
-        return GlobalParams(weighted_mean(messages, weights))  # the full-kernel uploads, by sample count
-
     def eval_params(server_state, client_state):
         return {"params": server_state.params, **client_state.model_state}
 
@@ -151,7 +149,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=averaging(lambda server_state, average, info: GlobalParams(average)),  # full kernels
         eval_params=eval_params,
         global_params=None if private_stats else global_params,
         num_tiers=len(ranks),

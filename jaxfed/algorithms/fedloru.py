@@ -37,8 +37,8 @@ import jax.numpy as jnp
 
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
-from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank, tree_bytes, tree_select, weighted_mean
+from jaxfed.contract import Aggregation, FederatedAlgorithm
+from jaxfed.core import lowrank, mean_of, tree_bytes, tree_select, weighted_share
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import choose_layers
 from jaxfed.options import TrainingOptions, at_least, each, non_negative, one_of, option, rank_ratio, resolve
@@ -297,14 +297,18 @@ def _server_init(model, adapted: _Adapted, init: str = "lora"):
     return init_fn
 
 
-def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
-    """``server_update(server_state, messages, weights, info)``: FedLoRU's server step from the
-    stacked uploads of the full parameters and the (rank-r) factors: separate weighted means, then
-    accumulation after every ``accumulate_every``-th round (rounds completed a multiple of it)."""
+def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool) -> Aggregation:
+    """FedLoRU's server step from the uploads of the full parameters and the (rank-r) factors:
+    separate sample-weighted means, then accumulation after every ``accumulate_every``-th round
+    (rounds completed a multiple of it)."""
 
-    def update(server_state, messages, weights, info):
-        params = lowrank.merge_kernels(weighted_mean(messages.free, weights), adapted.split(server_state.params)[1])
-        loras, merged = weighted_mean(messages.loras, weights), server_state.merged
+    def contribute(server_state, message, weight, info):
+        return weighted_share(message.free, weight), weighted_share(message.loras, weight)
+
+    def apply(server_state, total, info):
+        free, loras = (mean_of(part) for part in total)
+        params = lowrank.merge_kernels(free, adapted.split(server_state.params)[1])
+        merged = server_state.merged
         if accumulate_every:
             completed = info.round + 1  # the rounds completed after this one
             lora_rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), completed)
@@ -316,7 +320,7 @@ def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool):
             loras = tree_select(now, restarted, loras)
         return server_state._replace(params=params, loras=loras, merged=merged)
 
-    return update
+    return Aggregation(contribute, apply)
 
 
 def _global_model(adapted: _Adapted):
@@ -364,7 +368,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
         init=_server_init(model, adapted, options.init),
         broadcast=_broadcaster(options),
         client_update=client_update,
-        server_update=aggregate,
+        aggregation=aggregate,
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,
@@ -442,7 +446,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
         init=init,
         broadcast=_broadcaster(options),
         client_update=client_update,
-        server_update=aggregate,
+        aggregation=aggregate,
         eval_params=eval_params,
         global_params=None if adapted.has_private_stats else global_params,
         download_bytes=_download_counter(adapted, options),
@@ -533,7 +537,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         init=_server_init(model, adapted, options.init),
         broadcast=broadcast,
         client_update=client_update,
-        server_update=aggregate,
+        aggregation=aggregate,
         eval_params=lambda server_state, client_state: {**global_params(server_state), **client_state.model_state},
         global_params=None if adapted.has_private_stats else global_params,
         evaluates_global=not adapted.has_private_stats,

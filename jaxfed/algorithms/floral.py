@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import per_key, train_parameters, train_routed
-from jaxfed.contract import FederatedAlgorithm
+from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import adaptors as ad
-from jaxfed.core import weighted_mean
-from jaxfed.core.routing import ROUTERS, check_router, mixture_average, mixture_weights, oracle_init
+from jaxfed.core import mean_of, weighted_share
+from jaxfed.core.routing import ROUTERS, check_router, mixture_share, mixture_weights, oracle_init
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import no_adaptable_layers
@@ -244,11 +245,12 @@ def floral(
         )
         return RoutedClient(new_logits, model_state), Upload(trained["base"], trained["adaptors"], pi), metrics
 
-    def server_update(server_state, messages, weights, info):
-        return ServerState(
-            base=weighted_mean(messages.base, weights),
-            adaptors=mixture_average(messages.adaptors, messages.mixture_weights, weights, server_state.adaptors),
-        )
+    def contribute(server_state, message, weight, info):
+        return weighted_share(message.base, weight), mixture_share(message.adaptors, message.mixture_weights, weight)
+
+    def apply(server_state, total, info):
+        base, adaptors = total
+        return ServerState(base=mean_of(base), adaptors=mean_of(adaptors, server_state.adaptors))
 
     def eval_params(server_state, client_state):
         pi = options.mixture(client_state.router)
@@ -262,7 +264,7 @@ def floral(
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=Aggregation(contribute, apply),
         eval_params=eval_params,
         global_params=None,  # every client mixes the adaptors with its own router
         init_client=None if learned else oracle_init(num_adaptors, num_clusters),
@@ -295,9 +297,6 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         )
         return AdaptorClient(trained["adaptors"], model_state), trained["base"], metrics
 
-    def server_update(server_state, messages, weights, info):
-        return GlobalParams(weighted_mean(messages, weights))
-
     def eval_params(server_state, client_state):
         return {
             "params": ad.mix(server_state.params, client_state.adaptors, only, plan),
@@ -309,7 +308,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=averaging(lambda server_state, average, info: GlobalParams(average)),
         eval_params=eval_params,
         global_params=None,
     )

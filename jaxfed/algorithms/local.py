@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
-from jaxfed.contract import FederatedAlgorithm
+from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.options import TrainingOptions, resolve
 
 
@@ -38,9 +38,6 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         variables, metrics = train_classifier(model, optimizer, client_state.variables, data, rng, **options.batching())
         return ClientState(variables), (), metrics
 
-    def server_update(server_state, messages, weights, info):
-        return server_state
-
     def eval_params(server_state, client_state):
         return client_state.variables
 
@@ -49,7 +46,10 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        server_update=server_update,
+        aggregation=Aggregation(  # nothing to sum: the server never changes
+            contribute=lambda server_state, message, weight, info: (),
+            apply=lambda server_state, total, info: server_state,
+        ),
         eval_params=eval_params,
         global_params=None,  # every client's model is its own
     )

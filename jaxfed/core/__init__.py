@@ -1,26 +1,30 @@
 """Pure, model-agnostic building blocks on pytrees shared by every algorithm."""
 
 from jaxfed.core.tree import (
+    WeightedSum,
+    all_finite,
     concat_clients,
-    finite_rows,
     gather_clients,
-    masked_weighted_mean,
+    mean_of,
     scatter_clients,
-    select_rows,
     stack_clients,
+    tree_add,
     tree_bytes,
     tree_select,
     uniform_mean,
     weighted_mean,
+    weighted_share,
 )
 
 __all__ = [
+    "WeightedSum",
+    "all_finite",
+    "mean_of",
+    "tree_add",
+    "weighted_share",
     "concat_clients",
-    "finite_rows",
     "gather_clients",
-    "masked_weighted_mean",
     "scatter_clients",
-    "select_rows",
     "stack_clients",
     "tree_bytes",
     "tree_select",

@@ -11,8 +11,9 @@ FedCSPACK's primitives, pure and vmappable (one client's packs in, static shapes
 - :func:`select_packs`: the ``k`` packs with the lowest ``theta_j`` among those below the
   threshold, as ``k`` indices and a validity mask (fewer than ``k`` may qualify).
 - :func:`pack_weights`: the double weight ``|theta + beta|`` (or ``|theta|``, ``|beta|``).
-- :func:`aggregate_packs`: each pack's weighted mean over the clients that sent it (the shared
-  :func:`~jaxfed.core.tree.masked_weighted_mean`); a pack nobody sent keeps its value.
+- :func:`pack_share` / :func:`aggregated_packs`: a client's share of each pack's weighted mean
+  over the clients that sent it, summed by the engine; a pack nobody sent keeps its value
+  (:func:`aggregate_packs`: the same over stacked uploads).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from jaxfed.core.tree import masked_weighted_mean
+from jaxfed.core.tree import WeightedSum, mean_of, weighted_share
 from jaxfed.errors import ConfigError
 
 WEIGHTS = ("cos_kl", "cos", "kl")
@@ -115,16 +116,29 @@ def scatter_packs(num_packs: int, indices: jax.Array, rows: jax.Array) -> jax.Ar
     return jnp.zeros((num_packs,) + rows.shape[1:], rows.dtype).at[indices].set(rows)
 
 
-def aggregate_packs(packs: jax.Array, indices: jax.Array, deltas: jax.Array, weights: jax.Array):
-    """The server's double-weight aggregation over the stacked client axis: ``(new packs, M)``.
+def pack_share(packs: jax.Array, indices: jax.Array, deltas: jax.Array, weights: jax.Array) -> WeightedSum:
+    """One client's share of the double-weight aggregation: its sent packs (global pack plus
+    delta) at their positions, weighted by its pack weights ``m_kj`` (``[P]``, 0 where not sent).
 
-    ``packs [P, S]`` the global packs; per client ``indices [n, k]``, ``deltas [n, k, S]`` (sent
-    pack minus global pack) and ``weights [n, k]`` (0 = not sent). Each pack j becomes
-    ``PW_j + sum_k (m_kj / M_j) delta_kj`` with ``M_j = sum_k m_kj`` (returned: FedCSPACK's next
-    global mask), i.e. the ``m``-weighted mean of the senders' packs; a pack nobody sent is unchanged.
+    ``packs [P, S]`` the global packs; ``indices [k]``, ``deltas [k, S]`` (sent pack minus global
+    pack) and ``weights [k]`` (0 = not sent) the client's upload. Summed over the clients, the
+    shares' ``weight`` is ``M_j = sum_k m_kj`` (FedCSPACK's next global mask) and
+    :func:`aggregated_packs` gives each pack ``PW_j + sum_k (m_kj / M_j) delta_kj``.
     """
     num_packs = packs.shape[0]
-    sent_packs = jax.vmap(lambda i, d: scatter_packs(num_packs, i, packs[i] + d))(indices, deltas)
-    pack_weight = jax.vmap(lambda i, w: scatter_packs(num_packs, i, w))(indices, weights)
-    ones = jnp.ones((indices.shape[0],), jnp.float32)
-    return masked_weighted_mean(packs, sent_packs, pack_weight[:, :, None], ones), jnp.sum(pack_weight, axis=0)
+    sent = scatter_packs(num_packs, indices, packs[indices] + deltas)
+    return weighted_share(sent, scatter_packs(num_packs, indices, weights))
+
+
+def aggregated_packs(packs: jax.Array, total: WeightedSum) -> jax.Array:
+    """The new global packs from the summed :func:`pack_share`: the ``m``-weighted mean of the
+    senders' packs; a pack nobody sent is unchanged."""
+    return mean_of(total, packs)
+
+
+def aggregate_packs(packs: jax.Array, indices: jax.Array, deltas: jax.Array, weights: jax.Array):
+    """:func:`pack_share` summed over a stacked client axis (``indices [n, k]``, ``deltas [n, k,
+    S]``, ``weights [n, k]``) and aggregated: ``(new packs, M)``."""
+    shares = jax.vmap(lambda i, d, w: pack_share(packs, i, d, w))(indices, deltas, weights)
+    total = jax.tree.map(lambda x: jnp.sum(x, axis=0), shares)
+    return aggregated_packs(packs, total), total.weight

@@ -3,7 +3,7 @@
 A client's router is a vector of logits ``w`` (client state, never uploaded); its mixture weights
 are ``pi = softmax((w + noise) / T)``, optionally clamped from below at a floor. The server
 averages component c over the clients with ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``
-(:func:`mixture_average`). ``oracle`` routers sit on the client's ground-truth cluster
+(:func:`mixture_share`, summed and taken the mean of). ``oracle`` routers sit on the client's ground-truth cluster
 ``k mod num_clusters``: logits 0 there and -100 elsewhere, as in the authors' code.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxfed.core.tree import WeightedSum, weighted_share
 from jaxfed.errors import ConfigError
 
 ROUTERS = ("learned", "oracle")
@@ -33,23 +34,12 @@ def mixture_weights(
     return jnp.maximum(pi, floor) if floor else pi
 
 
-def component_weights(pi: jax.Array, weights: jax.Array) -> jax.Array:
-    """``[clients, C]``: ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c`` (0 for a component nobody used)."""
-    joint = weights[:, None] * pi
-    return joint / jnp.where(jnp.sum(joint, axis=0) > 0, jnp.sum(joint, axis=0), 1.0)
-
-
-def mixture_average(components, pi: jax.Array, weights: jax.Array, previous):
-    """Component c of the stacked uploads ``components`` (leaves ``[clients, C, ...]``) averaged with
-    weights ``p(k|c)``; a component no client used keeps its ``previous`` value (leaves ``[C, ...]``)."""
-    per_client = component_weights(pi, weights)
-    used = jnp.sum(weights[:, None] * pi, axis=0) > 0  # [C]
-
-    def average(x, old):
-        w = per_client.reshape(per_client.shape + (1,) * (x.ndim - 2))
-        return jnp.where(used.reshape((-1,) + (1,) * (old.ndim - 1)), jnp.sum(w * x, axis=0), old)
-
-    return jax.tree.map(average, components, previous)
+def mixture_share(components, pi: jax.Array, weight) -> WeightedSum:
+    """One client's share of the mixture average: component c of its upload ``components``
+    (leaves ``[C, ...]``) weighted ``p_k pi_kc``. Summed over the clients k and taken
+    :func:`~jaxfed.core.mean_of` (with the previous components: a component no client used keeps
+    its value), component c is ``sum_k p(k|c) x_kc`` with ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``."""
+    return weighted_share(components, weight * pi)
 
 
 def check_router(router: str, num_components: int, num_clusters: int) -> None:

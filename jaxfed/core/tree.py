@@ -7,6 +7,8 @@ aggregation is a reduction over that axis.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,23 +52,59 @@ def uniform_mean(stacked, weights):
     return weighted_mean(stacked, (jnp.asarray(weights) > 0).astype(jnp.float32))
 
 
-def masked_weighted_mean(previous, stacked, masks, weights):
-    """Per position, ``sum_k w_k m_k x_k / sum_k w_k m_k`` over the client axis, where that
-    denominator is positive; ``previous`` where no client (with positive weight) sent the position.
+class WeightedSum(NamedTuple):
+    """Clients' shares of a weighted mean, summed: ``total = sum_k w_k x_k``, ``weight = sum_k w_k``.
 
-    ``masks`` has the structure of ``stacked``, each leaf broadcastable to its shape: which
-    positions each client sent (bool or 0/1), or a per-position weight that is 0 where not sent.
-    ``previous`` has the shapes of one client's row.
+    ``weight`` is a scalar, or one weight per position of the leading axes every leaf of
+    ``total`` shares (FedCSPACK: one per pack; a mixture: one per component).
     """
-    weights = jnp.asarray(weights, jnp.float32)
 
-    def reduce(prev, x, m):
-        w = weights.reshape((-1,) + (1,) * (x.ndim - 1)) * m.astype(jnp.float32)
-        total = jnp.sum(w, axis=0)
-        mean = jnp.sum(w * x, axis=0) / jnp.where(total > 0, total, 1.0)
-        return jnp.where(total > 0, mean.astype(prev.dtype), prev)
+    total: Any
+    weight: jax.Array
 
-    return jax.tree.map(reduce, previous, stacked, masks)
+
+def weighted_share(x, weight) -> WeightedSum:
+    """One client's share of the weighted mean of ``x``: ``(w x, w)``; ``weight`` a scalar or
+    per-position weights over the leading axes of every leaf of ``x``."""
+    weight = jnp.asarray(weight, jnp.float32)
+    return WeightedSum(jax.tree.map(lambda leaf: _over_leading(weight, leaf) * leaf, x), weight)
+
+
+def mean_of(summed: WeightedSum, previous=None):
+    """``total / weight`` where the summed weight is positive; elsewhere ``previous`` (default
+    zero: the engine keeps the old server state in a round where no client carried weight)."""
+    positive = summed.weight > 0
+    safe = jnp.where(positive, summed.weight, 1.0)
+
+    def mean(total, prev):
+        value = (total / _over_leading(safe, total)).astype(total.dtype)
+        return jnp.where(_over_leading(positive, total), value, prev if prev is not None else 0)
+
+    if previous is None:
+        return jax.tree.map(lambda total: mean(total, None), summed.total)
+    return jax.tree.map(mean, summed.total, previous)
+
+
+def _over_leading(weight, leaf):
+    """``weight`` shaped to broadcast over the trailing axes of ``leaf``."""
+    return jnp.reshape(weight, jnp.shape(weight) + (1,) * (jnp.ndim(leaf) - jnp.ndim(weight)))
+
+
+def tree_add(a, b):
+    """Leafwise ``a + b`` (sums of contributions); a ValueError naming both shapes when they differ."""
+    shapes = [jax.tree.map(jnp.shape, t) for t in (a, b)]
+    if jax.tree.structure(a) != jax.tree.structure(b) or shapes[0] != shapes[1]:
+        raise ValueError(
+            f"contributions differ in structure or shape ({shapes[0]} vs {shapes[1]}); every client and every "
+            "tier must contribute one shape (decode a tier's upload with receive)"
+        )
+    return jax.tree.map(jnp.add, a, b)
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every floating value of ``tree`` is finite (a bool scalar)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
 def concat_clients(stacks):
@@ -81,20 +119,6 @@ def concat_clients(stacks):
             "that decodes every tier's upload to one shape"
         )
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *stacks)
-
-
-def finite_rows(stacked, num_rows: int):
-    """``[num_rows]`` bool: whether every floating value in client row k (all leaves) is finite."""
-    rows = jnp.ones((num_rows,), bool)
-    for x in jax.tree.leaves(stacked):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            rows = rows & jnp.all(jnp.isfinite(x.reshape(num_rows, -1)), axis=1)
-    return rows
-
-
-def select_rows(keep, on_true, on_false):
-    """Row k of ``on_true`` where ``keep[k]``, else row k of ``on_false`` (stacked pytrees)."""
-    return jax.tree.map(lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), on_true, on_false)
 
 
 def tree_select(predicate, on_true, on_false):

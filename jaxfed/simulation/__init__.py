@@ -1,11 +1,13 @@
 """The engine, by job: the round's semantics (``engine.Simulation``: sampling, tiers, the
 non-finite policy, aggregation, the compile cache), the client-execution strategy
 (``strategy.ClientStrategy``: order, padding, vmap or chunks, devices), communication accounting
-(``accounting``) and evaluation (``evaluation.Evaluation``)."""
+(``accounting``), the server's step (``server``: decode, contribute, apply; ``server_step`` on
+stacked uploads) and evaluation (``evaluation.Evaluation``)."""
 
 from jaxfed.simulation.engine import NONFINITE_POLICIES, SimState, Simulation
 from jaxfed.simulation.evaluation import Evaluation
 from jaxfed.simulation.sampling import EVAL_CLIENTS, SAMPLINGS
+from jaxfed.simulation.server import server_step
 from jaxfed.simulation.strategy import CLIENT_AXIS, ClientStrategy, default_client_chunk
 
 __all__ = [
@@ -18,4 +20,5 @@ __all__ = [
     "SimState",
     "Simulation",
     "default_client_chunk",
+    "server_step",
 ]

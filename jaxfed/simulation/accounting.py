@@ -20,11 +20,11 @@ def download_bytes(algorithm: FederatedAlgorithm, message_down, client_states, i
     return per_client(message_down, client_states, info).astype(jnp.float32)
 
 
-def upload_bytes(algorithm: FederatedAlgorithm, messages_up, count: int):
-    """``[count]``: the bytes each of the ``count`` stacked uploads takes."""
+def upload_bytes(algorithm: FederatedAlgorithm, message_up) -> jax.Array:
+    """The bytes one upload takes (float32 scalar)."""
     if algorithm.message_bytes is None:
-        return jnp.full(count, float(tree_bytes(messages_up) // count), jnp.float32)
-    return jax.vmap(algorithm.message_bytes)(messages_up).astype(jnp.float32)
+        return jnp.float32(tree_bytes(message_up))
+    return jnp.asarray(algorithm.message_bytes(message_up), jnp.float32)
 
 
 def real_total(is_real, per_client):
@@ -34,14 +34,13 @@ def real_total(is_real, per_client):
 
 def traffic(algorithm: FederatedAlgorithm, groups, tiered: bool) -> tuple[dict, dict]:
     """A round's traffic metrics from its client groups (each with ``tier``, ``is_real``,
-    ``message_down``, ``messages_up`` and ``down_bytes``): ``(totals, per_tier)``. ``totals``:
+    ``message_down``, ``up_bytes`` and ``down_bytes``): ``(totals, per_tier)``. ``totals``:
     ``bytes_up``, ``bytes_down`` (every sampled client downloads the whole message),
     ``bytes_down_cached`` (what it must download, keeping what it received before); ``per_tier``
     (a tiered algorithm's): what one client of each tier uploads (``bytes_up_client_tier<t>``,
     the mean where it varies)."""
     sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
-    per_client = [upload_bytes(algorithm, g.messages_up, len(g.ids)) for g in groups]
-    uploaded = [real_total(g.is_real, b) for g, b in zip(groups, per_client)]
+    uploaded = [real_total(g.is_real, g.up_bytes) for g in groups]
     totals = {
         "bytes_up": sum(uploaded),
         "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
@@ -49,6 +48,8 @@ def traffic(algorithm: FederatedAlgorithm, groups, tiered: bool) -> tuple[dict, 
     }
     per_tier = {}
     if tiered:
-        for g, b, up, n in zip(groups, per_client, uploaded, sent):
-            per_tier[f"bytes_up_client_tier{g.tier}"] = up / jnp.maximum(n, 1.0) if algorithm.message_bytes else b[0]
+        for g, up, n in zip(groups, uploaded, sent):
+            per_tier[f"bytes_up_client_tier{g.tier}"] = (
+                up / jnp.maximum(n, 1.0) if algorithm.message_bytes else g.up_bytes[0]
+            )
     return totals, per_tier

@@ -1,21 +1,26 @@
-"""The engine: gather -> vmapped client update -> scatter -> server update, rounds under ``lax.scan``.
+"""The engine: gather -> vmapped client update -> scatter -> server step, rounds under ``lax.scan``.
 
 Client states are one stacked pytree ``[num_clients, ...]``. A round samples client ids, orders
 them by training-set size (largest first: a vmapped chunk holds clients of similar size),
 gathers their states and data views, maps ``algorithm.client_update`` over them (``vmap`` over all,
-or ``lax.map`` over chunks of vmapped clients: ``client_chunk``), scatters the new states back by
-id, and hands the stacked messages (in that order) to ``algorithm.server_update``.
+or a scan over chunks of vmapped clients: ``client_chunk``), and scatters the new states back by
+id. The server's step is a reduction: each client's upload becomes its contribution
+(``aggregation.contribute``), summed as the chunks run and across devices, and
+``aggregation.apply`` turns the sum into the new server state, so a round never holds every
+upload at once. An algorithm with a ``server_update`` instead gets every upload stacked (in run
+order, not by client id).
 A client whose returned state, message or metrics hold NaN or inf is caught inside the round:
 ``nonfinite="error"`` rejects the whole round (state unchanged) and ``run_rounds`` raises
 :class:`NonFiniteUpdateError` with the last good state; ``nonfinite="skip"`` gives that client
 weight 0, keeps its previous state and counts it in the metrics.
 A tiered algorithm's clients run per tier (each tier's sampled clients padded to a static size,
-its own broadcast and shapes); the server decodes each tier's uploads with ``receive`` and
-``server_update`` gets one stack of every tier's rows, see :class:`FederatedAlgorithm`.
+its own broadcast and shapes); the server decodes each upload with ``receive`` into the shape
+every tier shares, see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered,
-and each device runs its own share of them (``shard_map``).
+and each device runs its own share of them (``shard_map``), the contributions summed over the
+devices (``psum``).
 The data and the state are replicated on the mesh, which may span several processes
 (``jax.distributed``; see benchmarks/two_process.py).
 """
@@ -32,25 +37,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxfed.contract import FederatedAlgorithm, RoundInfo
+from jaxfed.contract import FederatedAlgorithm, RoundInfo, check_server_step
 from jaxfed.core import (
+    all_finite,
     concat_clients,
-    finite_rows,
     gather_clients,
     scatter_clients,
-    select_rows,
     stack_clients,
     tree_select,
     weighted_mean,
 )
 from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import ConfigError, NonFiniteUpdateError
-from jaxfed.simulation import accounting, sampling
+from jaxfed.simulation import accounting, sampling, server
 from jaxfed.simulation.evaluation import Evaluation
 from jaxfed.simulation.strategy import ClientStrategy
 
 NONFINITE_POLICIES = ("error", "skip")
 MATMUL_PRECISIONS = ("default", "highest")
+
+
+class _ClientRow(NamedTuple):
+    """What the round keeps of one client once its update ran (stacked over a group's clients)."""
+
+    new_state: Any
+    metrics: Any  # zero where skipped
+    bad: jax.Array  # a real client whose update holds NaN / inf
+    weight: jax.Array  # its training-set size; 0 for padding and (nonfinite=skip) a bad client
+    up_bytes: jax.Array
+    message_up: Any  # the decoded upload, kept only for a server_update (else ())
 
 
 class _Group(NamedTuple):
@@ -59,23 +74,14 @@ class _Group(NamedTuple):
     tier: int
     ids: jax.Array  # padded with num_clients
     is_real: jax.Array
-    count: jax.Array
     message_down: Any
-    new_states: Any
-    messages_up: Any
-    client_metrics: Any
-    bad: jax.Array  # a real client whose update holds NaN / inf
+    rows: _ClientRow
+    total: Any  # the sum of the group's contributions (an aggregation), else ()
     down_bytes: jax.Array  # [clients]: what each must download, keeping what it received before
-    kept: jax.Array | None = None  # whose update counts: set by the round's non-finite policy
 
-    def without_bad_clients(self) -> _Group:
-        """``nonfinite=skip``: bad clients send zeros, report zero metrics and are not scattered."""
-        kept = ~self.bad
-        return self._replace(
-            kept=kept,
-            messages_up=select_rows(kept, self.messages_up, jax.tree.map(jnp.zeros_like, self.messages_up)),
-            client_metrics=select_rows(kept, self.client_metrics, jax.tree.map(jnp.zeros_like, self.client_metrics)),
-        )
+    @property
+    def up_bytes(self) -> jax.Array:
+        return self.rows.up_bytes
 
 
 def first_nonfinite(metrics):
@@ -141,6 +147,7 @@ class Simulation:
             raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
         if matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision: unknown '{matmul_precision}'; allowed: {', '.join(MATMUL_PRECISIONS)}")
+        check_server_step(algorithm)
         self.matmul_precision = matmul_precision
         self.nonfinite = nonfinite
         self.algorithm = algorithm
@@ -218,11 +225,11 @@ class Simulation:
 
     def init_pure(self) -> SimState:
         """The starting state (pure, not jitted: for composing, e.g. vmapped over a sweep's members)."""
-        server, client = self.algorithm.init(sampling.init_key(self.root))
+        server_state, client = self.algorithm.init(sampling.init_key(self.root))
         clients = stack_clients(client, self.num_clients)
         if self.algorithm.init_client is not None:
             clients = jax.vmap(self.algorithm.init_client)(clients, jnp.arange(self.num_clients, dtype=jnp.int32))
-        return SimState(server=server, clients=clients, round=jnp.int32(0))
+        return SimState(server=server_state, clients=clients, round=jnp.int32(0))
 
     def variant(self, root, algorithm: FederatedAlgorithm) -> Simulation:
         """This simulation with another root key and algorithm (same data layout, devices and
@@ -255,39 +262,41 @@ class Simulation:
         return [(t, self.strategy.padded_ids(ids, fill)) for t, ids in groups]
 
     def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids):
-        """``client_update`` of the clients ``ids`` (one tier): their new states, messages, metrics."""
+        """``client_update`` of the clients ``ids`` (one tier): their rows (new states, metrics,
+        weights, ...) and the sum of their contributions to the server's step."""
         alg = self.algorithm
         ids = ids[self.strategy.run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
         client_data = data.train_data(ids)
         info = RoundInfo(round=state.round, tier=tier)  # the round's one home is the engine's state
         message_down = alg.broadcast(state.server, info)
+        states = gather_clients(state.clients, ids)
+        per_client = (ids, states, client_data.indices, client_data.count, sampling.client_keys(key, ids))
+        shared = (state.server, message_down, client_data.x, client_data.y, info)
+        rows, total = self.strategy.map_clients(self._one_client, shared, per_client)
+        down_bytes = accounting.download_bytes(alg, message_down, states, info, len(ids))
+        return _Group(tier, ids, ids < self.num_clients, message_down, rows, total, down_bytes)
 
-        def update(shared, args):
-            message_down, x, y, info = shared
-            client_state, indices, count, rng = args
-            return alg.client_update(message_down, client_state, ClientData(x, y, indices, count), rng, info)
-
-        per_client = (
-            gather_clients(state.clients, ids),
-            client_data.indices,
-            client_data.count,
-            sampling.client_keys(key, ids),
+    def _one_client(self, shared, client):
+        """One client's update and what the round keeps of it: ``(row, contribution)``. The
+        contribution (an aggregation's share, zero for a row of weight 0) is summed by the strategy."""
+        alg = self.algorithm
+        server_state, message_down, x, y, info = shared
+        client_id, client_state, indices, count, rng = client
+        new_state, message, metrics = alg.client_update(
+            message_down, client_state, ClientData(x, y, indices, count), rng, info
         )
-        shared = (message_down, client_data.x, client_data.y, info)
-        new_states, messages_up, client_metrics = self.strategy.map_clients(update, shared, per_client)
-        is_real = ids < self.num_clients
-        updated = (new_states, messages_up, client_metrics)
-        bad = is_real & ~finite_rows(updated, len(ids))
-        down_bytes = accounting.download_bytes(alg, message_down, per_client[0], info, len(ids))
-        return _Group(tier, ids, is_real, client_data.count, message_down, *updated, bad, down_bytes)
-
-    def _received(self, server, group: _Group, round_):
-        """The group's uploads as the server decodes them (``receive``, per client), in the shape
-        every tier shares."""
-        if self.algorithm.receive is None:
-            return group.messages_up
-        info = RoundInfo(round=round_, tier=group.tier)
-        return jax.vmap(lambda message: self.algorithm.receive(server, message, info))(group.messages_up)
+        real = client_id < self.num_clients
+        bad = real & ~all_finite((new_state, message, metrics))
+        kept = real & ~bad if self.nonfinite == "skip" else real  # error: the whole round is judged after
+        if self.nonfinite == "skip":  # a bad client keeps its old state and sends nothing
+            message, metrics = tree_select(bad, jax.tree.map(jnp.zeros_like, (message, metrics)), (message, metrics))
+        weight = jnp.where(kept, count, 0).astype(jnp.float32)
+        up_bytes = accounting.upload_bytes(alg, message)
+        decoded = server.decode(alg, server_state, message, info)  # the shape every tier shares
+        if alg.aggregation is None:
+            return _ClientRow(new_state, metrics, bad, weight, up_bytes, decoded), ()
+        share = server.contribution(alg, server_state, decoded, weight, info)
+        return _ClientRow(new_state, metrics, bad, weight, up_bytes, ()), share
 
     def round(self, state: SimState, data: FederatedData):
         """One round (pure): returns the new state and this round's metrics."""
@@ -295,37 +304,32 @@ class Simulation:
         real_ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
         groups = [self._update_group(state, data, key, t, ids) for t, ids in self._client_groups(real_ids)]
 
-        any_bad = jnp.any(jnp.concatenate([g.bad for g in groups]))
-        if self.nonfinite == "skip":  # a bad client keeps its old state and sends nothing
-            groups = [g.without_bad_clients() for g in groups]
-            round_ok = jnp.bool_(True)
-        else:  # error: the whole round is rejected and the host raises
-            round_ok = ~any_bad
-            groups = [g._replace(kept=jnp.broadcast_to(round_ok, g.bad.shape)) for g in groups]
-
-        weights = [jnp.where(g.is_real & g.kept, g.count, 0).astype(jnp.float32) for g in groups]
-        messages = concat_clients([self._received(state.server, g, state.round) for g in groups])
-        info = RoundInfo(round=state.round, tier=None)  # server_update aggregates every tier
-        server = self.algorithm.server_update(state.server, messages, jnp.concatenate(weights), info)
+        bad = jnp.concatenate([g.rows.bad for g in groups])
+        # nonfinite=skip: the bad clients already weigh 0; error: a bad client rejects the round
+        round_ok = jnp.bool_(True) if self.nonfinite == "skip" else ~jnp.any(bad)
+        weights = [jnp.where(round_ok, g.rows.weight, 0.0) for g in groups]
+        totals, decoded = [g.total for g in groups], [g.rows.message_up for g in groups]
+        server_state = server.apply(self.algorithm, state.server, totals, decoded, weights, state.round)
         any_weight = jnp.any(jnp.concatenate(weights) > 0)
-        server = tree_select(round_ok & any_weight, server, state.server)
+        server_state = tree_select(round_ok & any_weight, server_state, state.server)
         clients = state.clients
         for g in groups:
-            clients = scatter_clients(clients, jnp.where(g.kept, g.ids, self.num_clients), g.new_states)
+            kept = g.is_real & ~g.rows.bad if self.nonfinite == "skip" else jnp.broadcast_to(round_ok, g.ids.shape)
+            clients = scatter_clients(clients, jnp.where(kept, g.ids, self.num_clients), g.rows.new_state)
 
-        client_metrics = concat_clients([g.client_metrics for g in groups])
+        client_metrics = concat_clients([g.rows.metrics for g in groups])
         trained = weighted_mean(client_metrics, jnp.concatenate(weights))  # NaN: no client's update was used
         trained = jax.tree.map(lambda m: jnp.where(any_weight, m, jnp.nan), trained)
         traffic, traffic_per_tier = accounting.traffic(self.algorithm, groups, self.tiers is not None)
         metrics = {
             **trained,
             **traffic,
-            "nonfinite_clients": jnp.sum(jnp.concatenate([g.bad for g in groups])).astype(jnp.float32),
-            "nonfinite_ids": jnp.concatenate([jnp.where(g.bad, g.ids, -1) for g in groups]),
+            "nonfinite_clients": jnp.sum(bad).astype(jnp.float32),
+            "nonfinite_ids": jnp.concatenate([jnp.where(g.rows.bad, g.ids, -1) for g in groups]),
             **traffic_per_tier,
         }
         next_round = state.round + round_ok.astype(state.round.dtype)
-        return SimState(server=server, clients=clients, round=next_round), metrics
+        return SimState(server=server_state, clients=clients, round=next_round), metrics
 
     def rounds_pure(self, state, data, num_rounds: int):
         """``num_rounds`` rounds on ``data`` (pure, not jitted): ``(state, metrics [rounds, ...])``."""

@@ -3,7 +3,8 @@
 One object holds every choice of how work is laid out, so the round and the evaluation only say
 what to compute: the order items run in (largest first: a vmapped chunk holds items of similar
 size, the engine's bucketing by size), padding to a multiple of the device count, vmapping all
-items at once or ``lax.map`` over chunks of vmapped items, and sharding the item axis over a
+items at once or a scan over chunks of vmapped items (summing what the items contribute as
+they run), and sharding the item axis over a
 ``Mesh`` axis named ``clients`` (each device runs its own share under ``shard_map``). In the
 spirit of fedjax's ``for_each_client`` backends: pass another object with these methods to
 :class:`~jaxfed.simulation.Simulation` as ``strategy`` to run clients differently.
@@ -71,17 +72,36 @@ class ClientStrategy:
         return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), tree)
 
     def map_clients(self, f, shared, per_client):
-        """``f(shared, client)`` over the leading (client) axis of ``per_client``, in the order
-        given: all vmapped at once, or ``lax.map`` over chunks of vmapped clients."""
+        """``f(shared, client) -> (row, share)`` over the leading (client) axis of ``per_client``,
+        in the order given: all vmapped at once, or a scan over chunks of vmapped clients.
+        Returns ``(rows, total)``: the rows stacked in that order, and the shares summed (within a
+        chunk, over the chunks, then across devices), so no more than a chunk's shares are ever
+        held at once."""
         chunk = self.chunk
 
         def mapped(shared, xs):
             one = functools.partial(f, shared)
             if chunk == 0:
-                return jax.vmap(one)(xs)
-            return jax.lax.map(one, xs, batch_size=chunk if chunk > 1 else None)
+                rows, shares = jax.vmap(one)(xs)
+                return rows, _sum_rows(shares)
+            return _scan_chunks(one, xs, chunk)
 
-        return self.over_devices(mapped, shared, per_client)
+        if self.mesh is None:
+            return mapped(shared, per_client)
+
+        def on_device(shared, xs):
+            rows, total = mapped(shared, xs)
+            return rows, jax.lax.psum(total, CLIENT_AXIS)
+
+        spec = PartitionSpec(CLIENT_AXIS)
+        per_device = jax.shard_map(
+            on_device,
+            mesh=self.mesh,
+            in_specs=(PartitionSpec(), spec),
+            out_specs=(spec, PartitionSpec()),
+            check_vma=False,
+        )
+        return per_device(shared, jax.lax.with_sharding_constraint(per_client, NamedSharding(self.mesh, spec)))
 
     def over_devices(self, f, shared, items):
         """``f(shared, items)``; on several devices each device runs ``f`` on its own contiguous
@@ -93,3 +113,40 @@ class ClientStrategy:
         spec = PartitionSpec(CLIENT_AXIS)
         per_device = jax.shard_map(f, mesh=self.mesh, in_specs=(PartitionSpec(), spec), out_specs=spec, check_vma=False)
         return per_device(shared, jax.lax.with_sharding_constraint(items, NamedSharding(self.mesh, spec)))
+
+
+def _sum_rows(shares):
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), shares)
+
+
+def _scan_chunks(one, xs, chunk: int):
+    """``(rows, total)`` of ``one`` over ``xs`` in chunks of ``chunk`` vmapped items (1: each item
+    alone, doing only its own work), the shares summed into a carry as the chunks run."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.tree.map(lambda x: x[0], xs)
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first)[1])
+    if chunk == 1:
+
+        def alone(total, x):
+            row, share = one(x)
+            return jax.tree.map(jnp.add, total, share), row
+
+        total, rows = jax.lax.scan(alone, zero, xs)
+        return rows, total
+    whole = n - n % chunk
+
+    def chunked(total, x):
+        rows, shares = jax.vmap(one)(x)
+        return jax.tree.map(jnp.add, total, _sum_rows(shares)), rows
+
+    parts, total = [], zero
+    if whole:
+        blocks = jax.tree.map(lambda x: x[:whole].reshape((whole // chunk, chunk) + x.shape[1:]), xs)
+        total, rows = jax.lax.scan(chunked, zero, blocks)
+        parts.append(jax.tree.map(lambda r: r.reshape((whole,) + r.shape[2:]), rows))
+    if whole < n:
+        rows, shares = jax.vmap(one)(jax.tree.map(lambda x: x[whole:], xs))
+        total = jax.tree.map(jnp.add, total, _sum_rows(shares))
+        parts.append(rows)
+    rows = parts[0] if len(parts) == 1 else jax.tree.map(lambda *r: jnp.concatenate(r), *parts)
+    return rows, total

@@ -1,0 +1,156 @@
+"""Server aggregation as a reduction: the engine sums each upload's contribution as the clients
+run (chunk by chunk, across devices) instead of stacking every upload of the round.
+
+Against the reference of stacking every upload and reducing them at once (the same algorithm
+with its aggregation turned into a ``server_update``), through chunks with a remainder, tiers
+and padding; the memory of a compiled round grows with the chunk, not the clients; and the
+contract's rule that an algorithm gives exactly one of the two forms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import UNCLIPPED, make_federation
+
+from jaxfed.algorithms import Aggregation, registry
+from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.contract import RoundInfo
+from jaxfed.core import mean_of, weighted_mean, weighted_share
+from jaxfed.data import federate, partition
+from jaxfed.runs.config import Config
+from jaxfed.simulation import Simulation, server_step
+
+
+def stacked_reference(alg):
+    """``alg`` with its aggregation replaced by a ``server_update`` that receives every decoded
+    upload of the round stacked and reduces them at once (the engine's path before reductions)."""
+
+    def server_update(server_state, messages, weights, info):
+        row_info = RoundInfo(round=info.round, tier=0)
+        shares = jax.vmap(lambda m, w: alg.aggregation.contribute(server_state, m, w, row_info))(messages, weights)
+        kept = jax.tree.map(lambda s: jnp.where((weights > 0).reshape((-1,) + (1,) * (s.ndim - 1)), s, 0), shares)
+        return alg.aggregation.apply(server_state, jax.tree.map(lambda s: jnp.sum(s, axis=0), kept), info)
+
+    return alg._replace(aggregation=None, server_update=server_update)
+
+
+# one of each kind of aggregation: sample-weighted mean with a server optimizer, per-client
+# uniform, per-pack weights, per-component mixture weights with a base, tiers decoded by receive
+CASES = {
+    "fedavg": {"server_optimizer": "sgd", "server_lr": 0.5},
+    "feddecomp": {"aggregation": "uniform", "local_epochs": 2},
+    "fedcspack": {"pack_size": 64},
+    "floral": {"num_adaptors": 2, "adaptor_rank": 4},
+    "mfedloru": {"lora_rank": 4, "tiers": "1.0,0.5", "accumulate_every": 1, **UNCLIPPED},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_summed_contributions_equal_reducing_every_upload_at_once(name, mlp, digits):
+    fed = make_federation(digits, num_clients=9, alpha=0.5)
+    wanted = {"local_epochs": 1, "batch_size": 32, "lr": 0.05, **CASES[name]}
+    config = Config(algorithm=name).with_overrides([f"{k}={v}" for k, v in wanted.items()])
+    alg = registry.get(name).build(mlp, config.options, config)
+    assert alg.aggregation is not None and alg.server_update is None
+
+    def run(algorithm):  # 7 of 9 sampled: a chunk of 3 twice and a remainder of 1 (tiers: padded)
+        sim = Simulation(algorithm, mlp, fed, participation=0.7, client_chunk=3)
+        return sim.run_rounds(sim.init(), 2)
+
+    (summed, summed_metrics), (stacked, stacked_metrics) = run(alg), run(stacked_reference(alg))
+    for got, want in zip(jax.tree.leaves(summed), jax.tree.leaves(stacked)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    for key in ("train_loss", "bytes_up", "bytes_down"):
+        np.testing.assert_allclose(summed_metrics[key], stacked_metrics[key], rtol=1e-5)
+
+
+def test_every_builtin_gives_an_aggregation_none_needs_every_upload(mlp):
+    for name in registry.names():
+        config = Config(algorithm=name)
+        alg = registry.get(name).build(mlp, config.options, config)
+        assert alg.aggregation is not None and alg.server_update is None, name
+
+
+def test_a_server_update_still_gets_every_upload(mlp, digits_federation):
+    """The path for a step that needs every upload: the stacked messages and their weights."""
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=32)
+    by_update = alg._replace(
+        aggregation=None, server_update=lambda s, m, w, info: s._replace(params=weighted_mean(m, w))
+    )
+    results = []
+    for algorithm in (alg, by_update):
+        sim = Simulation(algorithm, mlp, digits_federation, participation=0.5, client_chunk=2)
+        results.append(sim.run_rounds(sim.init(), 2)[0])
+    for got, want in zip(*(jax.tree.leaves(r) for r in results)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("given", ["both", "neither"])
+def test_an_algorithm_gives_exactly_one_server_step(given, mlp, digits_federation):
+    alg = fedavg(mlp)
+    if given == "both":
+        alg = alg._replace(server_update=lambda s, m, w, info: s)
+    else:
+        alg = alg._replace(aggregation=None)
+    got = "aggregation and server_update" if given == "both" else "neither"
+    with pytest.raises(ValueError, match=f"fedavg: give exactly one of aggregation .*; got {got}$"):
+        Simulation(alg, mlp, digits_federation)
+
+
+def test_a_round_s_memory_grows_with_the_chunk_not_the_clients(mlp, digits):
+    """XLA's memory analysis of the compiled round: 100 clients against 2000 in chunks of 10.
+    Summed contributions keep the temporary memory within 1.2x; stacking every upload (the
+    reference) grows with the clients."""
+
+    def temp_bytes(num_clients, algorithm):
+        train, test = partition(
+            "resample",
+            digits.y_train,
+            digits.y_test,
+            num_clients,
+            np.random.default_rng(0),
+            client_train_size=8,
+            client_test_size=2,
+        )
+        sim = Simulation(algorithm, mlp, federate(digits, train, test), participation=1.0, client_chunk=10)
+        compiled = jax.jit(sim.rounds_pure, static_argnums=2).lower(sim.init(), sim.data, 1).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=8)
+    few, many = temp_bytes(100, alg), temp_bytes(2000, alg)
+    assert many <= 1.2 * few, (few, many)
+    message = sum(x.size * 4 for x in jax.tree.leaves(mlp.init(jax.random.key(0))["params"]))
+    assert temp_bytes(2000, stacked_reference(alg)) > 2000 * message > 10 * many  # the test can fail
+
+
+def test_weighted_share_and_mean_of_are_the_weighted_mean_in_float64():
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(5, 4, 3))
+    weights = np.array([3.0, 0.0, 7.0, 1.0, 2.5])
+    shares = [weighted_share({"w": jnp.asarray(r, jnp.float32)}, w) for r, w in zip(rows, weights)]
+    total = jax.tree.map(lambda *s: sum(s), *shares)
+    expected = np.tensordot(weights / weights.sum(), rows, axes=1)
+    np.testing.assert_allclose(mean_of(total)["w"], expected, rtol=1e-5, atol=1e-6)
+    assert isinstance(Aggregation(lambda *a: (), lambda s, t, i: s), tuple)
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_a_row_of_weight_0_contributes_nothing_even_nan(uniform, mlp):
+    """Padding and skipped rows weigh 0: the engine drops their share (a uniform mean would count
+    them once each, and 0 * NaN is NaN)."""
+    alg = fedavg(mlp)
+    if uniform:
+        alg = alg._replace(aggregation=Aggregation(lambda s, m, w, i: weighted_share(m, 1.0), alg.aggregation.apply))
+    server, _ = alg.init(jax.random.key(0))
+    rng = np.random.default_rng(4)
+    rows = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server.params)
+    rows = jax.tree.map(lambda r: r.at[1].set(jnp.nan), rows)
+    weights = np.array([3.0, 0.0, 5.0])
+    new = server_step(alg, server, rows, weights)
+    kept = np.array([1.0, 0.0, 1.0]) if uniform else weights
+    for got, r in zip(jax.tree.leaves(new.params), jax.tree.leaves(rows)):
+        r = np.asarray(r, np.float64)
+        np.testing.assert_allclose(got, (kept[0] * r[0] + kept[2] * r[2]) / kept.sum(), rtol=1e-5, atol=1e-6)
