@@ -21,7 +21,7 @@ from jaxfed.contract import RoundInfo
 from jaxfed.core import mean_of, weighted_mean, weighted_share
 from jaxfed.data import federate, partition
 from jaxfed.runs.config import Config
-from jaxfed.simulation import Simulation, server_step
+from jaxfed.simulation import ClientStrategy, Simulation, server_step
 
 
 def stacked_reference(alg):
@@ -154,3 +154,38 @@ def test_a_row_of_weight_0_contributes_nothing_even_nan(uniform, mlp):
     for got, r in zip(jax.tree.leaves(new.params), jax.tree.leaves(rows)):
         r = np.asarray(r, np.float64)
         np.testing.assert_allclose(got, (kept[0] * r[0] + kept[2] * r[2]) / kept.sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
+    """``chunk=None`` with a memory budget: all clients at once when the round fits, else the
+    widest chunk that fits (chosen from XLA's memory analysis); numbers as vmapping them all."""
+    train, test = partition(
+        "resample",
+        digits.y_train,
+        digits.y_test,
+        400,
+        np.random.default_rng(0),
+        client_train_size=8,
+        client_test_size=2,
+    )
+    fed = federate(digits, train, test)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=8)
+    everyone = Simulation(alg, mlp, fed, participation=1.0, client_chunk=0)
+    state = everyone.init()
+    memory = everyone._compile(state, 1).memory_analysis()
+    fixed = memory.argument_size_in_bytes + memory.output_size_in_bytes
+    roomy = ClientStrategy(memory_bytes=int((fixed + memory.temp_size_in_bytes) / 0.9) + 1)
+    assert Simulation(alg, mlp, fed, participation=1.0, strategy=roomy).client_chunk == 0  # before compiling
+    tight = ClientStrategy(memory_bytes=int((fixed + memory.temp_size_in_bytes / 4) / 0.9))
+    fitted = Simulation(alg, mlp, fed, participation=1.0, strategy=tight)
+    got, _ = fitted.run_rounds(fitted.init(), 1)
+    assert 1 < fitted.client_chunk < 400, fitted.client_chunk
+    narrowed = fitted._compile(state, 1).memory_analysis()
+    assert narrowed.temp_size_in_bytes <= 0.9 * tight.memory_bytes - fixed
+    want, _ = everyone.run_rounds(state, 1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    roomy_sim = Simulation(alg, mlp, fed, participation=1.0, strategy=roomy)
+    roomy_sim.run_rounds(roomy_sim.init(), 1)
+    assert roomy_sim.client_chunk == 0  # it fitted: still all at once
+    assert ClientStrategy().chunk == 1 and not ClientStrategy().fits_memory  # CPU: no budget, one at a time

@@ -128,8 +128,8 @@ class Config(Options):
     )
     client_chunk: int = option(
         -1,
-        "clients vmapped together: 0 = all sampled at once, k = lax.map over chunks of k, -1 = auto "
-        "(1 on CPU, 0 on GPU/TPU)",
+        "clients vmapped together: 0 = all sampled at once, k = chunks of k, -1 = auto "
+        "(1 on CPU; on GPU/TPU all at once if the round fits the device's memory, else the widest chunk that fits)",
         check=at_least(-1),
     )
     member_chunk: int = option(

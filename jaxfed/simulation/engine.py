@@ -183,7 +183,6 @@ class Simulation:
         self.compile_seconds = 0.0
         self._executables: dict[int, Any] = {}
         self._init_state = jax.jit(self.init_pure)
-        self._run = jax.jit(self.rounds_pure, static_argnums=2)
         self._eval = jax.jit(self.evaluate_pure)
 
     @property
@@ -345,10 +344,7 @@ class Simulation:
         """
         self.check_state(state)
         if num_rounds not in self._executables:
-            start = time.perf_counter()
-            with self.precision():
-                self._executables[num_rounds] = self._run.lower(state, self.data, num_rounds).compile()
-            self.compile_seconds += time.perf_counter() - start
+            self._executables[num_rounds] = self._compile(state, num_rounds)
         new_state, metrics = self._executables[num_rounds](state, self.data)
         failure = first_nonfinite(metrics) if self.nonfinite == "error" and raise_nonfinite else None
         if failure is not None:
@@ -356,6 +352,23 @@ class Simulation:
             good = jax.tree.map(lambda m: m[:first], metrics)
             raise NonFiniteUpdateError(int(new_state.round) + 1, ids, new_state, good)
         return new_state, metrics
+
+    def _compile(self, state: SimState, num_rounds: int):
+        """The compiled call of ``num_rounds`` rounds; where the strategy picks its chunk to fit
+        the device's memory and the round does not fit, compiled again with a narrower chunk
+        (every compiled call of this simulation then uses it)."""
+        start = time.perf_counter()
+        while True:
+            with self.precision():
+                compiled = jax.jit(self.rounds_pure, static_argnums=2).lower(state, self.data, num_rounds).compile()
+            widest = -(-self.num_sampled // self.num_devices)
+            chunk = self.strategy.fitted(compiled.memory_analysis(), widest)
+            if chunk is None:
+                break
+            self.strategy.chunk = chunk
+            self._executables.clear()
+        self.compile_seconds += time.perf_counter() - start
+        return compiled
 
     # ----- evaluation ------------------------------------------------------------------------
 

@@ -26,23 +26,63 @@ CLIENT_AXIS = "clients"
 
 
 def default_client_chunk(platform: str) -> int:
-    """The documented default strategy: one client at a time (``1``) on CPU, where vmapping
-    clients measured slower for every model tried (benchmarks/fedavg_round.py: MLP on digits and
-    MNIST, CNN on MNIST); all sampled clients vmapped at once (``0``) on accelerators."""
+    """The documented default strategy before memory is considered: one client at a time (``1``)
+    on CPU, where vmapping clients measured slower for every model tried
+    (benchmarks/fedavg_round.py: MLP on digits and MNIST, CNN on MNIST); all sampled clients
+    vmapped at once (``0``) on accelerators, narrowed to what fits (:meth:`ClientStrategy.fitted`)."""
     return 1 if platform == "cpu" else 0
 
 
-class ClientStrategy:
-    """Clients vmapped all at once (``chunk=0``) or ``lax.map`` over chunks of ``chunk`` vmapped
-    clients (1: one at a time, each doing only its own steps; ``None``: the platform's default,
-    :func:`default_client_chunk`), on ``devices`` (default: every visible device; more than one:
-    the item axis is sharded over them, data and state replicated, possibly across processes)."""
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """The memory a device's programs may use (its allocator's limit), or None where the device
+    does not say (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
-    def __init__(self, chunk: int | None = None, devices: Sequence[jax.Device] | None = None):
+
+class ClientStrategy:
+    """Clients vmapped all at once (``chunk=0``) or a scan over chunks of ``chunk`` vmapped
+    clients (1: one at a time, each doing only its own steps), on ``devices`` (default: every
+    visible device; more than one: the item axis is sharded over them, data and state replicated,
+    possibly across processes).
+
+    ``chunk=None`` is the default that fits: with a memory budget (``memory_bytes``, default the
+    device's own limit; CPU devices have none), all sampled clients at once when the compiled round
+    fits in it, else the widest chunk that does (:meth:`fitted`, from XLA's memory analysis of
+    the compiled round); without one, :func:`default_client_chunk` (one at a time on CPU).
+    """
+
+    def __init__(
+        self,
+        chunk: int | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        memory_bytes: int | None = None,
+    ):
         self.devices = list(devices if devices is not None else jax.devices())
         self.num_devices = len(self.devices)
         self.mesh = Mesh(np.array(self.devices), (CLIENT_AXIS,)) if self.num_devices > 1 else None
-        self.chunk = default_client_chunk(self.devices[0].platform) if chunk is None else chunk
+        self.memory_bytes = memory_bytes if memory_bytes is not None else device_memory_bytes(self.devices[0])
+        self.fits_memory = chunk is None and self.memory_bytes is not None  # the chunk is chosen to fit
+        if chunk is not None:
+            self.chunk = chunk
+        else:
+            self.chunk = 0 if self.fits_memory else default_client_chunk(self.devices[0].platform)
+
+    def fitted(self, memory, clients: int) -> int | None:
+        """The chunk to compile again with when the round compiled with this strategy's chunk
+        does not fit the memory budget (``memory``: the compiled round's ``memory_analysis()``;
+        ``clients``: the widest group of clients a device runs); None when it fits or the chunk
+        was given. The temporary memory is taken to grow with the chunk (a round's memory is
+        the chunk's, :mod:`~jaxfed.simulation.server`), with a tenth kept free."""
+        if not self.fits_memory or memory is None:
+            return None
+        free = 0.9 * self.memory_bytes - memory.argument_size_in_bytes - memory.output_size_in_bytes
+        if memory.temp_size_in_bytes <= free:
+            return None
+        width = self.chunk or clients
+        if width <= 1:
+            return None  # one client at a time is the narrowest there is
+        return max(1, min(width - 1, int(width * max(free, 0) / memory.temp_size_in_bytes)))
 
     def replicate(self, tree):
         """``tree`` placed on every device of the mesh (as it is on one device)."""
