@@ -1,4 +1,5 @@
-"""1 device vs 4 CPU devices (``host_devices=4``): the same numbers to float tolerance (subprocesses)."""
+"""1 device vs 4 CPU devices (``host_devices=4``): the same numbers to float tolerance, the client
+states split over the devices (subprocesses)."""
 
 import json
 import os
@@ -21,8 +22,10 @@ SCRIPT = textwrap.dedent(
     devices, out = int(sys.argv[1]), sys.argv[2]
     if devices > 1:  # the process entry splits the host, before JAX starts its backend
         split_host(devices)
-    config = Config(num_clients=10, participation=0.5, host_devices=devices if devices > 1 else 0)
-    config = config.with_overrides(["local_epochs=1"])
+    # stateful clients (FedDecomp's private tau), 12 of them: split evenly over 4 devices
+    host_devices = devices if devices > 1 else 0
+    config = Config(algorithm="feddecomp", num_clients=12, participation=0.5, host_devices=host_devices)
+    config = config.with_overrides(["local_epochs=2"])
     sim = build(config).simulation
     assert jax.device_count() == devices, jax.devices()
     state, metrics = sim.run_rounds(sim.init(), 3)
@@ -30,7 +33,10 @@ SCRIPT = textwrap.dedent(
     arrays = {f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)}
     arrays["loss"] = np.asarray(metrics["train_loss"])
     np.savez(out, **arrays)
-    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sim.evaluate(state)}))
+    per_client = jax.tree.leaves(state.clients) + [sim.data.train_idx, sim.data.test_idx]
+    on_first = sum(s.data.nbytes for x in per_client for s in x.addressable_shards if s.device == jax.devices()[0])
+    sizes = {"client_bytes": sum(x.nbytes for x in per_client), "client_bytes_on_device_0": on_first}
+    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sizes, **sim.evaluate(state)}))
     """
 )
 
@@ -66,7 +72,10 @@ def test_one_vs_four_devices(tmp_path):
     for key in one:
         np.testing.assert_allclose(one[key], four[key], rtol=2e-4, atol=2e-5, err_msg=key)
     assert (one_info["devices"], one_info["sharded"]) == (1, False)
-    assert (four_info["devices"], four_info["sharded"]) == (4, True)  # 5 sampled clients padded to 8 over 4 devices
+    assert (four_info["devices"], four_info["sharded"]) == (4, True)  # 6 sampled clients padded to 8 over 4 devices
+    # client states and per-client index tables split over the devices: each holds a quarter
+    assert one_info["client_bytes_on_device_0"] == one_info["client_bytes"] == four_info["client_bytes"]
+    assert four_info["client_bytes_on_device_0"] == four_info["client_bytes"] // 4
     assert one_info["personalized_acc_mean"] == pytest.approx(four_info["personalized_acc_mean"], abs=0.01)
 
 
@@ -100,7 +109,7 @@ def test_matmul_precision_is_the_simulations_own_not_the_processes():
 
     def lowered(sim):
         with sim.precision():
-            return sim._run.lower(sim.init(), sim.data, 1).as_text()
+            return jax.jit(sim.rounds_pure, static_argnums=2).lower(sim.init(), sim.data, 1).as_text()
 
     assert "HIGHEST" in lowered(highest) and "HIGHEST" not in lowered(default)
     highest.run_rounds(highest.init(), 1)

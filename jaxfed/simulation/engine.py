@@ -21,8 +21,11 @@ is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padde
 of the device count with dummy clients that have no data, zero weight and are never scattered,
 and each device runs its own share of them (``shard_map``), the contributions summed over the
 devices (``psum``).
-The data and the state are replicated on the mesh, which may span several processes
-(``jax.distributed``; see benchmarks/two_process.py).
+On a mesh of one process the stacked client states and the per-client index tables are split
+over the ``clients`` axis (each device holds 1/D of the clients) when the client count divides
+by the device count; the examples, the server state (and, across processes or with an uneven
+count, everything) are replicated. The mesh may span several processes (``jax.distributed``;
+see benchmarks/two_process.py).
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ class Simulation:
         if strategy is not None and (client_chunk is not None or devices is not None):
             raise ValueError("strategy: give a ClientStrategy or client_chunk / devices, not both")
         self.strategy = strategy or ClientStrategy(client_chunk, devices)
-        self.data = self.strategy.replicate(data)  # the mesh may span processes (jax.distributed)
+        self.data = self._placed(data)
         self.evaluation = Evaluation(
             model,
             pooled_eval_model or model,
@@ -184,6 +187,13 @@ class Simulation:
         self._executables: dict[int, Any] = {}
         self._init_state = jax.jit(self.init_pure)
         self._eval = jax.jit(self.evaluate_pure)
+
+    def _placed(self, data: FederatedData) -> FederatedData:
+        """``data`` on the mesh (which may span processes, ``jax.distributed``): the examples on
+        every device, the per-client index tables split over the clients where they divide."""
+        data = self.strategy.replicate(data)
+        tables = self.strategy.place_clients((data.train_idx, data.train_count, data.test_idx, data.test_count))
+        return data.replace(**dict(zip(("train_idx", "train_count", "test_idx", "test_count"), tables)))
 
     @property
     def num_devices(self) -> int:
@@ -209,7 +219,8 @@ class Simulation:
         (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
         with self.precision():
             state = self._init_state()
-        return self.strategy.replicate(state)
+        state = self.strategy.replicate(state)
+        return state.replace(clients=self.strategy.place_clients(state.clients))
 
     def check_state(self, state: SimState) -> None:
         """A ConfigError unless ``state`` holds one client state per client of this simulation's
@@ -315,6 +326,7 @@ class Simulation:
         for g in groups:
             kept = g.is_real & ~g.rows.bad if self.nonfinite == "skip" else jnp.broadcast_to(round_ok, g.ids.shape)
             clients = scatter_clients(clients, jnp.where(kept, g.ids, self.num_clients), g.rows.new_state)
+        clients = self.strategy.keep_clients_placed(clients)
 
         client_metrics = concat_clients([g.rows.metrics for g in groups])
         trained = weighted_mean(client_metrics, jnp.concatenate(weights))  # NaN: no client's update was used

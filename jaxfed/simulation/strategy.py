@@ -33,23 +33,25 @@ def default_client_chunk(platform: str) -> int:
     return 1 if platform == "cpu" else 0
 
 
-def device_memory_bytes(device: jax.Device) -> int | None:
-    """The memory a device's programs may use (its allocator's limit), or None where the device
-    does not say (CPU)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+def device_memory_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """The memory a program may use on this process's first device of ``devices`` (its
+    allocator's limit), or None where the device does not say (CPU)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = local[0].memory_stats() if local else None
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 class ClientStrategy:
     """Clients vmapped all at once (``chunk=0``) or a scan over chunks of ``chunk`` vmapped
     clients (1: one at a time, each doing only its own steps), on ``devices`` (default: every
-    visible device; more than one: the item axis is sharded over them, data and state replicated,
-    possibly across processes).
+    visible device; more than one: the item axis is sharded over them, the per-client tables
+    split over them where they divide (:meth:`client_sharding`), the rest replicated, possibly
+    across processes).
 
     ``chunk=None`` is the default that fits: with a memory budget (``memory_bytes``, default the
-    device's own limit; CPU devices have none), all sampled clients at once when the compiled round
-    fits in it, else the widest chunk that does (:meth:`fitted`, from XLA's memory analysis of
-    the compiled round); without one, :func:`default_client_chunk` (one at a time on CPU).
+    device's own limit; CPU devices have none), all sampled clients at once when the compiled
+    round fits in it, else the widest chunk that does (:meth:`fitted`, from XLA's memory analysis
+    of the compiled round); without one, :func:`default_client_chunk` (one at a time on CPU).
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class ClientStrategy:
         self.devices = list(devices if devices is not None else jax.devices())
         self.num_devices = len(self.devices)
         self.mesh = Mesh(np.array(self.devices), (CLIENT_AXIS,)) if self.num_devices > 1 else None
-        self.memory_bytes = memory_bytes if memory_bytes is not None else device_memory_bytes(self.devices[0])
+        self.memory_bytes = memory_bytes if memory_bytes is not None else device_memory_bytes(self.devices)
         self.fits_memory = chunk is None and self.memory_bytes is not None  # the chunk is chosen to fit
         if chunk is not None:
             self.chunk = chunk
@@ -87,6 +89,29 @@ class ClientStrategy:
     def replicate(self, tree):
         """``tree`` placed on every device of the mesh (as it is on one device)."""
         return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+    def client_sharding(self, num_rows: int) -> NamedSharding | None:
+        """Where a per-client table of ``num_rows`` rows lives on the mesh: its rows split over the
+        ``clients`` axis (each device holds 1/D of them) when they divide evenly over the devices
+        of one process; else replicated. None without a mesh."""
+        if self.mesh is None:
+            return None
+        split = num_rows % self.num_devices == 0 and jax.process_count() == 1
+        return NamedSharding(self.mesh, PartitionSpec(CLIENT_AXIS) if split else PartitionSpec())
+
+    def place_clients(self, tree):
+        """A stacked per-client pytree (client states, per-client index tables) placed by
+        :meth:`client_sharding`."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(lambda x: jax.device_put(x, self.client_sharding(x.shape[0])), tree)
+
+    def keep_clients_placed(self, tree):
+        """Inside a compiled round: a stacked per-client pytree kept where :meth:`place_clients`
+        put it (the round's gathers and scatters would otherwise leave it replicated)."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.client_sharding(x.shape[0])), tree)
 
     def run_order(self, sizes: jax.Array) -> jax.Array:
         """The order to run items of ``sizes`` in: largest first, so that a vmapped chunk holds
