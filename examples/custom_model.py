@@ -39,10 +39,13 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default="runs/custom_model")
+    parser.add_argument("--clients", type=int, default=10, help="clients (at least 3: FedHM's three tiers)")
     args = parser.parse_args(argv)
 
     digits = load_dataset("digits")  # embedded: no download
-    train, test = partition("dirichlet", digits.y_train, digits.y_test, 10, np.random.default_rng(0), alpha=0.5)
+    train, test = partition(
+        "dirichlet", digits.y_train, digits.y_test, args.clients, np.random.default_rng(0), alpha=0.5
+    )
     data = federate(digits, train, test)
     model = Model.wrap(SmallConvNet(digits.num_classes), digits.input_shape)
 
