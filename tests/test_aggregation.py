@@ -37,11 +37,10 @@ def stacked_reference(alg):
     return alg._replace(aggregation=None, server_update=server_update)
 
 
-# one of each kind of aggregation: per-client uniform, per-pack weights, tiers decoded by receive
-# (FedAvg's weighted mean: the server_update test; the mixtures' per-component weights: the
-# FLoRAL and ensemble server tests, through server_step)
+# per-pack weights, and tiers decoded by receive (FedAvg's weighted mean: the server_update test;
+# a uniform mean: the weight-0 test; the mixtures' per-component weights: the FLoRAL and ensemble
+# server tests, through server_step)
 CASES = {
-    "feddecomp": {"aggregation": "uniform", "local_epochs": 2},
     "fedcspack": {"pack_size": 64},
     "mfedloru": {"lora_rank": 4, "tiers": "1.0,0.5", "accumulate_every": 1, **UNCLIPPED},
 }
