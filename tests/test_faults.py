@@ -456,11 +456,11 @@ elif point == "before the last wait":
 sys.exit(cli.main(sys.argv[3:]))
 """
 
+# One kill of each kind before the first checkpoint and, for the writes, one after it (a kill
+# inside a compiled call after a checkpoint: tests/test_checkpoint.py's SIGKILL test).
 KILL_POINTS = [
     ("in a compiled call", 1),
-    ("in a compiled call", 5),
     ("before an evaluation row", 2),
-    ("inside a metrics write", 1),
     ("inside a metrics write", 3),
     ("inside a checkpoint write", 1),
     ("inside a checkpoint write", 3),
