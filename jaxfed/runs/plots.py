@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from jaxfed.errors import ConfigError, first_line
-from jaxfed.runs.rundir import NEUTRAL_KEYS
+from jaxfed.runs.keys import NEUTRAL_KEYS
 
 METRICS = (
     "personalized_acc_mean",

@@ -29,29 +29,8 @@ from jaxfed.errors import ConfigError, StorageFullError, clip, is_storage_full
 from jaxfed.runs.checkpoint import RunCheckpoints
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import is_primary
+from jaxfed.runs.keys import NEUTRAL_KEYS, RESUMABLE_KEYS  # noqa: F401  (NEUTRAL_KEYS: re-exported)
 
-# Keys a resumed run may change: they decide how long it runs, what it logs, where it reads data
-# from and what happens on a NaN, never the numbers a round computes (rounds run bit-identically
-# whatever the chunking of rounds into compiled calls).
-RESUMABLE_KEYS = frozenset(
-    {
-        "rounds",
-        "eval_every",
-        "rounds_per_call",
-        "member_chunk",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "nonfinite",
-        "data_dir",
-        "download",
-        "plugins",  # where the algorithm's code is found (a moved file); its name and options are compared
-    }
-)
-# Keys in which runs may differ and still be one configuration (the seeds of a ``jaxfed report``
-# variant; never worth a plot label): besides the resumable keys but ``rounds``, the devices and
-# the chunking of clients and evaluation batches (these may change float rounding, so a resume
-# keeps them) and the plugins imported.
-NEUTRAL_KEYS = (RESUMABLE_KEYS - {"rounds"}) | {"devices", "host_devices", "client_chunk", "eval_batch_size", "plugins"}
 NAME_MAX = 255  # bytes in one file name, on the file systems runs are written to
 TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
 
