@@ -65,3 +65,13 @@ def test_momentum_algorithms_defaults_learn_on_the_mnist_cnn(algorithm, train_re
     config = Config(algorithm=algorithm, dataset="mnist", data_dir=str(tmp_path), num_clients=4, participation=1.0,
                     train_reduction=train_reduction)  # fmt: skip
     assert learns(config) > bar
+
+
+def test_floral_familys_cifar10_recipe_learns_on_the_cifar10_cnn(tmp_path):
+    """local_adaptor with FLoRAL's MNIST lr (0.1) gives NaN in round 1 on the CIFAR-10 CNN (its
+    preconditioned conv adaptors); the authors' CIFAR-10 recipe (lr 0.03, batch 64) learns."""
+    stand_in("cifar10", tmp_path, 32, 3)
+    config = Config(algorithm="local_adaptor", dataset="cifar10", data_dir=str(tmp_path), num_clients=6,
+                    participation=1.0)  # fmt: skip
+    assert (config.options.lr, config.options.batch_size) == (0.03, 64)
+    assert learns(config) > 2 * CHANCE

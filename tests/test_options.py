@@ -121,6 +121,30 @@ def test_list_prints_an_algorithms_options_with_defaults_and_sources(capsys):
     assert "  rounds = 30\n" in capsys.readouterr().out
 
 
+def test_a_datasets_defaults_apply_unless_a_value_was_set_whatever_the_order(capsys):
+    """FLoRAL's family runs the authors' CIFAR-10 recipe (lr 0.03, batch 64) on cifar10 and their
+    MNIST one elsewhere; a value the user set stays, before or after the dataset changes."""
+    mnist_recipe, cifar10_recipe = (0.1, 32), (0.03, 64)
+
+    def lr_batch(config):
+        return config.options.lr, config.options.batch_size
+
+    assert lr_batch(Config(algorithm="floral")) == mnist_recipe
+    assert lr_batch(Config(algorithm="local_adaptor", dataset="cifar10")) == cifar10_recipe
+    switched = Config(algorithm="fedavg").with_overrides(["dataset=cifar10", "algorithm=floral"])
+    assert lr_batch(switched) == cifar10_recipe
+    assert lr_batch(Config(algorithm="floral").with_overrides(["lr=0.1", "dataset=cifar10"])) == (0.1, 64)
+    chained = Config(algorithm="floral").with_overrides(["lr=0.2"]).with_overrides(["dataset=cifar10"])
+    assert lr_batch(chained) == (0.2, 64)
+    assert lr_batch(chained.with_overrides(["dataset=mnist"])) == (0.2, 32)
+    assert lr_batch(Config.of({"algorithm": "floral", "dataset": "cifar10", "batch_size": 16})) == (0.03, 16)
+    assert Config.from_dict(chained.to_dict()) == chained
+    assert lr_batch(Config(algorithm="fedavg", dataset="cifar10")) == lr_batch(Config(algorithm="fedavg"))
+    assert main(["list", "floral"]) == 0
+    out = capsys.readouterr().out
+    assert "(cifar10: 0.03)" in out and "conf/task/cifar10.yaml" in out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Toy(TrainingOptions):
     step: float = option(1.0, "a step", source="nowhere", check=positive)

@@ -3,10 +3,11 @@
 ``Config`` is a frozen dataclass of run-level settings (data, partition, federation, rounds,
 evaluation, checkpoints, devices, strategy) whose ``options`` field holds the selected
 algorithm's options (:mod:`jaxfed.options`; each algorithm owns its class, with its paper's
-defaults). ``Config().with_overrides(["lr=0.1", ...])`` parses the CLI's ``--set key=value``
-pairs, run keys and the algorithm's keys alike (:func:`read_config_file` reads a ``--config``
-file into such pairs); ``validate()`` turns each mistake into one :class:`ConfigError` naming
-the field and its allowed values.
+defaults, and where the authors' recipe differs by dataset, that dataset's).
+``Config().with_overrides(["lr=0.1", ...])`` parses the CLI's ``--set key=value`` pairs, run keys
+and the algorithm's keys alike (:func:`read_config_file` reads a ``--config`` file into such
+pairs); ``validate()`` turns each mistake into one :class:`ConfigError` naming the field and its
+allowed values.
 """
 
 from __future__ import annotations
@@ -145,14 +146,15 @@ class Config(Options):
     nonfinite: str = option(
         "error", "a client update with NaN/inf: error (stop, last good state checkpointed) or skip (drop that client)"
     )
-    # the algorithm's own options (jaxfed list ALGORITHM); None = its defaults
+    # the algorithm's own options (jaxfed list ALGORITHM); None = its defaults for this dataset
+    # (Options.for_dataset); a changed dataset keeps what was set and takes the new dataset's defaults
     options: Any = dataclasses.field(default=None, metadata={"help": "the algorithm's options", "source": ""})
 
     def __post_init__(self):
         if self.options is None:
             options_class = _options_class(self.algorithm, missing_ok=True)
             if options_class is not None:
-                object.__setattr__(self, "options", options_class())
+                object.__setattr__(self, "options", options_class.for_dataset(self.dataset))
 
     # ----- keys ----------------------------------------------------------------------------------
 
@@ -186,9 +188,12 @@ class Config(Options):
                     option_values[key] = raw
             elif key not in self.run_keys():
                 option_values[key] = raw
-        options = self.options if algorithm == self.algorithm and self.options is not None else None
+        dataset = run_changes.get("dataset", self.dataset)
         options_class = _options_class(algorithm)
-        options = options_class() if options is None else options
+        if algorithm == self.algorithm and self.options is not None:
+            options = self.options.rebased(self.dataset, dataset)
+        else:
+            options = options_class.for_dataset(dataset)
         unknown = [key for key in option_values if options_class.field_for(key) is None]
         if unknown:
             raise ConfigError(_unknown_key_message(unknown[0], algorithm, options_class))
@@ -258,7 +263,7 @@ class Config(Options):
         unknown = [key for key in options if options_class.field_for(key) is None]
         if unknown:
             raise ConfigError(_unknown_key_message(unknown[0], algorithm, options_class))
-        return cls(**run, options=options_class().with_values(options))
+        return cls(**run, options=options_class.for_dataset(run.get("dataset", cls.dataset)).with_values(options))
 
     # ----- validation ----------------------------------------------------------------------------
 
