@@ -125,6 +125,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         pooled_eval_model=pooled_eval_model,
         nonfinite=config.nonfinite,
         matmul_precision=config.matmul_precision,
+        client_state=config.client_state,
     )
     check_memory(simulation, devices[0])
     return simulation

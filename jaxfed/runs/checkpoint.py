@@ -83,10 +83,12 @@ def verify_state(state, record: dict):
 
 
 def abstract_like(tree):
-    """Shapes, dtypes and shardings of ``tree`` (concrete arrays or ``ShapeDtypeStruct`` leaves)."""
+    """Shapes, dtypes and shardings of ``tree`` (concrete arrays or ``ShapeDtypeStruct`` leaves);
+    a host (numpy) array stays one, so that it is restored into host memory (host-held client
+    states: ``client_state=host``)."""
 
     def leaf(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
+        if isinstance(x, (jax.ShapeDtypeStruct, np.ndarray)):
             return x
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 

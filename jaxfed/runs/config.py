@@ -133,6 +133,13 @@ class Config(Options):
         "(1 on CPU; on GPU/TPU all at once if the round fits the device's memory, else the widest chunk that fits)",
         check=at_least(-1),
     )
+    client_state: str = option(
+        "device",
+        "where the stacked client states live: device, or host (in this process's memory; each compiled call "
+        "moves the states of the clients its rounds sample to the device and back: for client states larger "
+        "than the device's memory; the same numbers)",
+        check=one_of("device", "host"),
+    )
     member_chunk: int = option(
         -1,
         "jaxfed sweep: members run together: 0 = all vmapped, k = lax.map over chunks of k, -1 = auto "

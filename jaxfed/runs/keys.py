@@ -10,6 +10,7 @@ RESUMABLE_KEYS = frozenset(
         "eval_every",
         "rounds_per_call",
         "member_chunk",
+        "client_state",  # host-held client states give the same numbers as device-held ones
         "checkpoint_every",
         "keep_checkpoints",
         "nonfinite",

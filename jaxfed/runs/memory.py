@@ -90,4 +90,10 @@ def check_memory(simulation, device, available: int | None = None) -> None:
     params, _ = model_template(model)
     copies = simulation.num_devices if device.platform == "cpu" else 1
     name = f"{model.name} on {tuple(model.input_shape)} inputs"
-    check_fits(jax.eval_shape(simulation.init_pure), params, name, device, copies, available)
+    state = jax.eval_shape(simulation.init_pure)
+    if simulation.client_state == "host":  # the device holds the sampled clients' states, at least a round's
+        rows = simulation.num_sampled
+        state = state.replace(
+            clients=jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), state.clients)
+        )
+    check_fits(state, params, name, device, copies, available)

@@ -150,6 +150,11 @@ def check_sweepable(configs: list[Config], traced=("lr",)) -> None:
     if not configs:
         raise ConfigError("sweep: no configurations (give --seeds, --lrs and/or --grid)")
     require_lr(configs[0])
+    if configs[0].client_state == "host":
+        raise ConfigError(
+            "client_state: host is for single runs (jaxfed run); a sweep's members keep their client states on "
+            "the device (client_state=device)"
+        )
     differ = [k for k in differing_keys(configs) if k not in ("seed", *traced)]
     if differ:
         allowed = ", ".join(("seed", *traced))

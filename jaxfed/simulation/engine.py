@@ -26,6 +26,11 @@ over the ``clients`` axis (each device holds 1/D of the clients) when the client
 by the device count; the examples, the server state (and, across processes or with an uneven
 count, everything) are replicated. The mesh may span several processes (``jax.distributed``;
 see benchmarks/two_process.py).
+With ``client_state="host"`` the stacked client states stay in host memory (numpy): a compiled
+call gets the states of the clients its rounds sample (known ahead: sampling is a function of the
+round), in ``min(num_clients, rounds * sampled)`` rows, and an id -> row table; the rows come
+back to the host after the call. Evaluation moves them a round's width at a time. Training
+gives the device-held numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from jaxfed.simulation.strategy import ClientStrategy
 
 NONFINITE_POLICIES = ("error", "skip")
 MATMUL_PRECISIONS = ("default", "highest")
+CLIENT_STATES = ("device", "host")
 
 
 class _ClientRow(NamedTuple):
@@ -97,6 +103,24 @@ def first_nonfinite(metrics):
     return first, sorted(int(c) for c in np.asarray(metrics["nonfinite_ids"][first]) if c >= 0)
 
 
+def _rows_of(ids, slots):
+    """The rows of ``state.clients`` that hold clients ``ids``: the ids themselves, or (host-held
+    client states) their slots in the working set (a padding id's slot is past its end)."""
+    return ids if slots is None else slots[ids]
+
+
+def _written_back(host_clients, ids, working):
+    """Host-held client states with the working set's first ``len(ids)`` rows written back at
+    ``ids`` (a new array per leaf: a state handed out before, e.g. to a checkpoint, is unchanged)."""
+
+    def leaf(held, rows):
+        out = np.array(held, copy=True)
+        out[ids] = rows[: len(ids)]
+        return out
+
+    return jax.tree.map(leaf, host_clients, jax.device_get(working))
+
+
 @struct.dataclass
 class SimState:
     server: Any
@@ -122,6 +146,10 @@ class Simulation:
     :class:`~jaxfed.simulation.evaluation.Evaluation`'s, traffic :mod:`~jaxfed.simulation.accounting`'s;
     the round's semantics (sampling, tiers, the non-finite policy, aggregation) are this class's.
 
+    ``client_state``: ``"device"`` (stacked client states on the device, split over a mesh) or
+    ``"host"`` (in this process's memory; each call moves the clients it samples): for client
+    states larger than the device's memory.
+
     ``matmul_precision`` is this simulation's own (``"default"``: XLA's, TF32 on recent NVIDIA
     GPUs; ``"highest"``: full float32), applied where its programs are traced (:meth:`precision`),
     not to the process.
@@ -145,12 +173,18 @@ class Simulation:
         nonfinite: str = "error",
         matmul_precision: str = "default",
         strategy: ClientStrategy | None = None,
+        client_state: str = "device",
     ):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
         if matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision: unknown '{matmul_precision}'; allowed: {', '.join(MATMUL_PRECISIONS)}")
+        if client_state not in CLIENT_STATES:
+            raise ValueError(f"client_state: unknown '{client_state}'; allowed: {', '.join(CLIENT_STATES)}")
+        if client_state == "host" and jax.process_count() > 1:
+            raise ValueError("client_state: host keeps client states in this process's memory; one process only")
         check_server_step(algorithm)
+        self.client_state = client_state
         self.matmul_precision = matmul_precision
         self.nonfinite = nonfinite
         self.algorithm = algorithm
@@ -187,6 +221,9 @@ class Simulation:
         self._executables: dict[int, Any] = {}
         self._init_state = jax.jit(self.init_pure)
         self._eval = jax.jit(self.evaluate_pure)
+        self._eval_block = jax.jit(self._evaluate_block_pure, static_argnums=2)
+        self._eval_summary = jax.jit(self._evaluate_summary_pure)
+        self._eval_pooled = jax.jit(self._evaluate_pooled_pure)
 
     def _placed(self, data: FederatedData) -> FederatedData:
         """``data`` on the mesh (which may span processes, ``jax.distributed``): the examples on
@@ -220,6 +257,8 @@ class Simulation:
         with self.precision():
             state = self._init_state()
         state = self.strategy.replicate(state)
+        if self.client_state == "host":
+            return state.replace(clients=jax.device_get(state.clients))
         return state.replace(clients=self.strategy.place_clients(state.clients))
 
     def check_state(self, state: SimState) -> None:
@@ -271,15 +310,16 @@ class Simulation:
             ]
         return [(t, self.strategy.padded_ids(ids, fill)) for t, ids in groups]
 
-    def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids):
+    def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids, slots=None):
         """``client_update`` of the clients ``ids`` (one tier): their rows (new states, metrics,
-        weights, ...) and the sum of their contributions to the server's step."""
+        weights, ...) and the sum of their contributions to the server's step. ``slots`` (host-held
+        client states): where each client id's state sits in ``state.clients``, the working set."""
         alg = self.algorithm
         ids = ids[self.strategy.run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
         client_data = data.train_data(ids)
         info = RoundInfo(round=state.round, tier=tier)  # the round's one home is the engine's state
         message_down = alg.broadcast(state.server, info)
-        states = gather_clients(state.clients, ids)
+        states = gather_clients(state.clients, _rows_of(ids, slots))
         per_client = (ids, states, client_data.indices, client_data.count, sampling.client_keys(key, ids))
         shared = (state.server, message_down, client_data.x, client_data.y, info)
         rows, total = self.strategy.map_clients(self._one_client, shared, per_client)
@@ -308,11 +348,12 @@ class Simulation:
         share = server.contribution(alg, server_state, decoded, weight, info)
         return _ClientRow(new_state, metrics, bad, weight, up_bytes, ()), share
 
-    def round(self, state: SimState, data: FederatedData):
-        """One round (pure): returns the new state and this round's metrics."""
+    def round(self, state: SimState, data: FederatedData, slots=None):
+        """One round (pure): returns the new state and this round's metrics. ``slots``: see
+        :meth:`_update_group` (None: ``state.clients`` holds every client, by id)."""
         key = sampling.round_key(self.root, state.round)
         real_ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
-        groups = [self._update_group(state, data, key, t, ids) for t, ids in self._client_groups(real_ids)]
+        groups = [self._update_group(state, data, key, t, ids, slots) for t, ids in self._client_groups(real_ids)]
 
         bad = jnp.concatenate([g.rows.bad for g in groups])
         # nonfinite=skip: the bad clients already weigh 0; error: a bad client rejects the round
@@ -325,7 +366,8 @@ class Simulation:
         clients = state.clients
         for g in groups:
             kept = g.is_real & ~g.rows.bad if self.nonfinite == "skip" else jnp.broadcast_to(round_ok, g.ids.shape)
-            clients = scatter_clients(clients, jnp.where(kept, g.ids, self.num_clients), g.rows.new_state)
+            rows = _rows_of(jnp.where(kept, g.ids, self.num_clients), slots)
+            clients = scatter_clients(clients, rows, g.rows.new_state)
         clients = self.strategy.keep_clients_placed(clients)
 
         client_metrics = concat_clients([g.rows.metrics for g in groups])
@@ -342,9 +384,9 @@ class Simulation:
         next_round = state.round + round_ok.astype(state.round.dtype)
         return SimState(server=server_state, clients=clients, round=next_round), metrics
 
-    def rounds_pure(self, state, data, num_rounds: int):
+    def rounds_pure(self, state, data, num_rounds: int, slots=None):
         """``num_rounds`` rounds on ``data`` (pure, not jitted): ``(state, metrics [rounds, ...])``."""
-        return jax.lax.scan(lambda s, _: self.round(s, data), state, None, length=num_rounds)
+        return jax.lax.scan(lambda s, _: self.round(s, data, slots), state, None, length=num_rounds)
 
     def run_rounds(self, state: SimState, num_rounds: int, *, raise_nonfinite: bool = True):
         """Run ``num_rounds`` rounds in one compiled call; metrics have a leading round axis.
@@ -355,9 +397,12 @@ class Simulation:
         :class:`NonFiniteUpdateError` carrying the last good state and the good rounds' metrics.
         """
         self.check_state(state)
+        working, slots, ids = self._working_set(state, num_rounds)
         if num_rounds not in self._executables:
-            self._executables[num_rounds] = self._compile(state, num_rounds)
-        new_state, metrics = self._executables[num_rounds](state, self.data)
+            self._executables[num_rounds] = self._compile(working, slots, num_rounds)
+        new_state, metrics = self._executables[num_rounds](working, self.data, slots)
+        if ids is not None:
+            new_state = new_state.replace(clients=_written_back(state.clients, ids, new_state.clients))
         failure = first_nonfinite(metrics) if self.nonfinite == "error" and raise_nonfinite else None
         if failure is not None:
             first, ids = failure
@@ -365,14 +410,32 @@ class Simulation:
             raise NonFiniteUpdateError(int(new_state.round) + 1, ids, new_state, good)
         return new_state, metrics
 
-    def _compile(self, state: SimState, num_rounds: int):
+    def _working_set(self, state: SimState, num_rounds: int):
+        """``(state, slots, ids)`` for a call of ``num_rounds`` rounds from ``state``: as it is
+        (``None, None``) when client states live on the device; host-held, the states of the
+        clients these rounds sample (``ids``, known ahead: sampling is a function of the round)
+        moved to the device, in a static ``min(num_clients, num_rounds * num_sampled)`` rows, and
+        ``slots`` (``[num_clients + 1]``: each id's row, the rest past the end)."""
+        if self.client_state == "device":
+            return state, None, None
+        first = int(state.round)
+        ids = np.unique(np.concatenate([self.sampled_ids(r) for r in range(first, first + num_rounds)]))
+        rows = min(self.num_clients, num_rounds * self.num_sampled)
+        slots = np.full(self.num_clients + 1, rows, np.int32)
+        slots[ids] = np.arange(len(ids), dtype=np.int32)
+        taken = np.concatenate([ids, np.full(rows - len(ids), ids[0])])  # the fill rows are never addressed
+        working = jax.tree.map(lambda x: np.asarray(x)[taken], state.clients)
+        return state.replace(clients=self.strategy.place_clients(jax.device_put(working))), jnp.asarray(slots), ids
+
+    def _compile(self, state: SimState, slots, num_rounds: int):
         """The compiled call of ``num_rounds`` rounds; where the strategy picks its chunk to fit
         the device's memory and the round does not fit, compiled again with a narrower chunk
         (every compiled call of this simulation then uses it)."""
         start = time.perf_counter()
         while True:
             with self.precision():
-                compiled = jax.jit(self.rounds_pure, static_argnums=2).lower(state, self.data, num_rounds).compile()
+                lowered = jax.jit(self.rounds_pure, static_argnums=2).lower(state, self.data, num_rounds, slots)
+                compiled = lowered.compile()
             widest = -(-self.num_sampled // self.num_devices)
             chunk = self.strategy.fitted(compiled.memory_analysis(), widest)
             if chunk is None:
@@ -398,4 +461,37 @@ class Simulation:
         """Personalized accuracy of every client (and global accuracy where there is a global model)."""
         self.check_state(state)
         with self.precision():
-            return {k: float(v) for k, v in self._eval(state, self.data).items()}
+            if self.client_state == "host":
+                metrics = self._evaluate_held(state)
+            else:
+                metrics = self._eval(state, self.data)
+            return {k: float(v) for k, v in metrics.items()}
+
+    def _evaluate_held(self, state: SimState) -> dict:
+        """:meth:`evaluate` of host-held client states: their outcomes block by block (a block
+        is at most as many clients as a round samples, moved to the device one block at a time),
+        then the same summaries."""
+        counted = self._in_cohort() if self.eval_clients == "cohort" else None
+        if self.algorithm.evaluates_global:
+            return self._eval_pooled(state.server, self.data, counted)
+        width = self.num_sampled
+        parts = []
+        for tier, lo, hi in self.evaluation.spans(self.num_clients):
+            for start in range(lo, hi, width):
+                ids = np.arange(start, start + width)
+                held = np.minimum(ids, hi - 1)  # past the span: a copy of its last client, counted 0
+                states = jax.device_put(jax.tree.map(lambda x: np.asarray(x)[held], state.clients))
+                ids = np.where(ids < hi, ids, self.num_clients).astype(np.int32)
+                outcomes = self._eval_block(state.server, state.round, tier, states, ids, self.data, counted)
+                parts.append(tuple(o[: min(hi, start + width) - start] for o in outcomes))
+        correct, loss, count = (jnp.concatenate(p) for p in zip(*parts))
+        return self._eval_summary(state.server, correct, loss, count, self.data)
+
+    def _evaluate_block_pure(self, server, round_, tier, states, ids, data, counted):
+        return self.evaluation.block(self.algorithm, server, round_, tier, states, ids, data, counted)
+
+    def _evaluate_pooled_pure(self, server, data, counted):
+        return self.evaluation.pooled(self.algorithm, server, data, counted)
+
+    def _evaluate_summary_pure(self, server, correct, loss, count, data):
+        return self.evaluation.summary(self.algorithm, server, correct, loss, count, data)

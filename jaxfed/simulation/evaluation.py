@@ -116,42 +116,67 @@ class Evaluation:
         """The metrics (as arrays) of ``state`` (a :class:`~jaxfed.simulation.SimState`) on
         ``data``'s test splits; ``counted``: ``[num_clients]`` bool, the clients whose results
         count (the others count as clients without test examples), default all."""
-        model = algorithm.eval_model or self.model
-        pooled_model = algorithm.eval_model or self.pooled_model
-        num_clients = data.num_clients
-        test = data.test_data(jnp.arange(num_clients, dtype=jnp.int32))
-        if counted is not None:
-            test = test.replace(count=jnp.where(counted, test.count, 0))
-        regression = is_regression(data.y_test)
         if algorithm.evaluates_global:  # one pass over the pooled test set, each client's share summed
-            outcomes = self.pooled_outcomes(pooled_model, algorithm.global_params(state.server), data)
-            correct, loss = (client_totals(o, test.indices, test.count) for o in outcomes)
-            metrics = personalized_metrics(correct, loss, test.count.astype(jnp.float32), regression)
-            return {**metrics, **global_metrics(*outcomes, regression)}
+            return self.pooled(algorithm, state.server, data, counted)
+        blocks = [
+            self.block(
+                algorithm,
+                state.server,
+                state.round,
+                tier,
+                jax.tree.map(lambda x: x[lo:hi], state.clients),
+                jnp.arange(lo, hi, dtype=jnp.int32),
+                data,
+                counted,
+            )
+            for tier, lo, hi in self.spans(data.num_clients)
+        ]
+        correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
+        return self.summary(algorithm, state.server, correct, loss, count, data)
 
-        def evaluate_block(server_view, lo, hi):
-            block = jax.tree.map(lambda x: x[lo:hi], (state.clients, test.indices, test.count))
-            return self.clients(algorithm, model, server_view, block, data)
+    def spans(self, num_clients: int) -> list[tuple[int | None, int, int]]:
+        """``[(tier, lo, hi)]``: the client id ranges evaluated against one view of the server
+        (each tier's, for an algorithm with ``eval_server``; else all clients, tier None)."""
+        if self.tiers is None:
+            return [(None, 0, num_clients)]
+        return [(t, lo, hi) for t, (lo, hi) in enumerate(self.tiers)]
 
-        if algorithm.eval_server is None:
-            correct, loss, count = evaluate_block(state.server, 0, num_clients)
-        else:  # each tier's clients against that tier's view of the server, computed once
-            blocks = [
-                evaluate_block(algorithm.eval_server(state.server, RoundInfo(round=state.round, tier=t)), lo, hi)
-                for t, (lo, hi) in enumerate(self.tiers)
-            ]
-            correct, loss, count = (jnp.concatenate(parts) for parts in zip(*blocks))
+    def block(self, algorithm, server, round_, tier, states, ids, data, counted=None):
+        """``(correct, loss, count)`` of the clients ``ids`` (of one span) whose states are
+        ``states``; an id past ``data.num_clients`` or not ``counted`` has count 0."""
+        view = server
+        if algorithm.eval_server is not None:
+            view = algorithm.eval_server(server, RoundInfo(round=round_, tier=tier))
+        test = data.test_data(ids)  # an id past the clients has count 0
+        count = test.count if counted is None else jnp.where(jnp.take(counted, ids, mode="clip"), test.count, 0)
+        return self.clients(algorithm, algorithm.eval_model or self.model, view, (states, test.indices, count), data)
+
+    def summary(self, algorithm, server, correct, loss, count, data) -> dict:
+        """The personalized summaries of per-client outcomes and, where the algorithm has a
+        global model, its metrics on the pooled test set."""
+        regression = is_regression(data.y_test)
         metrics = personalized_metrics(correct, loss, count, regression)
         if algorithm.global_params is not None:
-            outcomes = self.pooled_outcomes(pooled_model, algorithm.global_params(state.server), data)
+            pooled_model = algorithm.eval_model or self.pooled_model
+            outcomes = self.pooled_outcomes(pooled_model, algorithm.global_params(server), data)
             metrics.update(global_metrics(*outcomes, regression))
         return metrics
 
+    def pooled(self, algorithm, server, data, counted=None) -> dict:
+        """An algorithm that evaluates its global model for every client: one pass over the
+        pooled test set, each client's share of it summed."""
+        test = data.test_data(jnp.arange(data.num_clients, dtype=jnp.int32))
+        count = test.count if counted is None else jnp.where(counted, test.count, 0)
+        pooled_model = algorithm.eval_model or self.pooled_model
+        outcomes = self.pooled_outcomes(pooled_model, algorithm.global_params(server), data)
+        correct, loss = (client_totals(o, test.indices, count) for o in outcomes)
+        metrics = personalized_metrics(correct, loss, count.astype(jnp.float32), is_regression(data.y_test))
+        return {**metrics, **global_metrics(*outcomes, is_regression(data.y_test))}
+
     def clients(self, algorithm, model, server_view, clients, data):
         """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts)``,
-        each on its own test split. The rows come in run order, with padding clients (count 0)
-        appended: the summaries that follow do not depend on the order and skip clients without
-        test examples."""
+        each on its own test split, in the order given (they run largest first: the summaries
+        then add the same numbers in the same order however the clients were grouped)."""
         batch = self.client_batch
 
         def one_client(shared, args):
@@ -163,12 +188,13 @@ class Evaluation:
         def evaluate_all(shared, xs):
             return jax.lax.map(functools.partial(one_client, shared), xs, batch_size=self.clients_per_chunk)
 
+        n = clients[2].shape[0]
         states, indices, counts = self.strategy.padded_rows(clients)
-        real = jnp.arange(counts.shape[0]) < clients[2].shape[0]
-        counts = jnp.where(real, counts, 0)  # padding clients have no test examples: not counted
+        counts = jnp.where(jnp.arange(counts.shape[0]) < n, counts, 0)  # padding clients: no test examples
         order = self.strategy.run_order(counts)
         clients = jax.tree.map(lambda x: x[order], (states, indices, counts))
-        return self.strategy.over_devices(evaluate_all, (server_view, data.x_test, data.y_test), clients)
+        outcomes = self.strategy.over_devices(evaluate_all, (server_view, data.x_test, data.y_test), clients)
+        return jax.tree.map(lambda o: jnp.zeros_like(o).at[order].set(o)[:n], outcomes)
 
     def pooled_outcomes(self, model, variables, data):
         """``(correct, loss)`` of ``variables`` on every test example (``[N]`` each), in batches of

@@ -1,0 +1,96 @@
+"""Host-held client states (``client_state=host``): the same numbers as device-held ones, and a
+compiled call that holds only the states of the clients its rounds sample."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxfed
+from jaxfed.algorithms.feddecomp import feddecomp
+from jaxfed.algorithms.fedhm import fedhm
+from jaxfed.core import tree_bytes
+from jaxfed.data import federate, partition
+from jaxfed.errors import ConfigError
+from jaxfed.runs.config import Config
+from jaxfed.runs.sweep import check_sweepable
+from jaxfed.simulation import Simulation
+
+CLIENTS, PARTICIPATION = 12, 0.25  # 3 clients per round
+
+
+def simulations(algorithm: str, digits, mlp, **options) -> dict[str, Simulation]:
+    """The same algorithm, data and seed with client states on the device and on the host."""
+    train, test = partition("dirichlet", digits.y_train, digits.y_test, CLIENTS, np.random.default_rng(0), alpha=0.5)
+    data = federate(digits, train, test)
+    built = {"feddecomp": feddecomp, "fedhm": fedhm}[algorithm](mlp, **options)
+    return {
+        where: Simulation(built, mlp, data, participation=PARTICIPATION, seed=0, client_state=where)
+        for where in ("device", "host")
+    }
+
+
+@pytest.mark.parametrize("algorithm, options", [("feddecomp", {"local_epochs": 2}), ("fedhm", {"local_epochs": 1})])
+def test_host_held_client_states_give_the_device_held_numbers(algorithm, options, digits, mlp):
+    """FedDecomp (private per-client state) and FedHM (tiers: evaluation per tier's server view),
+    two calls of one round each: states and metrics bit for bit, the evaluation's accuracies too."""
+    results = {}
+    for where, sim in simulations(algorithm, digits, mlp, **options).items():
+        state = sim.init()
+        state, first = sim.run_rounds(state, 1)
+        state, second = sim.run_rounds(state, 1)
+        results[where] = (state, first, second), sim.evaluate(state)
+        held = jax.tree.leaves(state.clients)
+        assert all(isinstance(x, np.ndarray) == (where == "host") for x in held)
+    (device, device_eval), (host, host_eval) = results["device"], results["host"]
+    for a, b in zip(jax.tree.leaves(device), jax.tree.leaves(host), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Evaluation runs the host-held clients in blocks: a client's forward pass is vmapped beside
+    # other clients there, and the CPU's batched kernels may round its loss in the last bit.
+    # Accuracies are counts: equal; the losses agree to float32 rounding.
+    assert device_eval.keys() == host_eval.keys()
+    for key, value in device_eval.items():
+        if "loss" in key:
+            np.testing.assert_allclose(host_eval[key], value, rtol=1e-6)
+        else:
+            assert host_eval[key] == value, key
+
+
+def test_a_call_holds_only_the_clients_its_rounds_sample(digits, mlp):
+    """One round samples 3 of 12 clients: the host-held call's arguments are the device-held
+    call's less 9 clients' states, plus the id -> row table (13 int32)."""
+    sims = simulations("feddecomp", digits, mlp, local_epochs=2)
+    per_client = tree_bytes(sims["device"].init().clients) // CLIENTS
+    assert per_client > 0
+    arguments = {}
+    for where, sim in sims.items():
+        state = sim.init()
+        working, slots, _ = sim._working_set(state, 1)
+        arguments[where] = sim._compile(working, slots, 1).memory_analysis().argument_size_in_bytes
+        if where == "host":
+            assert tree_bytes(working.clients) == PARTICIPATION * CLIENTS * per_client
+    assert arguments["device"] - arguments["host"] == (CLIENTS - 3) * per_client - (CLIENTS + 1) * 4
+
+
+def test_a_host_held_run_resumes_as_the_device_held_run(tmp_path):
+    keys = {"algorithm": "feddecomp", "num_clients": CLIENTS, "participation": PARTICIPATION, "eval_every": 2,
+            "checkpoint_every": 1, "train_reduction": 0.3}  # fmt: skip
+    jaxfed.run({**keys, "rounds": 1, "client_state": "host"}, tmp_path / "host", progress=False)
+    jaxfed.run({**keys, "rounds": 2, "client_state": "host"}, tmp_path / "host", resume=True, progress=False)
+    jaxfed.run({**keys, "rounds": 2}, tmp_path / "device", progress=False)
+
+    def digest(run):
+        return json.loads((run / "checkpoints" / "2" / "run" / "metadata").read_text())["integrity"]["state"]
+
+    assert digest(tmp_path / "host") == digest(tmp_path / "device")
+
+
+def test_client_state_takes_device_or_host_and_a_sweep_refuses_host():
+    with pytest.raises(ConfigError, match="client_state: unknown 'disk'.*allowed: device, host"):
+        Config(client_state="disk").validate()
+    host = Config(client_state="host")
+    with pytest.raises(ConfigError, match="client_state: host is for single runs"):
+        check_sweepable([host, Config(client_state="host", seed=1)])
