@@ -38,8 +38,7 @@ DEFAULT = [
 def run(config: Config, calls: int, rounds: int):
     sim = build(config.validate()).simulation
     state = sim.init()
-    working, slots, _ = sim._working_set(state, rounds)
-    memory = sim._compile(working, slots, rounds).memory_analysis()
+    memory = sim.compiled(state, rounds).memory_analysis()
     peak = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
     state, _ = sim.run_rounds(state, rounds)  # compiles
     seconds, metrics = [], []

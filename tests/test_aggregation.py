@@ -170,8 +170,7 @@ def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
     alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=8)
     everyone = Simulation(alg, mlp, fed, participation=1.0, client_chunk=0)
     state = everyone.init()
-    everyone._executables[1] = everyone._compile(state, 1)
-    memory = everyone._executables[1].memory_analysis()
+    memory = everyone.compiled(state, 1).memory_analysis()
     fixed = memory.argument_size_in_bytes + memory.output_size_in_bytes
     roomy = ClientStrategy(memory_bytes=int((fixed + memory.temp_size_in_bytes) / 0.9) + 1)
     assert roomy.chunk == 0 and roomy.fitted(memory, 200) is None  # it fits: all at once
@@ -179,7 +178,7 @@ def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
     fitted = Simulation(alg, mlp, fed, participation=1.0, strategy=tight)
     got, _ = fitted.run_rounds(fitted.init(), 1)
     assert 1 < fitted.client_chunk < 200, fitted.client_chunk
-    narrowed = fitted._executables[1].memory_analysis()
+    narrowed = fitted.compiled(got, 1).memory_analysis()
     assert narrowed.temp_size_in_bytes <= 0.9 * tight.memory_bytes - fixed
     want, _ = everyone.run_rounds(state, 1)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -68,9 +68,9 @@ def test_a_call_holds_only_the_clients_its_rounds_sample(digits, mlp):
     arguments = {}
     for where, sim in sims.items():
         state = sim.init()
-        working, slots, _ = sim._working_set(state, 1)
-        arguments[where] = sim._compile(working, slots, 1).memory_analysis().argument_size_in_bytes
+        arguments[where] = sim.compiled(state, 1).memory_analysis().argument_size_in_bytes
         if where == "host":
+            working, _, _ = sim._working_set(state, 1)
             assert tree_bytes(working.clients) == PARTICIPATION * CLIENTS * per_client
     assert arguments["device"] - arguments["host"] == (CLIENTS - 3) * per_client - (CLIENTS + 1) * 4
 

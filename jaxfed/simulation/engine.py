@@ -398,9 +398,7 @@ class Simulation:
         """
         self.check_state(state)
         working, slots, ids = self._working_set(state, num_rounds)
-        if num_rounds not in self._executables:
-            self._executables[num_rounds] = self._compile(working, slots, num_rounds)
-        new_state, metrics = self._executables[num_rounds](working, self.data, slots)
+        new_state, metrics = self._compiled(working, slots, num_rounds)(working, self.data, slots)
         if ids is not None:
             new_state = new_state.replace(clients=_written_back(state.clients, ids, new_state.clients))
         failure = first_nonfinite(metrics) if self.nonfinite == "error" and raise_nonfinite else None
@@ -409,6 +407,18 @@ class Simulation:
             good = jax.tree.map(lambda m: m[:first], metrics)
             raise NonFiniteUpdateError(int(new_state.round) + 1, ids, new_state, good)
         return new_state, metrics
+
+    def compiled(self, state: SimState, num_rounds: int):
+        """The compiled call of ``num_rounds`` rounds that :meth:`run_rounds` runs from ``state``
+        (compiled on first use, then cached): its ``memory_analysis()`` and ``cost_analysis()``
+        are what one call needs on the device."""
+        working, slots, _ = self._working_set(state, num_rounds)
+        return self._compiled(working, slots, num_rounds)
+
+    def _compiled(self, working: SimState, slots, num_rounds: int):
+        if num_rounds not in self._executables:
+            self._executables[num_rounds] = self._compile(working, slots, num_rounds)
+        return self._executables[num_rounds]
 
     def _working_set(self, state: SimState, num_rounds: int):
         """``(state, slots, ids)`` for a call of ``num_rounds`` rounds from ``state``: as it is
