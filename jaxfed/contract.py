@@ -28,7 +28,9 @@ class RoundInfo:
       round: int32 scalar, the 0-based index of the round being run (= the rounds completed
         before it). At evaluation: the rounds completed. A traced array inside the round.
       tier: the tier of the clients this call serves, a static Python int (0 for an algorithm
-        without tiers); None in ``server_update``, which aggregates every tier at once.
+        without tiers); None in ``server_update``, which aggregates every tier at once, and
+        (an algorithm with ``pad_tier``) in ``client_update`` and ``receive``, which then serve
+        every tier's clients in one program.
 
     A pytree whose only leaf is ``round``: ``tier`` is static (pytree metadata), so it can index
     Python lists and pick shapes inside ``jit`` and ``vmap``. Outside the engine (tests,
@@ -189,6 +191,21 @@ class ReceiveFn(Protocol):
         """
 
 
+class PadTierFn(Protocol):
+    def __call__(self, message_down: PyTree, info: RoundInfo) -> PyTree:
+        """Tier ``info.tier``'s broadcast in the one shape every tier's padded broadcast has.
+
+        Args:
+          message_down: what ``broadcast`` sent the tier.
+          info: the round being run and the tier.
+
+        Returns:
+          the message padded (FedHM: factors zero-padded to the largest tier's rank, a kernel
+          switch per layer) so that ``client_update`` on it computes what it computes on the
+          tier's own message, and its upload decodes (``receive``) to the same value.
+        """
+
+
 class EvalServerFn(Protocol):
     def __call__(self, server_state: PyTree, info: RoundInfo) -> PyTree:
         """What ``eval_params`` receives for the clients of ``info.tier``, once per tier at evaluation.
@@ -295,6 +312,11 @@ class FederatedAlgorithm(NamedTuple):
         (client k of N in tier ``k * num_tiers // N``); each tier runs with its own broadcast and
         shapes, its sampled clients padded with weight-0 rows.
       receive: (tiers) :class:`ReceiveFn`; without it every tier's uploads share one shape.
+      pad_tier: (tiers) :class:`PadTierFn`; with it, where clients run vmapped together
+        (``client_chunk`` other than 1), the clients of every tier run as one group (one vmapped /
+        chunked program), each client getting its tier's padded broadcast, and
+        ``client_update`` and ``receive`` are called with ``info.tier`` None (what a client
+        needs of its tier travels in its message); the bytes counted are the tier's own.
       eval_server: (tiers) :class:`EvalServerFn`; default: the server state itself.
       message_bytes: (accounting) :class:`MessageBytesFn`; default: the upload's arrays.
       download_bytes: (accounting) :class:`DownloadBytesFn`; default: all of ``message_down``.
@@ -316,6 +338,7 @@ class FederatedAlgorithm(NamedTuple):
     # tiers
     num_tiers: int | None = None
     receive: ReceiveFn | None = None
+    pad_tier: PadTierFn | None = None
     eval_server: EvalServerFn | None = None
     # accounting
     message_bytes: MessageBytesFn | None = None

@@ -113,8 +113,9 @@ class ServerState(NamedTuple):
 
 
 class Broadcast(NamedTuple):
-    fe: Any  # the extractor with the tier's Q_k factorized to its rank
+    fe: Any  # the extractor with the tier's Q_k factorized to its rank (padded tiers: lowrank.Padded)
     anchor_fe: Any = None  # with anchor_model=global, the full-rank global FE the anchors come from
+    in_tier: Any = None  # padded tiers: [layer] 0/1, the tier's Q_k among the decomposed layers
 
 
 class ClientState(NamedTuple):
@@ -182,11 +183,12 @@ def frobenius_penalty(fe_params, layers, weights=None) -> jax.Array:
     total = jnp.float32(0)
     for i, key in enumerate(layers):
         layer = lowrank.get_layer(fe_params, key)
+        term = jnp.float32(0)  # a padded layer has both: a zero kernel or zero factors
         if "u" in layer:
             u, v = lowrank.layer_factors(layer)
-            term = jnp.sum((u.T @ u) * (v.T @ v))
-        else:
-            term = jnp.sum(jnp.square(layer["kernel"]))
+            term = term + jnp.sum((u.T @ u) * (v.T @ v))
+        if "kernel" in layer:
+            term = term + jnp.sum(jnp.square(layer["kernel"]))
         total = total + (term if weights is None else weights[i] * term)
     return total
 
@@ -256,16 +258,23 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         fe = lowrank.factorize_layers(server_state.fe, ranks[info.tier])
         return Broadcast(fe, server_state.fe if options.anchor_model == "global" else None)
 
+    union = lowrank.union_ranks(ranks)
+
+    def pad_tier(message, info):
+        return message._replace(fe=lowrank.pad_to_union(message.fe, union), in_tier=membership[info.tier])
+
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
-        anchor_fe = message.fe if message.anchor_fe is None else message.anchor_fe
+        fe, kernel_on = message.fe if isinstance(message.fe, lowrank.Padded) else (message.fe, None)
+        anchor_fe = fe if message.anchor_fe is None else message.anchor_fe
         frozen = {"params": lowrank.replace_layer(anchor_fe, head, client_state.head), **client_state.model_state}
-        with factorized_execution():
+        with factorized_execution(kernel_on):
             anchors, _ = class_anchors(model, head, frozen, data, options.batch_size)
             lam_t = lambda_at(info.round + 1, options.lambda_, options.lambda_warmup_rounds)  # 1-based round
-            in_tier = membership[info.tier]  # the client's tier's Q_k, for the Frobenius term
+            # the client's tier's Q_k, for the Frobenius term
+            in_tier = membership[info.tier] if message.in_tier is None else message.in_tier
             loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed, in_tier)
-            trainable = {"fe": message.fe, "head": client_state.head}
+            trainable = {"fe": fe, "head": client_state.head}
             state = TrainState(trainable, optimizer.init(trainable), client_state.model_state)
             state, metrics = run_epochs(gradient_step(loss, optimizer), state, data, rng, **options.batching())
         new_client = ClientState(state.params["head"], state.model_state)
@@ -292,6 +301,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         global_params=None,  # the heads are private: there is no global model
         num_tiers=len(ranks),
         receive=reconstruct_upload,
+        pad_tier=pad_tier,
         eval_server=eval_server,
     )
 

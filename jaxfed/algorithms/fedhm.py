@@ -7,6 +7,10 @@ clients train the factors (and the unfactorized parameters) with cross-entropy, 
 factorized Conv as a ``kh x 1`` then ``1 x kw`` conv and each Dense as two thin matmuls, so a
 client's compute and upload scale with its rank. The server reconstructs every upload to full
 kernels (``receive``) and averages them with sample weights over all tiers.
+Where clients run vmapped together, every tier's clients run as one program (``pad_tier``): each
+gets its tier's factors zero-padded to the largest tier's rank, and a whole kernel switched off
+where its tier factorizes the layer (:func:`jaxfed.core.lowrank.pad_to_union`); zero factor
+columns stay zero, so the numbers are the per-tier programs' up to float rounding.
 
 ``rank_rule=cout`` takes the authors' code's rank instead, ``round(ratio * cout)`` (their
 ``planes / rank_factor``, with ``rank_factor = 1 / ratio``). 1x1 convs (ResNet shortcuts) stay
@@ -124,9 +128,15 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
     def broadcast(server_state, info):
         return lowrank.factorize_layers(server_state.params, ranks[info.tier])
 
-    def client_update(factorized, client_state, data, rng, info):
+    union = lowrank.union_ranks(ranks)
+
+    def pad_tier(factorized, info):
+        return lowrank.pad_to_union(factorized, union)
+
+    def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
-        with factorized_execution():
+        factorized, kernel_on = message if isinstance(message, lowrank.Padded) else (message, None)
+        with factorized_execution(kernel_on):
             variables, metrics = train_classifier(
                 model,
                 optimizer,
@@ -154,6 +164,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         global_params=None if private_stats else global_params,
         num_tiers=len(ranks),
         receive=reconstruct_upload,
+        pad_tier=pad_tier,
     )
 
 

@@ -258,13 +258,62 @@ def factorize_layers(params, ranks: dict[str, int]):
 
 
 def reconstruct_layers(params):
-    """``params`` with every factorized layer's ``u, v`` replaced by the full ``kernel``."""
+    """``params`` with every factorized layer's ``u, v`` replaced by the full ``kernel`` (a padded
+    layer's ``kernel + fold(u v^T)``, see :func:`pad_to_union`)."""
     for key, layer in list(_layers(params)):
         if "u" in layer:
             kernel = reconstruct_kernel(layer_factors(layer), kernel_shape_of(layer))
+            if "kernel" in layer:
+                kernel = layer["kernel"] + kernel
             rest = {k: v for k, v in layer.items() if k not in ("u", "v")}
             params = replace_layer(params, key, {**rest, "kernel": kernel})
     return params
+
+
+# ----- padded layers: every rank in one shape ---------------------------------------------------
+# A padded layer holds ``kernel``, ``u`` and ``v`` at once, the factors zero-padded to a rank
+# shared by every tier: a layer factorized at rank r has a zero kernel and r non-zero factor
+# columns; a layer kept whole has zero factors. Zero columns stay zero under gradient training
+# (``du = x^T (g v)`` and ``dv = g^T (x u)`` vanish on them), so the padding changes no number;
+# the kernel of a factorized layer is switched off by a 0/1 ``kernel_on`` flag, which
+# :func:`jaxfed.nn.factorized.factorized_execution` multiplies it by (so its gradient is 0 too).
+
+
+def union_ranks(ranks_per_tier: Sequence[dict[str, int]]) -> dict[str, int]:
+    """``{layer: the largest rank any tier factorizes it to}``: the padded shape every tier shares."""
+    union: dict[str, int] = {}
+    for ranks in ranks_per_tier:
+        for key, rank in ranks.items():
+            union[key] = max(rank, union.get(key, 0))
+    return union
+
+
+class Padded(NamedTuple):
+    """Parameters whose layers are padded (``kernel``, ``u``, ``v``) and each layer's kernel switch."""
+
+    params: dict
+    kernel_on: dict  # {layer: float32 scalar, 1.0: the kernel runs, 0.0: the factors}
+
+
+def pad_to_union(params, union: dict[str, int]) -> Padded:
+    """``params`` (some layers of ``union`` factorized, the others whole) with every layer of
+    ``union`` padded (kernel, factors of rank ``union[key]``), and the layers' kernel switches."""
+    kernel_on = {}
+    for key, rank in union.items():
+        layer = get_layer(params, key)
+        shape = kernel_shape_of(layer)
+        if "u" in layer:
+            u, v = (jnp.pad(f, [(0, 0)] * (f.ndim - 1) + [(0, rank - f.shape[-1])]) for f in (layer["u"], layer["v"]))
+            kernel, on = jnp.zeros(shape, u.dtype), 0.0
+        else:
+            kernel, on = layer["kernel"], 1.0
+            rows = (shape[0],) if len(shape) == 2 else (shape[0], shape[2])
+            cols = (shape[1],) if len(shape) == 2 else (shape[1], shape[3])
+            u, v = jnp.zeros((*rows, rank), kernel.dtype), jnp.zeros((*cols, rank), kernel.dtype)
+        rest = {k: x for k, x in layer.items() if k not in ("kernel", "u", "v")}
+        params = replace_layer(params, key, {**rest, "kernel": kernel, "u": u, "v": v})
+        kernel_on[key] = jnp.float32(on)
+    return Padded(params, kernel_on)
 
 
 def init_loras(rng: jax.Array, params, ranks: dict[str, int], layout: str = "balanced") -> dict[str, LoRA]:

@@ -19,6 +19,11 @@ def stack_clients(tree, num_clients: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
 
 
+def stack_trees(trees):
+    """Trees of one structure stacked along a new leading axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
 def gather_clients(stacked, ids):
     """Rows ``ids`` of a stacked pytree; out-of-range ids (padding) read a clipped row."""
     return jax.tree.map(lambda x: jnp.take(x, ids, axis=0, mode="clip"), stacked)

@@ -12,6 +12,7 @@ Implemented as a Flax method interceptor, so the model definitions need no chang
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -77,7 +78,20 @@ def _stock_conv_geometry(module: nn.Conv):
     return strides, padding
 
 
-def _interceptor(next_fun, args, kwargs, context):
+def padded_conv(x, kernel, factors: lowrank.Factors, strides, padding, impl: str) -> jax.Array:
+    """A padded layer's conv (see :func:`jaxfed.core.lowrank.pad_to_union`): one conv with the
+    kernel ``kernel + fold(u v^T)`` (composing it costs ``rows * cols * r`` per step, a small
+    part of a conv over a batch of images)."""
+    return conv2d(x, kernel + lowrank.reconstruct_kernel(factors, kernel.shape), strides, padding, impl)
+
+
+def padded_dense(x, kernel, factors: lowrank.Factors) -> jax.Array:
+    """A padded layer's dense: ``x @ kernel + (x @ u) @ v.T`` (composing ``u v^T`` would cost
+    ``in * out * r`` per step, more than the batch's own matmul)."""
+    return x @ kernel + factorized_dense(x, factors)
+
+
+def _interceptor(kernel_on, next_fun, args, kwargs, context):
     module = context.module
     if context.method_name != "__call__" or not isinstance(module, DENSE_OR_CONV):
         return next_fun(*args, **kwargs)
@@ -88,17 +102,33 @@ def _interceptor(next_fun, args, kwargs, context):
     factors = lowrank.layer_factors(params)
     shape = lowrank.kernel_shape_of(params)
     if isinstance(module, Conv):
-        y = factorized_conv(x, factors, shape, module.strides, module.padding, module.impl)
+        strides, padding, impl = module.strides, module.padding, module.impl
     elif isinstance(module, nn.Conv):
-        strides, padding = _stock_conv_geometry(module)
-        y = factorized_conv(x, factors, shape, strides, padding, "xla")
-    else:
+        (strides, padding), impl = _stock_conv_geometry(module), "xla"
+    if "kernel" in params:  # a padded layer: its kernel counts where kernel_on says so
+        kernel = params["kernel"] * _kernel_on(kernel_on, module)
+        if isinstance(module, nn.Dense):
+            y = padded_dense(x, kernel, factors)
+        else:
+            y = padded_conv(x, kernel, factors, strides, padding, impl)
+    elif isinstance(module, nn.Dense):
         y = factorized_dense(x, factors)
+    else:
+        y = factorized_conv(x, factors, shape, strides, padding, impl)
     return y + params["bias"] if "bias" in params else y
 
 
+def _kernel_on(kernel_on, module) -> jax.Array:
+    key = ".".join(module.path)
+    if kernel_on is None or key not in kernel_on:
+        raise ValueError(f"layer {key}: a padded layer (kernel, u, v) runs with factorized_execution(kernel_on)")
+    return kernel_on[key]
+
+
 @contextlib.contextmanager
-def factorized_execution():
-    """Within this context, factorized layers (``u``, ``v`` params) run factorized."""
-    with nn.intercept_methods(_interceptor):
+def factorized_execution(kernel_on: dict | None = None):
+    """Within this context, factorized layers (``u``, ``v`` params) run factorized; a padded
+    layer (``kernel``, ``u``, ``v``: :func:`jaxfed.core.lowrank.pad_to_union`) runs as
+    ``kernel_on[key] * kernel + fold(u v^T)``."""
+    with nn.intercept_methods(functools.partial(_interceptor, kernel_on)):
         yield

@@ -32,24 +32,27 @@ def real_total(is_real, per_client):
     return jnp.sum(jnp.where(is_real, per_client, 0.0))
 
 
-def traffic(algorithm: FederatedAlgorithm, groups, tiered: bool) -> tuple[dict, dict]:
-    """A round's traffic metrics from its client groups (each with ``tier``, ``is_real``,
-    ``message_down``, ``up_bytes`` and ``down_bytes``): ``(totals, per_tier)``. ``totals``:
-    ``bytes_up``, ``bytes_down`` (every sampled client downloads the whole message),
-    ``bytes_down_cached`` (what it must download, keeping what it received before); ``per_tier``
-    (a tiered algorithm's): what one client of each tier uploads (``bytes_up_client_tier<t>``,
-    the mean where it varies)."""
-    sent = [jnp.sum(g.is_real).astype(jnp.float32) for g in groups]
-    uploaded = [real_total(g.is_real, g.up_bytes) for g in groups]
+def traffic(algorithm: FederatedAlgorithm, groups, tiers) -> tuple[dict, dict]:
+    """A round's traffic metrics from its client groups (each with ``tiers`` (each row's),
+    ``is_real``, ``up_bytes``, ``down_sent``, ``down_bytes`` and ``tier_up_bytes``): ``(totals,
+    per_tier)``. ``totals``: ``bytes_up``, ``bytes_down`` (every sampled client downloads its
+    tier's whole message), ``bytes_down_cached`` (what it must download, keeping what it received
+    before); ``per_tier`` (``tiers``: a tiered algorithm's bounds): what one client of each tier
+    uploads (``bytes_up_client_tier<t>``, the mean where it varies)."""
     totals = {
-        "bytes_up": sum(uploaded),
-        "bytes_down": sum(n * tree_bytes(g.message_down) for n, g in zip(sent, groups)),
+        "bytes_up": sum(real_total(g.is_real, g.up_bytes) for g in groups),
+        "bytes_down": sum(g.down_sent for g in groups),
         "bytes_down_cached": sum(real_total(g.is_real, g.down_bytes) for g in groups),
     }
     per_tier = {}
-    if tiered:
-        for g, up, n in zip(groups, uploaded, sent):
-            per_tier[f"bytes_up_client_tier{g.tier}"] = (
-                up / jnp.maximum(n, 1.0) if algorithm.message_bytes else g.up_bytes[0]
-            )
+    if tiers is not None:
+        fixed = [size for g in groups for size in g.tier_up_bytes]  # one per tier, in tier order
+        for t in range(len(tiers)):
+            if algorithm.message_bytes is None:
+                per_tier[f"bytes_up_client_tier{t}"] = jnp.asarray(fixed[t], jnp.float32)
+                continue
+            members = [g.is_real & (g.tiers == t) for g in groups]
+            n = sum(jnp.sum(m).astype(jnp.float32) for m in members)
+            up = sum(real_total(m, g.up_bytes) for m, g in zip(members, groups))
+            per_tier[f"bytes_up_client_tier{t}"] = up / jnp.maximum(n, 1.0)
     return totals, per_tier

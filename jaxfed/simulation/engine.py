@@ -14,8 +14,10 @@ A client whose returned state, message or metrics hold NaN or inf is caught insi
 :class:`NonFiniteUpdateError` with the last good state; ``nonfinite="skip"`` gives that client
 weight 0, keeps its previous state and counts it in the metrics.
 A tiered algorithm's clients run per tier (each tier's sampled clients padded to a static size,
-its own broadcast and shapes); the server decodes each upload with ``receive`` into the shape
-every tier shares, see :class:`FederatedAlgorithm`.
+its own broadcast and shapes), or, where the algorithm pads every tier's message to one shape
+(``pad_tier``) and clients run vmapped together (``client_chunk`` other than 1), as one group in
+which each client gets its tier's padded message; the server decodes each upload with
+``receive`` into the shape every tier shares, see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
 of the device count with dummy clients that have no data, zero weight and are never scattered,
@@ -52,6 +54,8 @@ from jaxfed.core import (
     gather_clients,
     scatter_clients,
     stack_clients,
+    stack_trees,
+    tree_bytes,
     tree_select,
     weighted_mean,
 )
@@ -80,13 +84,14 @@ class _ClientRow(NamedTuple):
 class _Group(NamedTuple):
     """One group of clients run together in a round (all sampled clients, or one tier's)."""
 
-    tier: int
+    tiers: jax.Array  # [clients]: each row's tier (0 without tiers)
     ids: jax.Array  # padded with num_clients
     is_real: jax.Array
-    message_down: Any
     rows: _ClientRow
     total: Any  # the sum of the group's contributions (an aggregation), else ()
+    down_sent: jax.Array  # the bytes broadcast to the group's real clients
     down_bytes: jax.Array  # [clients]: what each must download, keeping what it received before
+    tier_up_bytes: list  # per tier (of the group's tiers): what one upload takes, where it is fixed
 
     @property
     def up_bytes(self) -> jax.Array:
@@ -184,6 +189,8 @@ class Simulation:
         if client_state == "host" and jax.process_count() > 1:
             raise ValueError("client_state: host keeps client states in this process's memory; one process only")
         check_server_step(algorithm)
+        if algorithm.pad_tier is not None and algorithm.download_bytes is not None:
+            raise ValueError(f"{algorithm.name}: pad_tier counts each tier's whole message; give no download_bytes")
         self.client_state = client_state
         self.matmul_precision = matmul_precision
         self.nonfinite = nonfinite
@@ -297,18 +304,25 @@ class Simulation:
     # ----- rounds ----------------------------------------------------------------------------
 
     def _client_groups(self, real_ids):
-        """``[(tier, ids)]`` with static sizes: all sampled clients for an untiered algorithm;
-        for a tiered one, each tier's sampled clients padded to ``min(num_sampled, tier size)``.
+        """``[(tier, ids)]`` with static sizes: all sampled clients for an untiered algorithm (or
+        one with ``pad_tier``: tier None); for a tiered one, each tier's sampled clients padded to
+        ``min(num_sampled, tier size)``.
         Every group is padded to a multiple of the device count with dummy ids (``num_clients``)."""
         fill = self.num_clients
-        if self.tiers is None:
-            groups = [(0, real_ids)]
+        if self.tiers is None or self._tiers_in_one_group():
+            groups = [(None if self.tiers else 0, real_ids)]  # padded tiers: all in one (tier None)
         else:
             groups = [
                 (t, sampling.tier_members(real_ids, lo, hi, min(self.num_sampled, hi - lo), fill))
                 for t, (lo, hi) in enumerate(self.tiers)
             ]
         return [(t, self.strategy.padded_ids(ids, fill)) for t, ids in groups]
+
+    def _tiers_in_one_group(self) -> bool:
+        """Whether a tiered round runs every tier's clients as one group: where the algorithm pads
+        its tiers to one shape and clients run vmapped together. One client at a time, per-tier
+        groups do less work (a padding row costs nothing there, and each tier runs its own rank)."""
+        return self.algorithm.pad_tier is not None and self.client_chunk != 1
 
     def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids, slots=None):
         """``client_update`` of the clients ``ids`` (one tier): their rows (new states, metrics,
@@ -317,21 +331,59 @@ class Simulation:
         alg = self.algorithm
         ids = ids[self.strategy.run_order(data.train_data(ids).count)]  # the group runs (and reports) in this order
         client_data = data.train_data(ids)
+        is_real = ids < self.num_clients
         info = RoundInfo(round=state.round, tier=tier)  # the round's one home is the engine's state
-        message_down = alg.broadcast(state.server, info)
         states = gather_clients(state.clients, _rows_of(ids, slots))
-        per_client = (ids, states, client_data.indices, client_data.count, sampling.client_keys(key, ids))
+        if tier is None and self.tiers is not None:  # padded tiers: each client gets its tier's message
+            tiers = self._tier_of(ids)
+            messages = [alg.broadcast(state.server, RoundInfo(state.round, t)) for t in range(len(self.tiers))]
+            message_down = stack_trees([alg.pad_tier(m, RoundInfo(state.round, t)) for t, m in enumerate(messages)])
+            sizes = jnp.asarray([tree_bytes(m) for m in messages], jnp.float32)
+            down_sent = jnp.sum(jnp.where(is_real, sizes[tiers], 0.0))
+            down_bytes = sizes[tiers]
+            tier_up_bytes = self._tier_upload_bytes(state, messages, states, client_data, key, ids)
+        else:
+            tiers = jnp.full(ids.shape, tier or 0, jnp.int32)
+            message_down = alg.broadcast(state.server, info)
+            down_sent = jnp.sum(is_real).astype(jnp.float32) * tree_bytes(message_down)
+            down_bytes = accounting.download_bytes(alg, message_down, states, info, len(ids))
+            tier_up_bytes = None
+        per_client = (ids, tiers, states, client_data.indices, client_data.count, sampling.client_keys(key, ids))
         shared = (state.server, message_down, client_data.x, client_data.y, info)
         rows, total = self.strategy.map_clients(self._one_client, shared, per_client)
-        down_bytes = accounting.download_bytes(alg, message_down, states, info, len(ids))
-        return _Group(tier, ids, ids < self.num_clients, message_down, rows, total, down_bytes)
+        if tier_up_bytes is None:
+            tier_up_bytes = [rows.up_bytes[0]]  # fixed per tier unless message_bytes says otherwise
+        elif alg.message_bytes is None:  # the tier's own upload, not the padded one
+            rows = rows._replace(up_bytes=jnp.asarray(tier_up_bytes, jnp.float32)[tiers])
+        return _Group(tiers, ids, is_real, rows, total, down_sent, down_bytes, tier_up_bytes)
+
+    def _tier_of(self, ids):
+        """Each id's tier (a padding id: the last tier's; it trains nothing)."""
+        return jnp.minimum(ids * len(self.tiers) // self.num_clients, len(self.tiers) - 1).astype(jnp.int32)
+
+    def _tier_upload_bytes(self, state, messages, states, client_data, key, ids) -> list[int]:
+        """The bytes of one upload of each tier, from the shapes ``client_update`` gives on the
+        tier's own (unpadded) message (traced for its shapes only)."""
+        client_state, indices, count = jax.tree.map(lambda x: x[0], (states, client_data.indices, client_data.count))
+        data = ClientData(client_data.x, client_data.y, indices, count)
+        rng = sampling.client_keys(key, ids)[0]
+        sizes = []
+        for t, message in enumerate(messages):
+            info = RoundInfo(round=state.round, tier=t)
+            _, upload, _ = jax.eval_shape(
+                lambda m, c, d, r, i=info: self.algorithm.client_update(m, c, d, r, i), message, client_state, data, rng
+            )
+            sizes.append(tree_bytes(upload))
+        return sizes
 
     def _one_client(self, shared, client):
         """One client's update and what the round keeps of it: ``(row, contribution)``. The
         contribution (an aggregation's share, zero for a row of weight 0) is summed by the strategy."""
         alg = self.algorithm
         server_state, message_down, x, y, info = shared
-        client_id, client_state, indices, count, rng = client
+        client_id, tier, client_state, indices, count, rng = client
+        if info.tier is None and self.tiers is not None:  # padded tiers: the client's tier's message
+            message_down = jax.tree.map(lambda m: m[tier], message_down)
         new_state, message, metrics = alg.client_update(
             message_down, client_state, ClientData(x, y, indices, count), rng, info
         )
@@ -373,7 +425,7 @@ class Simulation:
         client_metrics = concat_clients([g.rows.metrics for g in groups])
         trained = weighted_mean(client_metrics, jnp.concatenate(weights))  # NaN: no client's update was used
         trained = jax.tree.map(lambda m: jnp.where(any_weight, m, jnp.nan), trained)
-        traffic, traffic_per_tier = accounting.traffic(self.algorithm, groups, self.tiers is not None)
+        traffic, traffic_per_tier = accounting.traffic(self.algorithm, groups, self.tiers)
         metrics = {
             **trained,
             **traffic,
