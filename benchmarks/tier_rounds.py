@@ -52,12 +52,13 @@ def main(argv=None) -> dict:
     for name in ALGORITHMS:
         config = workload_config("w1", [f"algorithm={name}", f"data_dir={args.data_dir}", *args.overrides])
         sim = build(config).simulation
-        modes = {"one_group": sim}
-        if sim.algorithm.pad_tier is not None:
+        modes = {"as_built": sim}
+        if sim.algorithm.pad_tier is not None and sim._tiers_in_one_group():
             modes["per_tier"] = sim.variant(sim.root, sim.algorithm._replace(pad_tier=None))
-        for mode, member in modes.items():
-            results[f"{name}/{mode}"] = row = measure(member, args.calls)
-            row["one_group"] = member.tiers is None or member._tiers_in_one_group()
+        for member in modes.values():
+            row = measure(member, args.calls)
+            mode = "one_group" if member.tiers is None or member._tiers_in_one_group() else "per_tier"
+            results[f"{name}/{mode}"] = row
             print(name, mode, json.dumps(row), flush=True)
     base = results["fedavg/one_group"]
     for key, row in results.items():
