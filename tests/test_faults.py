@@ -456,14 +456,13 @@ elif point == "before the last wait":
 sys.exit(cli.main(sys.argv[3:]))
 """
 
-# One kill of each kind before the first checkpoint and, for the writes, one after it (a kill
-# inside a compiled call after a checkpoint: tests/test_checkpoint.py's SIGKILL test).
+# One kill of each kind (a kill inside a compiled call after a checkpoint: tests/test_checkpoint.py's
+# SIGKILL test).
 KILL_POINTS = [
     ("in a compiled call", 1),
     ("before an evaluation row", 2),
     ("inside a metrics write", 3),
     ("inside a checkpoint write", 1),
-    ("inside a checkpoint write", 3),
     ("before the last wait", 1),
 ]
 KILL_RUN = ["--quiet", "--set", "num_clients=4", "rounds=8", "eval_every=2", "checkpoint_every=2", "rounds_per_call=1"]
