@@ -100,3 +100,14 @@ def test_one_client_at_a_time_runs_per_tier(mlp, digits_federation):
     """Chunks of one: per-tier groups (a padding row costs nothing there; each tier its own rank)."""
     sim = Simulation(fedhm(mlp), mlp, digits_federation, participation=0.5, client_chunk=1)
     assert not sim._tiers_in_one_group()
+
+
+@pytest.mark.parametrize("num_clients, num_tiers", [(10, 5), (7, 3), (13, 4), (1000, 5)])
+def test_a_clients_tier_is_the_documented_rule(num_clients, num_tiers):
+    """Client k of N is in tier ``k * T // N``; a padding id (N) gets the last tier's."""
+    from jaxfed.simulation import sampling
+
+    ids = jnp.arange(num_clients + 1, dtype=jnp.int32)
+    got = sampling.tier_of(ids, sampling.tier_bounds(num_clients, num_tiers))
+    want = np.minimum(np.arange(num_clients + 1) * num_tiers // num_clients, num_tiers - 1)
+    np.testing.assert_array_equal(got, want)

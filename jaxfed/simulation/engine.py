@@ -335,7 +335,7 @@ class Simulation:
         info = RoundInfo(round=state.round, tier=tier)  # the round's one home is the engine's state
         states = gather_clients(state.clients, _rows_of(ids, slots))
         if tier is None and self.tiers is not None:  # padded tiers: each client gets its tier's message
-            tiers = self._tier_of(ids)
+            tiers = sampling.tier_of(ids, self.tiers)  # a padding id trains nothing
             messages = [alg.broadcast(state.server, RoundInfo(state.round, t)) for t in range(len(self.tiers))]
             message_down = stack_trees([alg.pad_tier(m, RoundInfo(state.round, t)) for t, m in enumerate(messages)])
             sizes = jnp.asarray([tree_bytes(m) for m in messages], jnp.float32)
@@ -356,10 +356,6 @@ class Simulation:
         elif alg.message_bytes is None:  # the tier's own upload, not the padded one
             rows = rows._replace(up_bytes=jnp.asarray(tier_up_bytes, jnp.float32)[tiers])
         return _Group(tiers, ids, is_real, rows, total, down_sent, down_bytes, tier_up_bytes)
-
-    def _tier_of(self, ids):
-        """Each id's tier (a padding id: the last tier's; it trains nothing)."""
-        return jnp.minimum(ids * len(self.tiers) // self.num_clients, len(self.tiers) - 1).astype(jnp.int32)
 
     def _tier_upload_bytes(self, state, messages, states, client_data, key, ids) -> list[int]:
         """The bytes of one upload of each tier, from the shapes ``client_update`` gives on the

@@ -68,6 +68,13 @@ def tier_bounds(num_clients: int, num_tiers: int) -> list[tuple[int, int]]:
     return list(zip(starts[:-1], starts[1:]))
 
 
+def tier_of(ids, bounds: list[tuple[int, int]]):
+    """Each id's tier under ``bounds`` (:func:`tier_bounds`); an id past the last client (padding)
+    gets the last tier's."""
+    ends = jnp.asarray([hi for _, hi in bounds], ids.dtype)
+    return jnp.minimum(jnp.searchsorted(ends, ids, side="right"), len(bounds) - 1).astype(jnp.int32)
+
+
 def tier_members(ids, lo: int, hi: int, size: int, fill: int):
     """The ids in ``[lo, hi)``, first, in a fixed-size array padded with ``fill``."""
     inside = (ids >= lo) & (ids < hi)
