@@ -257,3 +257,45 @@ def test_the_client_strategy_is_one_swappable_object(mlp, digits_federation):
     assert Recording.mapped == 1  # traced once: the round's client updates ran through it
     for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 3])
+def test_vmapped_members_run_their_clients_one_at_a_time_with_each_members_numbers(chunk):
+    """Under a vmap over members (a sweep), one client at a time, ``map_clients`` runs the
+    members' clients as one client axis: rows and per-member totals equal each member's own call,
+    each client seeing its member's shared values and closed-over numbers, and the scan runs
+    members x clients items (nested, it would run one per rank with the members batched). In
+    vmapped chunks (0, 3) the members' chunks run side by side, with the same numbers."""
+    members, n = 3, 5
+    rng = np.random.default_rng(0)
+    steps = jnp.asarray(rng.integers(1, 6, (members, n)), jnp.int32)  # each client's own loop length
+    # small integers and scales of powers of two: every sum is exact in any order
+    values = jnp.asarray(rng.integers(-9, 10, (members, n, 4)), jnp.float32)
+    scales = jnp.asarray([0.5, 2.0, -1.0], jnp.float32)  # batched, closed over by f
+    offsets = jnp.asarray(rng.integers(-9, 10, (members, 4)), jnp.float32)  # batched shared leaf
+    base = jnp.asarray(rng.integers(-9, 10, 4), jnp.float32)  # unbatched shared leaf
+
+    def member(strategy, scale, offset, step_counts, client_values):
+        def f(shared, client):
+            offset, base = shared
+            count, value = client
+
+            def body(carry):
+                i, acc = carry
+                return i + 1, acc * scale + value + offset
+
+            _, acc = jax.lax.while_loop(lambda c: c[0] < count, body, (0, base))
+            return {"acc": acc, "count": count}, {"sum": acc * count, "n": count.astype(jnp.float32)}
+
+        return strategy.map_clients(f, (offset, base), (step_counts, client_values))
+
+    flat = ClientStrategy(chunk=chunk)
+    flat.members_as_clients = True
+    swept = jax.jit(jax.vmap(lambda *a: member(flat, *a)))(scales, offsets, steps, values)
+    for m in range(members):
+        alone = jax.jit(lambda *a: member(ClientStrategy(chunk=chunk), *a))(scales[m], offsets[m], steps[m], values[m])
+        for got, want in zip(jax.tree.leaves(swept), jax.tree.leaves(alone)):
+            np.testing.assert_array_equal(got[m], want, err_msg=f"member {m}")
+    if chunk == 1:
+        text = str(jax.make_jaxpr(jax.vmap(lambda *a: member(flat, *a)))(scales, offsets, steps, values))
+        assert f"length={members * n}" in text

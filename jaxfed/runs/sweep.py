@@ -234,6 +234,7 @@ class Sweep:
             self.values[name] = jnp.asarray([getattr(c.options, name) for c in configs], jnp.float32)
         chunk = configs[0].member_chunk
         self.member_chunk = default_client_chunk(jax.devices()[0].platform) if chunk < 0 else chunk
+        self.template.strategy.members_as_clients = self.member_chunk != 1  # vmapped members: one client axis
         self.compile_seconds = 0.0
         self._executables: dict[int, object] = {}
         self._init = jax.jit(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxfed.simulation import sampling
@@ -65,6 +66,7 @@ class ClientStrategy:
         self.mesh = Mesh(np.array(self.devices), (CLIENT_AXIS,)) if self.num_devices > 1 else None
         self.memory_bytes = memory_bytes if memory_bytes is not None else device_memory_bytes(self.devices)
         self.fits_memory = chunk is None and self.memory_bytes is not None  # the chunk is chosen to fit
+        self.members_as_clients = False  # a sweep sets it: see map_clients
         if chunk is not None:
             self.chunk = chunk
         else:
@@ -141,15 +143,30 @@ class ClientStrategy:
         in the order given: all vmapped at once, or a scan over chunks of vmapped clients.
         Returns ``(rows, total)``: the rows stacked in that order, and the shares summed (within a
         chunk, over the chunks, then across devices), so no more than a chunk's shares are ever
-        held at once."""
+        held at once.
+
+        With :attr:`members_as_clients` set and one client at a time, a ``vmap`` of this call
+        over an experiment axis (a sweep's members) still runs one client at a time
+        (:func:`_members_as_clients`); nested, the members' clients would run in vmapped chunks of
+        one per member, each as many steps as the largest. Vmapped chunks of clients need no such
+        care: nested, the members' chunks simply run side by side as one wider chunk."""
+        if self.members_as_clients and self.chunk == 1:
+            return _members_as_clients(self._map_items, f, shared, per_client)
+        return self._map_items(f, shared, per_client)
+
+    def _map_items(self, f, shared, per_client, num_segments: int | None = None):
+        """:meth:`map_clients`; with ``num_segments`` (one item at a time only), ``f`` returns
+        ``(row, (segment, share))`` and the total is the shares summed per segment (a leading axis
+        of ``num_segments``)."""
         chunk = self.chunk
+        assert num_segments is None or chunk == 1
 
         def mapped(shared, xs):
             one = functools.partial(f, shared)
             if chunk == 0:
                 rows, shares = jax.vmap(one)(xs)
                 return rows, _sum_rows(shares)
-            return _scan_chunks(one, xs, chunk)
+            return _scan_chunks(one, xs, chunk, num_segments)
 
         if self.mesh is None:
             return mapped(shared, per_client)
@@ -184,17 +201,29 @@ def _sum_rows(shares):
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), shares)
 
 
-def _scan_chunks(one, xs, chunk: int):
+def _add_one(total, share, num_segments: int | None = None):
+    """One item's share added to the running total (to its segment's row, with ``num_segments``)."""
+    if num_segments is None:
+        return jax.tree.map(jnp.add, total, share)
+    segment, share = share
+    return jax.tree.map(lambda t, s: t.at[segment].add(s), total, share)
+
+
+def _scan_chunks(one, xs, chunk: int, num_segments: int | None = None):
     """``(rows, total)`` of ``one`` over ``xs`` in chunks of ``chunk`` vmapped items (1: each item
-    alone, doing only its own work), the shares summed into a carry as the chunks run."""
+    alone, doing only its own work), the shares summed into a carry as the chunks run (one at a
+    time with ``num_segments``: per segment, see :func:`_add_one`)."""
     n = jax.tree.leaves(xs)[0].shape[0]
     first = jax.tree.map(lambda x: x[0], xs)
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first)[1])
+    share_shape = jax.eval_shape(one, first)[1]
+    if num_segments is not None:
+        share_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_segments, *s.shape), s.dtype), share_shape[1])
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), share_shape)
     if chunk == 1:
 
         def alone(total, x):
             row, share = one(x)
-            return jax.tree.map(jnp.add, total, share), row
+            return _add_one(total, share, num_segments), row
 
         total, rows = jax.lax.scan(alone, zero, xs)
         return rows, total
@@ -215,3 +244,48 @@ def _scan_chunks(one, xs, chunk: int):
         parts.append(rows)
     rows = parts[0] if len(parts) == 1 else jax.tree.map(lambda *r: jnp.concatenate(r), *parts)
     return rows, total
+
+
+def _members_as_clients(map_items, f, shared, per_client):
+    """``map_items(f, shared, per_client)`` (one client at a time) that, under a ``vmap`` over
+    members (a sweep's experiment axis), runs every member's clients one at a time as one client
+    axis: the members' k-th clients side by side (on a mesh, a device's share then holds its own
+    ranks of every member), each seeing its own member's ``shared`` values and whatever ``f``
+    closes over, each share added to its member's total in the member's own order, so a member's
+    numbers are those it computes alone.
+
+    Unbatched (no ``vmap``, or ``member_chunk=1``) it is ``map_items`` itself."""
+    first = jax.tree.map(lambda x: x[0], per_client)
+    plain_f, consts = jax.closure_convert(f, shared, first)  # closed-over values become arguments
+
+    @custom_vmap
+    def over_clients(consts, shared, per_client):
+        return map_items(lambda s, c: plain_f(s, c, *consts), shared, per_client)
+
+    @over_clients.def_vmap
+    def over_members_clients(num_members, batched, consts, shared, per_client):
+        consts_batched, shared_batched, clients_batched = batched
+
+        def member_view(tree, flags, member):
+            return jax.tree.map(lambda x, b: x[member] if b else x, tree, flags)
+
+        def one(inputs, item):
+            consts, shared = inputs
+            member, client = item
+            row, share = plain_f(
+                member_view(shared, shared_batched, member), client, *member_view(consts, consts_batched, member)
+            )
+            return row, (member, share)
+
+        clients = jax.tree.map(
+            lambda x, b: x if b else jnp.broadcast_to(x, (num_members, *x.shape)), per_client, clients_batched
+        )
+        n = jax.tree.leaves(clients)[0].shape[1]
+        items = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape((n * num_members, *x.shape[2:])), clients)
+        members = jnp.tile(jnp.arange(num_members), n)
+        rows, totals = map_items(one, (consts, shared), (members, items), num_segments=num_members)
+        rows = jax.tree.map(lambda r: jnp.swapaxes(r.reshape((n, num_members, *r.shape[1:])), 0, 1), rows)
+        out = (rows, totals)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return over_clients(consts, shared, per_client)
