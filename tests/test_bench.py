@@ -64,3 +64,48 @@ def test_the_torch_twin_from_jaxfed_weights_computes_the_same_outputs(name, shap
     with torch.no_grad():
         got = twin(torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, -1, 1)))).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_counts_the_models_own_multiply_adds():
+    """The FedAvg CNN's step, written out: forward 2 x MACs per layer; backward the weight
+    gradients (as many) and the input gradients of every layer but the first."""
+    from jaxfed.cli.bench.flops import model_step_flops
+    from jaxfed.nn import get_model
+
+    conv1, conv2 = 24 * 24 * 32 * 5 * 5 * 1, 8 * 8 * 64 * 5 * 5 * 32  # VALID 5x5 convs on 28x28x1, 12x12x32
+    fc1, head = 4 * 4 * 64 * 512, 512 * 10
+    forward = 2 * (conv1 + conv2 + fc1 + head)
+    for conv in ("xla", "patches"):  # either implementation: the same arithmetic
+        model = get_model("cnn", (28, 28, 1), 10, conv=conv)
+        assert model_step_flops(model, (28, 28, 1), 4) / 4 == 3 * forward - 2 * conv1, conv
+
+
+@pytest.mark.parametrize("stride, padding", [(1, "SAME"), (2, "SAME"), (2, "VALID"), (1, ((2, 0), (1, 3)))])
+def test_a_convolutions_count_skips_padding_and_dilation_holes(stride, padding):
+    """Forward and both gradients of a conv against a brute-force count of the multiply-adds
+    whose input element is real (a numpy loop over output positions and kernel taps)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxfed.cli.bench.flops import jaxpr_flops
+
+    x = jnp.ones((2, 9, 7, 3))
+    w = jnp.ones((3, 4, 3, 5))
+    conv = lambda x, w: jax.lax.conv_general_dilated(  # noqa: E731
+        x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    out = conv(x, w)
+    pads = jax.lax.padtype_to_pads(x.shape[1:3], w.shape[:2], (stride, stride), padding) if isinstance(
+        padding, str
+    ) else padding
+    macs = 0
+    for i in range(out.shape[1]):
+        for j in range(out.shape[2]):
+            for a in range(w.shape[0]):
+                for b in range(w.shape[1]):
+                    r, c = i * stride + a - pads[0][0], j * stride + b - pads[1][0]
+                    macs += 0 <= r < x.shape[1] and 0 <= c < x.shape[2]
+    macs *= x.shape[0] * w.shape[2] * w.shape[3]
+    assert jaxpr_flops(jax.make_jaxpr(conv)(x, w).jaxpr) == 2 * macs
+    grads = jax.make_jaxpr(jax.grad(lambda x, w: conv(x, w).sum(), argnums=(0, 1)))(x, w)
+    assert jaxpr_flops(grads.jaxpr) == 3 * 2 * macs  # forward, input gradient, weight gradient: the same MACs

@@ -3,8 +3,10 @@
 Per workload it reports the compile time apart, the steady-state seconds per round (median over
 compiled calls), client updates and examples per second, the achieved GFLOP/s of the useful
 training work (XLA's FLOP count of one local step per example, times the examples of a round)
-against the machine's measured matmul GFLOP/s, peak memory, and the time to evaluate every
-client. ``--strategies`` times the client-parallel strategies (``client_chunk``: 0 vmaps all
+against the machine's measured matmul GFLOP/s (at full float32 and at the default precision,
+medians of 10 calls), peak memory, and the time to evaluate every client. The FLOPs are the
+algorithm's own local step's (:mod:`jaxfed.cli.bench.flops`), the same whatever XLA lowers a
+convolution to; every time is the median of at least 5 compiled calls. ``--strategies`` times the client-parallel strategies (``client_chunk``: 0 vmaps all
 sampled clients, k runs ``lax.map`` over chunks of k vmapped clients). ``--baseline torch`` runs
 the same rounds as a PyTorch per-client loop and reports the ratio, with both accuracies to show
 equal work.
@@ -26,7 +28,8 @@ import time
 import jax
 import numpy as np
 
-from jaxfed.cli.bench.measure import matmul_gflops, peak_memory_bytes, training_flops_per_example
+from jaxfed.cli.bench.flops import local_step_flops
+from jaxfed.cli.bench.measure import matmul_gflops, peak_memory_bytes
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
@@ -100,19 +103,23 @@ def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> 
     return float(real / max(executed, 1))
 
 
+MIN_TIMED_CALLS = 5
+
+
 def time_rounds(config: Config, rounds: int) -> dict:
-    """Build ``config``'s simulation and time it: compile, steady rounds, evaluation."""
+    """Build ``config``'s simulation and time it: compile, steady rounds (at least ``rounds``, in
+    at least :data:`MIN_TIMED_CALLS` compiled calls), evaluation."""
     from jaxfed.runs.build import build
 
     tick = time.perf_counter()
     sim = build(config).simulation
     build_seconds = time.perf_counter() - tick
-    per_call = max(1, min(config.rounds_per_call, rounds))
+    per_call = max(1, min(config.rounds_per_call, rounds // MIN_TIMED_CALLS))
     state = sim.init()
     state, _ = sim.run_rounds(state, per_call)  # compiles, then warms up
     jax.block_until_ready(state)
     done, times = per_call, []
-    while done < per_call + rounds:
+    while done < per_call + max(rounds, per_call * MIN_TIMED_CALLS):
         tick = time.perf_counter()
         state, metrics = sim.run_rounds(state, per_call)
         jax.block_until_ready((state, metrics))
@@ -137,9 +144,19 @@ def time_rounds(config: Config, rounds: int) -> dict:
         "useful_step_fraction": useful_step_fraction(sim, config, measured, sim.client_chunk),
         "eval_all_clients_seconds": eval_seconds,
         "rounds_timed": len(times) * per_call,
+        "timed_calls": len(times),
         "global_acc": evaluation.get("global_acc"),
         "personalized_acc_mean": evaluation.get("personalized_acc_mean"),
     }
+
+
+def step_flops_per_example(sim, config: Config) -> float:
+    """FLOPs of one local step of ``sim``'s algorithm per example of its batch, from the step's
+    own arithmetic (:func:`~jaxfed.cli.bench.flops.local_step_flops`); a tiered algorithm's is the
+    mean over its clients."""
+    tiers = sim.tiers or [(0, sim.num_clients)]  # a tiered algorithm: each tier's step, by its share of clients
+    flops = sum((hi - lo) / sim.num_clients * local_step_flops(sim, t) for t, (lo, hi) in enumerate(tiers))
+    return flops / config.options.batch_size
 
 
 def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=()) -> dict:
@@ -156,8 +173,8 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
         require_torch()  # before minutes of timing, not after
     engine = time_rounds(config, rounds)
     sim = engine.pop("sim")
-    flops = training_flops_per_example(sim.model, sim.data.x_train.shape[1:], config.options.batch_size)
-    peak = matmul_gflops()
+    flops = step_flops_per_example(sim, config)
+    peak, peak_default = matmul_gflops("float32"), matmul_gflops("default")
     achieved = flops * engine["examples_per_second"] / 1e9
     result = {
         "workload": workload,
@@ -168,7 +185,9 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
         **engine,
         "training_gflop_per_round": flops * engine["examples_per_round"] / 1e9,
         "achieved_gflops": achieved,
+        "step_flops_per_example": flops,
         "matmul_peak_gflops": peak,
+        "matmul_peak_gflops_default_precision": peak_default,
         "fraction_of_matmul_peak": achieved / peak,
         **peak_memory_bytes(),
     }
@@ -200,7 +219,8 @@ def summary_lines(result: dict) -> list[str]:
         f"{r['round_seconds_median']:.3f} s/round (compile {r['compile_seconds']:.1f} s), "
         f"{r['client_updates_per_second']:.1f} client updates/s, {r['examples_per_second']:.0f} examples/s",
         f"  {r['training_gflop_per_round']:.1f} GFLOP/round -> {r['achieved_gflops']:.1f} GFLOP/s "
-        f"({100 * r['fraction_of_matmul_peak']:.1f}% of the {r['matmul_peak_gflops']:.0f} GFLOP/s matmul peak); "
+        f"({100 * r['fraction_of_matmul_peak']:.1f}% of the {r['matmul_peak_gflops']:.0f} GFLOP/s float32 matmul peak, "
+        f"{r['matmul_peak_gflops_default_precision']:.0f} at the default precision); "
         f"useful steps {100 * r['useful_step_fraction']:.0f}% "
         f"(if all vmapped {100 * r['useful_step_fraction_vmap_all']:.0f}%)",
         f"  evaluation of all {'clients'}: {r['eval_all_clients_seconds']:.2f} s; "
@@ -214,7 +234,7 @@ def summary_lines(result: dict) -> list[str]:
     if "torch" in r:
         t = r["torch"]
         lines.append(
-            f"  PyTorch per-client loop: {t['round_seconds_median']:.3f} s/round "
+            f"  PyTorch per-client loop ({t['device']}, {t['threads']} threads): {t['round_seconds_median']:.3f} s/round "
             f"-> jaxfed {r['speedup_vs_torch']:.2f}x; "
             f"evaluation {t['eval_all_clients_seconds']:.2f} s -> {r['eval_speedup_vs_torch']:.1f}x; "
             f"global acc after the same rounds: jaxfed {r['global_acc']:.4f}, torch {t['global_acc']:.4f}"

@@ -1,5 +1,5 @@
-"""What a benchmark reports besides wall time: the machine's matmul peak, the useful FLOPs of a
-local step, and peak memory."""
+"""What a benchmark reports besides wall time: the machine's matmul peak and peak memory (the
+useful FLOPs of a local step are :mod:`jaxfed.cli.bench.flops`')."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxfed.core.losses import masked_loss
 
 
 def timed(fn, *args, repeats: int = 3):
@@ -25,29 +24,17 @@ def timed(fn, *args, repeats: int = 3):
     return statistics.median(times)
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """The device's float32 matmul throughput, GFLOP/s (best practical peak to compare against)."""
+def matmul_gflops(precision: str = "float32", size: int | None = None, repeats: int = 10) -> float:
+    """The device's matmul throughput, GFLOP/s, the median of ``repeats`` timed calls: at full
+    float32 (``precision="float32"``, XLA's HIGHEST) or at the default precision (``"default"``:
+    TF32 on recent NVIDIA GPUs). ``size``: the square matrices' side (default 2048 on CPU, 8192 on
+    accelerators, large enough to reach the peak)."""
+    size = size or (2048 if jax.devices()[0].platform == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-    seconds = timed(jax.jit(jnp.matmul), a, b, repeats=repeats)
+    level = {"float32": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}[precision]
+    seconds = timed(jax.jit(lambda a, b: jnp.matmul(a, b, precision=level)), a, b, repeats=repeats)
     return 2 * size**3 / seconds / 1e9
-
-
-def training_flops_per_example(model, input_shape, batch_size: int = 32) -> float:
-    """FLOPs of one SGD step's forward and backward pass, per example, from XLA's cost analysis."""
-    variables = model.init(jax.random.key(0))
-    x = jnp.zeros((batch_size,) + tuple(input_shape), jnp.float32)
-    y = jnp.zeros((batch_size,), jnp.int32)
-    mask = jnp.ones((batch_size,), bool)
-
-    def loss(params):
-        out, _ = model.apply({**variables, "params": params}, x, train=True, mask=mask)
-        return masked_loss(out, y, mask)
-
-    compiled = jax.jit(jax.grad(loss)).lower(variables["params"]).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost.get("flops", 0.0)) / batch_size
 
 
 def peak_memory_bytes() -> dict:

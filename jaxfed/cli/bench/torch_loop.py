@@ -86,22 +86,48 @@ def _channels_first(x: np.ndarray):
     return require_torch().from_numpy(np.array(np.moveaxis(x, -1, 1) if x.ndim == 4 else x))  # a writable copy
 
 
-def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=None) -> dict:
-    """FedAvg for ``rounds`` rounds on ``sim``'s data and sampled clients (from jaxfed's initial
-    weights ``initial_params`` when given); median round seconds,
-    the global model's pooled test accuracy after the last round, and the seconds to evaluate it
-    on every client's test split one client at a time."""
+def cpu_threads() -> int:
+    """The CPU cores this process may run on (its affinity; a container's share, not the host's
+    count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def torch_device(name: str = "auto"):
+    """The device the loop runs on: ``auto`` is the accelerator JAX runs on where PyTorch sees one
+    too (CUDA), else the CPU."""
     torch = require_torch()
-    torch.set_num_threads(os.cpu_count() or 1)
+    if name == "auto":
+        import jax
+
+        name = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=None, device: str = "auto") -> dict:
+    """FedAvg for ``rounds`` rounds on ``sim``'s data and sampled clients (from jaxfed's initial
+    weights ``initial_params`` when given), on ``device`` (:func:`torch_device`: the accelerator
+    JAX uses when PyTorch has it); median round seconds, the global model's pooled test accuracy
+    after the last round, and the seconds to evaluate it on every client's test split one client
+    at a time."""
+    torch = require_torch()
+    torch.set_num_threads(cpu_threads())
     torch.manual_seed(config.seed)
+    device = torch_device(device)
     data = sim.data
-    x_train, y_train = _channels_first(data.x_train), torch.from_numpy(np.array(data.y_train)).long()
-    x_test, y_test = _channels_first(data.x_test), torch.from_numpy(np.array(data.y_test)).long()
+    x_train = _channels_first(data.x_train).to(device)
+    y_train = torch.from_numpy(np.array(data.y_train)).long().to(device)
+    x_test = _channels_first(data.x_test).to(device)
+    y_test = torch.from_numpy(np.array(data.y_test)).long().to(device)
     train_idx, train_count = np.asarray(data.train_idx), np.asarray(data.train_count)
     test_idx, test_count = np.asarray(data.test_idx), np.asarray(data.test_count)
     global_model = torch_model(sim.model.name, data.x_train.shape[1:], data.num_classes, hidden)
     if initial_params is not None:
         copy_jax_params(global_model, initial_params)
+    global_model = global_model.to(device)
+
+    def synchronized():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     loss_fn = torch.nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(config.seed)
 
@@ -110,7 +136,7 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
         optimizer = torch.optim.SGD(local.parameters(), lr=config.options.lr, momentum=config.options.momentum)
         own = torch.from_numpy(train_idx[k, : train_count[k]].astype(np.int64))
         for _ in range(config.options.local_epochs):
-            order = own[torch.randperm(len(own), generator=generator)]
+            order = own[torch.randperm(len(own), generator=generator)].to(device)
             for start in range(0, len(order), config.options.batch_size):
                 batch = order[start : start + config.options.batch_size]
                 if config.options.drop_last and len(batch) < config.options.batch_size:
@@ -132,6 +158,7 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
                 scaled = {name: w * v.double() for name, v in state.items()}
                 total = scaled if total is None else {name: total[name] + scaled[name] for name in total}
         global_model.load_state_dict({name: v.float() for name, v in total.items()})
+        synchronized()
         times.append(time.perf_counter() - tick)
 
     global_model.eval()
@@ -139,11 +166,14 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
         accuracy = float((global_model(x_test).argmax(1) == y_test).float().mean())
         tick = time.perf_counter()
         for k in range(sim.num_clients):  # every client's own test split, one client at a time
-            own = torch.from_numpy(test_idx[k, : test_count[k]].astype(np.int64))
+            own = torch.from_numpy(test_idx[k, : test_count[k]].astype(np.int64)).to(device)
             if len(own):
                 (global_model(x_test[own]).argmax(1) == y_test[own]).float().mean()
+        synchronized()
         eval_seconds = time.perf_counter() - tick
     return {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
         "round_seconds_median": statistics.median(times),
         "global_acc": accuracy,
         "eval_all_clients_seconds": eval_seconds,
