@@ -95,9 +95,11 @@ def test_a_convolutions_count_skips_padding_and_dilation_holes(stride, padding):
         x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
     )
     out = conv(x, w)
-    pads = jax.lax.padtype_to_pads(x.shape[1:3], w.shape[:2], (stride, stride), padding) if isinstance(
-        padding, str
-    ) else padding
+    pads = (
+        jax.lax.padtype_to_pads(x.shape[1:3], w.shape[:2], (stride, stride), padding)
+        if isinstance(padding, str)
+        else padding
+    )
     macs = 0
     for i in range(out.shape[1]):
         for j in range(out.shape[2]):

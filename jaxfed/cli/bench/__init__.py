@@ -1,15 +1,16 @@
 """``jaxfed bench``: throughput of the engine on fixed workloads, against a PyTorch per-client loop.
 
 Per workload it reports the compile time apart, the steady-state seconds per round (median over
-compiled calls), client updates and examples per second, the achieved GFLOP/s of the useful
-training work (XLA's FLOP count of one local step per example, times the examples of a round)
-against the machine's measured matmul GFLOP/s (at full float32 and at the default precision,
-medians of 10 calls), peak memory, and the time to evaluate every client. The FLOPs are the
-algorithm's own local step's (:mod:`jaxfed.cli.bench.flops`), the same whatever XLA lowers a
-convolution to; every time is the median of at least 5 compiled calls. ``--strategies`` times the client-parallel strategies (``client_chunk``: 0 vmaps all
+at least 5 compiled calls), client updates and examples per second, the achieved GFLOP/s of the
+useful training work (the FLOPs of one local step of the algorithm per example, counted from the
+step's own arithmetic by :mod:`jaxfed.cli.bench.flops`, whatever XLA lowers a convolution to,
+times the examples of a round) against the machine's measured matmul GFLOP/s (at full float32
+and at the default precision, medians of 10 calls), peak memory, and the time to evaluate every
+client. ``--strategies`` times the client-parallel strategies (``client_chunk``: 0 vmaps all
 sampled clients, k runs ``lax.map`` over chunks of k vmapped clients). ``--baseline torch`` runs
-the same rounds as a PyTorch per-client loop and reports the ratio, with both accuracies to show
-equal work.
+the same rounds as a PyTorch per-client loop on the same accelerator (CUDA where JAX runs on a
+GPU; threads from the CPU affinity) and reports the ratio, with both accuracies to show equal
+work.
 
 Workloads (``--set key=value`` changes any config key):
 
@@ -234,7 +235,8 @@ def summary_lines(result: dict) -> list[str]:
     if "torch" in r:
         t = r["torch"]
         lines.append(
-            f"  PyTorch per-client loop ({t['device']}, {t['threads']} threads): {t['round_seconds_median']:.3f} s/round "
+            f"  PyTorch per-client loop ({t['device']}, {t['threads']} threads): "
+            f"{t['round_seconds_median']:.3f} s/round "
             f"-> jaxfed {r['speedup_vs_torch']:.2f}x; "
             f"evaluation {t['eval_all_clients_seconds']:.2f} s -> {r['eval_speedup_vs_torch']:.1f}x; "
             f"global acc after the same rounds: jaxfed {r['global_acc']:.4f}, torch {t['global_acc']:.4f}"

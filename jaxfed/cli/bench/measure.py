@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def timed(fn, *args, repeats: int = 3):
     """Median seconds of ``fn(*args)`` (blocked until ready) over ``repeats`` calls, after one warm-up."""
     jax.block_until_ready(fn(*args))

@@ -128,6 +128,7 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
     def synchronized():
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     loss_fn = torch.nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(config.seed)
 
