@@ -2,7 +2,7 @@
 training examples per client drawn from the pool, one epoch of batch 32). Prints a table and JSON,
 and writes a PNG.
 
-    python benchmarks/scaling.py [--clients 10,100,1000,10000] [--rounds 3] [--png scaling.png] [--set k=v ...]
+    python benchmarks/scaling.py [--clients 10,100,1000,10000] [--rounds 3] [--png F.png] [--json F] [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--png", default="scaling.png")
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
 
     rows = []
@@ -40,6 +41,9 @@ def main():
             flush=True,
         )
     print(json.dumps(rows, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
     import matplotlib
 

@@ -78,7 +78,12 @@ def main(argv=None) -> dict:
     overrides = [*([f"data_dir={args.data_dir}"] if args.data_dir else []), *args.overrides]
     base = workload_config("w1", overrides) if args.workload == "w1" else Config().with_overrides(overrides)
     base = base.validate()
-    results = {"device": str(jax.devices()[0]), "workload": args.workload, "overrides": args.overrides}
+    results = {
+        "device": str(jax.devices()[0]),
+        "workload": args.workload,
+        "overrides": args.overrides,
+        "members": args.members,
+    }
 
     alone = build(base).simulation
     state = alone.init()

@@ -1,0 +1,97 @@
+"""``benchmarks/gpu.sh``'s last step: every result file of a suite directory in one JSON
+(``gpu.json``) and one markdown table (``gpu.md``) with the issue's targets, met or not.
+
+    python benchmarks/gpu_table.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+W1_TARGET_MS = 5.0  # W1's round on one H100
+TIER_TARGET = 1.5  # a tiered algorithm's round against FedAvg's
+SWEEP_TARGET = 3.0  # 8 vmapped members' round against one member's
+
+
+def read(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def verdict(value: float, limit: float) -> str:
+    return "met" if value <= limit else "not met"
+
+
+def rows(out: Path) -> tuple[dict, list[str]]:
+    results = {p.stem: read(p) for p in sorted(out.glob("*.json")) if p.name != "gpu.json"}
+    lines = ["| measure | value | target |", "|---|---|---|"]
+    w1 = results.get("w1")
+    if w1:
+        ms = 1e3 * w1["round_seconds_median"]
+        lines.append(
+            f"| W1 round, default (client_chunk {w1['client_chunk']}, {w1['timed_calls']} calls) | {ms:.2f} ms, "
+            f"useful steps {100 * w1['useful_step_fraction']:.0f}%, {100 * w1['fraction_of_matmul_peak']:.1f}% of "
+            f"the float32 matmul peak ({w1['matmul_peak_gflops']:.0f} GFLOP/s; "
+            f"{w1['matmul_peak_gflops_default_precision']:.0f} at the default precision) | "
+            f"<= {W1_TARGET_MS} ms on an H100: {verdict(ms, W1_TARGET_MS)} |"
+        )
+        for chunk, s in w1.get("strategies", {}).items():
+            lines.append(
+                f"| W1 round, client_chunk {chunk} | {1e3 * s['round_seconds_median']:.2f} ms, useful steps "
+                f"{100 * s['useful_step_fraction']:.0f}% | |"
+            )
+        if "torch" in w1:
+            t = w1["torch"]
+            lines.append(
+                f"| PyTorch per-client loop ({t['device']}) | {1e3 * t['round_seconds_median']:.1f} ms: jaxfed "
+                f"{w1['speedup_vs_torch']:.1f}x | |"
+            )
+        for name in sorted(k for k in results if k.startswith("w3_")):
+            r = results[name]
+            ratio = r["round_seconds_median"] / w1["round_seconds_median"]
+            lines.append(
+                f"| w3 {name[3:]} round | {1e3 * r['round_seconds_median']:.2f} ms ({ratio:.2f}x FedAvg's), "
+                f"compile {r['compile_seconds']:.1f} s | {TIER_TARGET}x for fedhm, fedara, mfedloru: "
+                f"{verdict(ratio, TIER_TARGET) if name[3:] in ('fedhm', 'fedara', 'mfedloru') else '-'} |"
+            )
+    tiers = results.get("tiers")
+    for key, row in (tiers or {}).items():
+        if isinstance(row, dict) and "flops_x_fedavg" in row and not key.startswith("fedavg"):
+            lines.append(
+                f"| {key} (client_chunk 0) | {row['flops_x_fedavg']:.2f}x FedAvg's FLOPs, "
+                f"{row['time_x_fedavg']:.2f}x its time | {TIER_TARGET}x: {verdict(row['time_x_fedavg'], TIER_TARGET)} |"
+            )
+    sweep = results.get("sweep")
+    if sweep:
+        members = sweep["members"]
+        for mode in ("member_chunk=0", "member_chunk=1"):
+            per_member = sweep[f"{mode}_round_s_per_member"]
+            whole = per_member * members / sweep["one_member_round_s"]
+            lines.append(
+                f"| sweep of {members} members, {mode} | {whole:.2f}x one member's round "
+                f"({1e3 * per_member:.2f} ms per member) | {SWEEP_TARGET}x: {verdict(whole, SWEEP_TARGET)} |"
+            )
+    for row in results.get("scaling") or []:
+        lines.append(
+            f"| W2, {row['sampled_clients']} clients a round (client_chunk {row['client_chunk']}) | "
+            f"{row['round_seconds']:.3f} s, {1e3 * row['ms_per_client']:.2f} us per client | |"
+        )
+    failed = (out / "failed.txt").read_text().split("\n") if (out / "failed.txt").exists() else []
+    for line in filter(None, failed):
+        lines.append(f"| failed: {line} | | |")
+    device = (w1 or {}).get("device", "unknown device")
+    return results, [f"GPU suite on {device}", "", *lines]
+
+
+def main(argv=None) -> int:
+    out = Path((argv or sys.argv[1:])[0])
+    results, lines = rows(out)
+    (out / "gpu.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
