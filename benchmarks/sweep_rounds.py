@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import numpy as np
 
-from jaxfed.cli.bench import workload_config
+from jaxfed.cli.bench import local_steps, workload_config
+from jaxfed.cli.bench.measure import timed
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.sweep import Sweep, sweep_configs
-
-
-def median_seconds(call, calls: int) -> float:
-    jax.block_until_ready(call())  # warm
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def useful_fractions(configs: list[Config], rounds: int, client_chunk: int) -> dict:
@@ -44,9 +33,7 @@ def useful_fractions(configs: list[Config], rounds: int, client_chunk: int) -> d
     steps = []  # [member, round, rank]
     for config in configs:
         sim = build(config).simulation
-        counts = np.asarray(sim.data.train_count)
-        sizes = [np.sort(counts[sim.sampled_ids(r)])[::-1] for r in range(rounds)]
-        steps.append(config.options.local_epochs * np.ceil(np.stack(sizes) / config.options.batch_size))
+        steps.append(np.stack([local_steps(sim, config, r) for r in range(rounds)]).astype(float))
     steps = np.stack(steps)
     members, _, n = steps.shape
 
@@ -87,7 +74,7 @@ def main(argv=None) -> dict:
 
     alone = build(base).simulation
     state = alone.init()
-    seconds = median_seconds(lambda: alone.run_rounds(state, args.rounds), args.calls)
+    seconds = timed(lambda: alone.run_rounds(state, args.rounds), repeats=args.calls)
     results["one_member_round_s"] = seconds / args.rounds
     configs = sweep_configs(base, list(range(args.members)))
     for member_chunk in (0, 1):
@@ -95,7 +82,7 @@ def main(argv=None) -> dict:
         states = sweep.init()
         sweep.run_rounds(states, args.rounds)  # compiles
         executable = sweep._executables[args.rounds]
-        seconds = median_seconds(lambda: executable(sweep.seeds, sweep.values, states, sweep.data), args.calls)
+        seconds = timed(executable, sweep.seeds, sweep.values, states, sweep.data, repeats=args.calls)
         results[f"member_chunk={member_chunk}_round_s_per_member"] = seconds / args.rounds / args.members
     results["useful_steps"] = useful_fractions(configs, args.rounds, alone.client_chunk)
     one = results["one_member_round_s"]

@@ -87,17 +87,22 @@ def examples_per_round(sim, config: Config, rounds: range) -> float:
     return float(np.mean(per_round))
 
 
+def local_steps(sim, config: Config, round_index: int) -> np.ndarray:
+    """Each of round ``round_index``'s sampled clients' local steps (an epoch's batches, the last
+    partial one dropped with ``drop_last``, times the epochs), largest first."""
+    n = np.asarray(sim.data.train_count)[sim.sampled_ids(round_index)]
+    batch = config.options.batch_size
+    per_epoch = n // batch if config.options.drop_last else -(-n // batch)
+    return np.sort(per_epoch * config.options.local_epochs)[::-1]
+
+
 def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> float:
     """Real local steps / executed steps when the sampled clients run as the engine runs them with
     ``client_chunk=chunk``: sorted by size, in vmapped groups of ``chunk`` (0: one group of all),
     each group running as long as its largest client. Sorting by size is the engine's bucketing."""
-    counts = np.asarray(sim.data.train_count)
     real, executed = 0, 0
     for t in rounds:
-        n = counts[sim.sampled_ids(t)]
-        steps = np.sort(
-            n // config.options.batch_size if config.options.drop_last else -(-n // config.options.batch_size)
-        )[::-1]
+        steps = local_steps(sim, config, t)
         size = chunk or len(steps)
         real += steps.sum()
         executed += sum(group.max() * len(group) for group in np.array_split(steps, range(size, len(steps), size)))
