@@ -259,8 +259,10 @@ def test_a_finished_sweep_resumed_is_skipped_or_extended_and_mistakes_are_one_li
 
 def test_vmapped_members_match_each_member_alone_bit_for_bit():
     """Members vmapped, clients one at a time (CPU's default; the members' clients run as one
-    client axis): each member's rounds (states, metrics) are exactly its simulation's alone."""
-    base = Config().with_overrides([*TINY, "algorithm=feddecomp", "client_chunk=1", "member_chunk=0"])  # client states
+    client axis, each upload summed into its own member's total): each member's rounds (states,
+    metrics) are exactly its simulation's alone. (Client states are scattered outside the
+    strategy's client map, as before; the map itself is tested in test_engine.py.)"""
+    base = Config().with_overrides([*TINY, "client_chunk=1", "member_chunk=0"])
     configs = sweep_configs(base, seeds=[0, 1], lrs=[0.05, 0.2])[1:3]  # seed 0 lr 0.2, seed 1 lr 0.05
     sweep = Sweep(configs)
     states, metrics = sweep.run_rounds(sweep.init(), 2)
