@@ -23,6 +23,9 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # before the authors' (clip_norm 0.1, weight_decay 1e-4) became its defaults; tests/test_defaults.py
 # checks that those defaults learn.
 UNCLIPPED = {"clip_norm": 0.0, "weight_decay": 0.0}
+# What an algorithm needs of the model that the digits default (mlp) lacks, as config settings:
+# FedBN keeps the normalization layers local, so it needs a model that has them.
+MODEL_NEEDS = {"fedbn": ["model=vgg8", "norm=batch"]}
 
 # Many tests compile the same small simulations (and subprocesses inherit the environment):
 # a persistent compilation cache for the session cuts the suite's time without changing results.

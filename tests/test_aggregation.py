@@ -13,13 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import UNCLIPPED, make_federation
+from conftest import MODEL_NEEDS, UNCLIPPED, make_federation
 
 from jaxfed.algorithms import Aggregation, registry
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.contract import RoundInfo
 from jaxfed.core import mean_of, weighted_mean, weighted_share
 from jaxfed.data import federate, partition
+from jaxfed.nn import get_model
 from jaxfed.runs.config import Config
 from jaxfed.simulation import ClientStrategy, Simulation, server_step
 
@@ -65,10 +66,13 @@ def test_the_summed_contributions_equal_reducing_every_upload_at_once(name, mlp,
         np.testing.assert_allclose(summed_metrics[key], stacked_metrics[key], rtol=1e-5)
 
 
-def test_every_builtin_gives_an_aggregation_none_needs_every_upload(mlp):
+def test_every_builtin_gives_an_aggregation_none_needs_every_upload(mlp, digits):
     for name in registry.names():
-        config = Config(algorithm=name)
-        alg = registry.get(name).build(mlp, config.options, config)
+        config = Config(algorithm=name).with_overrides(MODEL_NEEDS.get(name, []))
+        model = (
+            get_model(config.model, digits.input_shape, digits.num_classes, norm=config.norm) if config.model else mlp
+        )
+        alg = registry.get(name).build(model, config.options, config)
         assert alg.aggregation is not None and alg.server_update is None, name
 
 

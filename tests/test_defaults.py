@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import MODEL_NEEDS
 from sklearn.datasets import load_digits
 
 from jaxfed.algorithms import registry
@@ -45,7 +46,9 @@ def learns(config: Config, rounds: int = 2) -> float:
 
 @pytest.mark.parametrize("algorithm", registry.names())
 def test_every_algorithms_defaults_learn_on_digits(algorithm):
-    config = Config(algorithm=algorithm, num_clients=6, participation=1.0)
+    config = Config(algorithm=algorithm, num_clients=6, participation=1.0).with_overrides(
+        MODEL_NEEDS.get(algorithm, [])
+    )
     assert learns(config) > 2 * CHANCE
 
 

@@ -102,8 +102,8 @@ def test_the_custom_model_example_runs_two_low_rank_algorithms(tmp_path):
         import custom_model
     finally:
         sys.path.remove(str(EXAMPLES))
-    summaries = custom_model.main(["--rounds", "2", "--clients", "3", "--out", str(tmp_path)])
+    summaries = custom_model.main(["--rounds", "1", "--clients", "3", "--out", str(tmp_path)])
     assert set(summaries) == {"fedhm", "feddecomp"}
     for name, summary in summaries.items():
-        assert summary["rounds"] == 2 and 0.0 < summary["personalized_acc_mean"] <= 1.0
-        assert (tmp_path / name / "summary.json").exists() and (tmp_path / name / "checkpoints" / "2").exists()
+        assert summary["rounds"] == 1 and 0.0 < summary["personalized_acc_mean"] <= 1.0
+        assert (tmp_path / name / "summary.json").exists() and (tmp_path / name / "checkpoints" / "1").exists()

@@ -218,3 +218,14 @@ def test_a_later_pair_wins_over_a_config_file_section():
     section_then_set = Config().with_overrides(["algorithm=fedara", "fedara.lambda=2", "lambda=0"])
     set_then_section = Config().with_overrides(["algorithm=fedara", "lambda=0", "fedara.lambda=2"])
     assert section_then_set.options.lambda_ == 0.0 and set_then_section.options.lambda_ == 2.0
+
+
+def test_jaxfed_list_groups_every_builtin_once_with_its_line(capsys):
+    listed = [name for entries in registry.CATALOGUE.values() for name, _ in entries]
+    assert sorted(listed) == sorted(registry.BUILTINS) and len(set(listed)) == len(listed)
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for group, entries in registry.CATALOGUE.items():
+        assert f"  {group}:" in out
+        for name, line in entries:
+            assert f"    {name:<14}{line}" in out

@@ -58,8 +58,17 @@ PRIVATE = {
     "local_adaptor": ("adaptors", "model_state"),
     "ensemble": ("router", "model_state"),
     "fedcspack": ("params", "model_state"),  # the packs it neither took from the server nor sends
+    "fedper": ("personal", "model_state"),
+    "fedrep": ("personal", "model_state"),
+    "fedbn": ("personal", "model_state"),  # the normalization layers and their statistics
+    "ditto": ("personal", "personal_state", "model_state"),
+    "moon": ("previous", "model_state"),
+    "fedntd": ("model_state",),
 }
 FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
+# The private head / normalization layers shape the shared layers' gradients; MOON's previous model
+# and FedNTD's teacher run with the client's BatchNorm statistics.
+FROZEN |= {"fedper", "fedrep", "fedbn", "moon", "fedntd"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant"}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import flip_state_byte, make_federation
+from conftest import MODEL_NEEDS, flip_state_byte, make_federation
 from conftest import metrics_rows as rows
 
 from jaxfed.algorithms import registry
@@ -118,7 +118,7 @@ def test_one_line_errors(tmp_path, capsys):
 def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
     """A sweep builds each algorithm with the member's lr as a tracer: no algorithm may need a
     concrete lr (traced only, not compiled: a Python-level use of lr fails here)."""
-    config = Config().with_overrides([*TINY, f"algorithm={algorithm}"])
+    config = Config().with_overrides([*TINY, f"algorithm={algorithm}", *MODEL_NEEDS.get(algorithm, [])])
     sweep = Sweep(sweep_configs(config, lrs=[0.05, 0.1]))
     states = jax.eval_shape(sweep.init)
     _, metrics = jax.eval_shape(sweep.members_run(1), sweep.seeds, sweep.values, states, sweep.data)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.fedhm import TieredOptions, reconstruct_upload, tier_ranks
 from jaxfed.algorithms.registry import builtin
-from jaxfed.algorithms.training import TrainState, gradient_step, run_epochs
+from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss
@@ -42,7 +42,7 @@ from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
-from jaxfed.nn.layers import head_input, last_dense_layer, layers_in_call_order, no_adaptable_layers
+from jaxfed.nn.layers import head_input, head_layer, layers_in_call_order
 from jaxfed.options import each, non_negative, one_of, option, resolve, split_keys
 
 ANCHOR_LOSSES = ("mean", "sum", "normalized")
@@ -142,17 +142,6 @@ def check_decomposed_layers(model, layers, head: str) -> list[str]:
     return list(layers)
 
 
-def check_head(model, template, head: str) -> str:
-    """The head's key: ``head`` if it is a Dense layer of the model, else the last Dense called."""
-    head = head or last_dense_layer(model)
-    dense = [k for k in lowrank.factorizable_layers(template) if lowrank.get_layer(template, k)["kernel"].ndim == 2]
-    if not dense:
-        raise no_adaptable_layers("fedara", model)
-    if head not in dense:
-        raise ConfigError(f"head: '{head}' is not a Dense layer of the model; allowed: {', '.join(dense) or 'none'}")
-    return head
-
-
 def tier_layer_sets(template, decomposed: list[str], counts, num_tiers: int) -> list[list[str]]:
     """``Q_k`` per tier: all of ``decomposed``, or with ``counts`` its ``n_k`` largest layers."""
     if not counts:
@@ -242,7 +231,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
     """FedARA over ``len(options.tiers)`` client tiers."""
     options = resolve(FedARAOptions, options, overrides)
     template, _ = model_template(model)
-    head = check_head(model, template, options.head)
+    head = head_layer(model, options.head, "fedara")
     layers = list(split_keys(options.decompose_layers)) or default_decomposed_layers(model, head)
     decomposed = check_decomposed_layers(model, layers, head)
     per_tier = tier_layer_sets(template, decomposed, options.tier_layers, len(options.tiers))
@@ -275,10 +264,10 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
             in_tier = membership[info.tier] if message.in_tier is None else message.in_tier
             loss = anchored_loss(model, head, anchors, lam_t, options.mu_fro, options.anchor_loss, decomposed, in_tier)
             trainable = {"fe": fe, "head": client_state.head}
-            state = TrainState(trainable, optimizer.init(trainable), client_state.model_state)
-            state, metrics = run_epochs(gradient_step(loss, optimizer), state, data, rng, **options.batching())
-        new_client = ClientState(state.params["head"], state.model_state)
-        return new_client, state.params["fe"], {**metrics, "lambda": lam_t}
+            trained, model_state, metrics = fit(
+                loss, optimizer, trainable, client_state.model_state, data, rng, **options.batching()
+            )
+        return ClientState(trained["head"], model_state), trained["fe"], {**metrics, "lambda": lam_t}
 
     def eval_server(server_state, info):
         """The global FE truncated to the tier's rank (as the tier's clients run it), once per tier."""

@@ -61,6 +61,43 @@ BUILTINS = {
     "floral": "floral",
     "local_adaptor": "floral",
     "ensemble": "ensemble",
+    # the papers' personalized-FL baselines
+    "fedper": "partial",
+    "fedrep": "partial",
+    "fedbn": "partial",
+    "ditto": "ditto",
+    "moon": "regularized",
+    "fedntd": "regularized",
+}
+
+# What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
+CATALOGUE: dict[str, list[tuple[str, str]]] = {
+    "the five papers' methods": [
+        ("fedara", "server SVD of the shared extractor per tier, class-anchor alignment (FedARA)"),
+        ("fedcspack", "cosine-guided sparse parameter packs, cosine+KL weighted masked mean (FedCSPACK)"),
+        ("floral", "a mixture of LoRA adaptors per layer, each client's own softmax router (FLoRAL)"),
+        ("feddecomp", "shared full-rank + private low-rank parts, trained alternately (FedDecomp)"),
+        ("fedloru", "low-rank client updates accumulated into the global model (FedLoRU)"),
+    ],
+    "their variants": [
+        ("pfedloru", "FedLoRU with a private personal LoRA pair (the FedLoRU paper)"),
+        ("mfedloru", "FedLoRU over client tiers of nested ranks (the FedLoRU paper)"),
+        ("local_adaptor", "one private adaptor per client (FLoRAL's baseline)"),
+        ("ensemble", "C full models mixed by a private router (FLoRAL's baseline)"),
+    ],
+    "baselines": [
+        ("fedavg", "sample-weighted model averaging (McMahan et al. 2017)"),
+        ("fedprox", "FedAvg plus a proximal term to the global model (Li et al. 2020)"),
+        ("local", "each client trains alone, nothing is sent"),
+        ("fedlora", "LoRA client updates of a frozen global model (the FedLoRU paper's baseline)"),
+        ("fedhm", "server SVD factors per tier, reconstructed and averaged (Yao et al. 2021)"),
+        ("fedper", "the head stays on the client, the base is averaged (Arivazhagan et al. 2019)"),
+        ("fedrep", "private head trained first, then the shared body (Collins et al., ICML 2021)"),
+        ("fedbn", "normalization layers stay on the client (Li et al., ICLR 2021)"),
+        ("ditto", "FedAvg plus a personal model pulled toward it (Li et al., ICML 2021)"),
+        ("moon", "FedAvg plus a model-contrastive loss (Li et al., CVPR 2021)"),
+        ("fedntd", "FedAvg plus not-true distillation from the global model (Lee et al., NeurIPS 2022)"),
+    ],
 }
 
 RUN_KEYS: set[str] = set()  # the run layer's config keys (filled by jaxfed.runs.config)

@@ -139,12 +139,22 @@ def train_classifier(
     Returns ``(variables, metrics)``; the optimizer state starts fresh (local optimizers are
     re-created every round).
     """
-    params = variables["params"]
-    model_state = {k: v for k, v in variables.items() if k != "params"}
-    step = gradient_step(classification_loss(model, regularizer, to_params, stochastic), optimizer)
-    state = TrainState(params, optimizer.init(params), model_state)
-    state, metrics = run_epochs(step, state, data, rng, epochs=epochs, batch_size=batch_size, drop_last=drop_last)
-    return {"params": state.params, **state.model_state}, metrics
+    params, model_state = split_variables(variables)
+    loss = classification_loss(model, regularizer, to_params, stochastic)
+    params, model_state, metrics = fit(
+        loss, optimizer, params, model_state, data, rng, epochs=epochs, batch_size=batch_size, drop_last=drop_last
+    )
+    return {"params": params, **model_state}, metrics
+
+
+def fit(loss_fn, optimizer: optax.GradientTransformation, trainable, model_state: dict, data, rng, **batching):
+    """Minimize ``loss_fn(trainable, model_state, batch) -> (loss, new_model_state)`` over one
+    client's epochs (:func:`run_epochs`; ``batching``: ``epochs, batch_size, drop_last``) with a
+    fresh ``optimizer`` state: ``(trained, model_state, metrics)``. The one training loop every
+    algorithm with a loss of its own (FedARA's anchors, MOON's contrast, FedNTD's distillation) runs."""
+    state = TrainState(trainable, optimizer.init(trainable), model_state)
+    state, metrics = run_epochs(gradient_step(loss_fn, optimizer), state, data, rng, **batching)
+    return state.params, state.model_state, metrics
 
 
 def train_parameters(model, optimizer, trainable, model_state: dict, data: ClientData, rng, **options):

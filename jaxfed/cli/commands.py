@@ -314,6 +314,12 @@ def _list(args) -> int:
         return 0
     names = [*DATASETS, *SYNTHETIC_TASKS]
     _print_list("algorithms", [*registry.names(), "(jaxfed list ALGORITHM: its options)"])
+    listed = {name for entries in registry.CATALOGUE.values() for name, _ in entries}
+    own = [(name, registry.get(name).summary) for name in registry.names() if name not in listed]
+    for group, entries in [*registry.CATALOGUE.items(), *([("registered by research code", own)] if own else [])]:
+        print(f"  {group}:")
+        for name, line in entries:
+            print(f"    {name:<14}{line}")
     _print_list("datasets", [f"{name} (model {default_model(name)})" for name in names])
     _print_list("models", MODELS)
     _print_list("partitioners", PARTITIONERS)

@@ -14,6 +14,7 @@ import jax
 from jaxfed.nn.conv import Conv
 
 DENSE_OR_CONV = (nn.Dense, nn.Conv, Conv)
+NORMALIZATION = (nn.BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 
 def _called_modules(model) -> list[tuple[str, nn.Module]]:
@@ -51,6 +52,26 @@ def last_dense_layer(model) -> str:
     """The key of the last ``nn.Dense`` layer called (a classifier's head), or ``""`` if none."""
     dense = [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
     return dense[-1] if dense else ""
+
+
+def head_layer(model, head: str = "", algorithm: str = "") -> str:
+    """The classifier head's key: ``head`` if it is a Dense layer the forward pass calls, else (empty)
+    the last one called; one-line ConfigErrors naming the Dense layers there are."""
+    from jaxfed.errors import ConfigError
+
+    dense = [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
+    if not dense:
+        raise no_adaptable_layers(algorithm or "head", model)
+    head = head or dense[-1]
+    if head not in dense:
+        raise ConfigError(f"head: '{head}' is not a Dense layer of the model; allowed: {', '.join(dense)}")
+    return head
+
+
+def norm_layers(model) -> list[str]:
+    """Keys of the model's normalization layers (``nn.BatchNorm``, ``nn.GroupNorm``,
+    ``nn.LayerNorm``) in call order."""
+    return [key for key, module in _called_modules(model) if isinstance(module, NORMALIZATION)]
 
 
 def head_input(model, head: str, variables, x, *, train: bool = False, mask=None):
