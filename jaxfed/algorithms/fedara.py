@@ -37,7 +37,7 @@ from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
-from jaxfed.core.losses import masked_loss
+from jaxfed.core.losses import masked_loss, masked_mean
 from jaxfed.data import Batch, ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
@@ -218,9 +218,7 @@ def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss="mean", 
     def loss(params, model_state, batch: Batch):
         variables = {"params": lowrank.replace_layer(params["fe"], head, params["head"]), **model_state}
         (features, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
-        weight = batch.mask.astype(jnp.float32)
-        drift = anchor_drift(features, anchors[batch.y], anchor_loss)
-        alignment = jnp.sum(drift * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+        alignment = masked_mean(anchor_drift(features, anchors[batch.y], anchor_loss), batch.mask)
         value = masked_loss(logits, batch.y, batch.mask) + lam_t * alignment
         return value + mu_fro * frobenius_penalty(params["fe"], decomposed, in_tier), new_state
 

@@ -86,29 +86,16 @@ def train_head_then_body(model, options, shared, private, model_state, data, rng
     """FedRep's round: the private head for ``head_epochs`` with the body frozen, then the body for
     ``local_epochs`` with the head frozen; a fresh optimizer each phase."""
     head_rng, body_rng = jax.random.split(rng)
-    batching = {k: v for k, v in options.batching().items() if k != "epochs"}
-    private, model_state, head_metrics = train_parameters(
-        model,
-        options.optimizer(round_),
-        private,
-        model_state,
-        data,
-        head_rng,
-        to_params=lambda head: merge_layers(shared, head),
-        epochs=options.head_epochs,
-        **batching,
-    )
-    shared, model_state, metrics = train_parameters(
-        model,
-        options.optimizer(round_),
-        shared,
-        model_state,
-        data,
-        body_rng,
-        to_params=lambda body: merge_layers(body, private),
-        epochs=options.local_epochs,
-        **batching,
-    )
+    batching = {**options.batching(), "epochs": options.head_epochs}
+
+    def phase(trainable, to_params, key, **batching):
+        return train_parameters(
+            model, options.optimizer(round_), trainable, model_state, data, key, to_params=to_params, **batching
+        )
+
+    private, model_state, head_metrics = phase(private, lambda head: merge_layers(shared, head), head_rng, **batching)
+    batching["epochs"] = options.local_epochs
+    shared, model_state, metrics = phase(shared, lambda body: merge_layers(body, private), body_rng, **batching)
     return shared, private, model_state, {**metrics, "steps": metrics["steps"] + head_metrics["steps"]}
 
 

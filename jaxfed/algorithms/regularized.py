@@ -31,18 +31,13 @@ from jaxfed.algorithms.records import ClientStats, GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core.losses import masked_loss
+from jaxfed.core.losses import masked_loss, masked_mean
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import head_input, head_layer
 from jaxfed.options import TrainingOptions, non_negative, option, positive, resolve
 
 MOON = "Li et al. (CVPR 2021), MOON §4.1: mu 5 on CIFAR-10, tau 0.5"
 FEDNTD = "Lee et al. (NeurIPS 2022), FedNTD §5: beta 1, tau 1"
-
-
-def masked_mean(values, mask):
-    weight = mask.astype(values.dtype)
-    return jnp.sum(values * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
 def cosine(a, b, eps: float = 1e-8):

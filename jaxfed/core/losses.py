@@ -20,8 +20,12 @@ def example_losses(outputs, targets):
     return optax.softmax_cross_entropy_with_integer_labels(outputs, targets)
 
 
+def masked_mean(values, mask):
+    """The mean of per-example ``values`` over the examples where ``mask`` is True (0 when there are none)."""
+    weight = mask.astype(values.dtype)
+    return jnp.sum(values * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
 def masked_loss(outputs, targets, mask):
     """Mean :func:`example_losses` over the examples where ``mask`` is True (0 when there are none)."""
-    losses = example_losses(outputs, targets)
-    weight = mask.astype(losses.dtype)
-    return jnp.sum(losses * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+    return masked_mean(example_losses(outputs, targets), mask)
