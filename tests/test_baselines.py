@@ -18,12 +18,15 @@ import pytest
 from conftest import round_info
 
 from jaxfed.algorithms.ditto import ditto
+from jaxfed.algorithms.features import class_counts
 from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.fedproto import Prototypes, Upload, fedproto
 from jaxfed.algorithms.fedprox import proximal_term
+from jaxfed.algorithms.fedrod import balanced_softmax_loss, fedrod
 from jaxfed.algorithms.partial import fedbn, fedper, fedrep, merge_layers, split_layers
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.regularized import fedntd, model_contrastive, moon, not_true_distillation
-from jaxfed.algorithms.training import train_classifier
+from jaxfed.algorithms.training import fit, train_classifier
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.options import sgd
@@ -165,3 +168,117 @@ def test_moon_and_fedntd_are_fedavg_at_weight_zero_and_differ_from_it_otherwise(
         assert close == same, (weight, value)
     if build is moon:  # the client's next "previous model" is the model it trained
         chex.assert_trees_all_equal(new_client.previous, upload)
+
+
+def _features(mlp, params, x):
+    """The MLP's features (its head's input), read from the module itself."""
+    return mlp.module.apply({"params": params}, x, features=True)
+
+
+def _reference_fit(loss, trainable, data, rng):
+    """SGD at TRAIN's settings on ``loss(trainable, batch)`` over the same batches as the engine's loop."""
+    return fit(lambda t, state, batch: (loss(t, batch), state), sgd(0.1), trainable, {}, data, rng, epochs=1,
+               batch_size=32)[0]  # fmt: skip
+
+
+def test_balanced_softmax_is_the_papers_formula():
+    rng = np.random.default_rng(2)
+    logits, counts = rng.normal(size=(5, 4)), np.array([3.0, 0.0, 10.0, 1.0])
+    labels = np.array([0, 2, 3, 2, 0])
+    prob = counts * np.exp(logits) / np.sum(counts * np.exp(logits), axis=1, keepdims=True)
+    want = -np.mean(np.log(prob[np.arange(5), labels]))
+    got = balanced_softmax_loss(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(counts), jnp.ones(5, bool))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # a padding row (mask False) holding an absent class adds nothing and stays finite
+    padded_labels = jnp.asarray(np.r_[1, labels[1:]])
+    padded = balanced_softmax_loss(jnp.asarray(logits), padded_labels, jnp.asarray(counts),
+                                   jnp.asarray([False, True, True, True, True]))  # fmt: skip
+    np.testing.assert_allclose(padded, -np.mean(np.log(prob[np.arange(1, 5), labels[1:]])), rtol=1e-5)
+
+
+def test_class_counts_are_the_clients_label_histogram(digits_federation):
+    data = _client(digits_federation)
+    labels = np.asarray(data.y)[np.asarray(data.indices)[: int(data.count)]]
+    np.testing.assert_array_equal(class_counts(data, 10), np.bincount(labels, minlength=10))
+
+
+def test_fedrod_trains_the_generic_model_balanced_and_the_personal_head_on_frozen_features(mlp, digits_federation):
+    alg = fedrod(mlp, **TRAIN)
+    server, client = alg.init(jax.random.key(0))
+    assert not any(np.any(leaf) for leaf in jax.tree.leaves(client.personal))  # the personal head starts at 0
+    client = client._replace(personal=jax.tree.map(lambda x: x + 0.01, client.personal))
+    data, rng = _client(digits_federation, client=1), jax.random.key(5)
+    counts = np.bincount(np.asarray(data.y)[np.asarray(data.indices)[: int(data.count)]], minlength=10)
+    assert (counts == 0).any(), "the check needs a client that lacks a class"
+    new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
+
+    def loss(t, batch):  # the two losses written from the paper: log-prior shift, personal logits added
+        z = _features(mlp, t["generic"], batch.x)
+        g = z @ t["generic"]["head"]["kernel"] + t["generic"]["head"]["bias"]
+        shifted = jnp.where(counts > 0, g + jnp.log(jnp.maximum(counts, 1)), -1e9)
+        generic = -jnp.take_along_axis(jax.nn.log_softmax(shifted), batch.y[:, None], 1)[:, 0]
+        z, g = jax.lax.stop_gradient(z), jax.lax.stop_gradient(g)
+        p = g + z @ t["personal"]["kernel"] + t["personal"]["bias"]
+        personal = -jnp.take_along_axis(jax.nn.log_softmax(p), batch.y[:, None], 1)[:, 0]
+        return jnp.sum((generic + personal) * batch.mask) / jnp.sum(batch.mask)
+
+    want = _reference_fit(loss, {"generic": server.params, "personal": client.personal}, data, rng)
+    chex.assert_trees_all_close(upload, want["generic"], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new_client.personal, want["personal"], rtol=1e-5, atol=1e-6)
+    # the personalized model's logits are the generic head's plus the personal head's
+    x = data.x[:7]
+    logits, _ = mlp.apply(alg.eval_params(server, new_client), x)
+    z = _features(mlp, server.params, x)
+    want_logits = z @ (server.params["head"]["kernel"] + new_client.personal["kernel"])
+    np.testing.assert_allclose(logits, want_logits + server.params["head"]["bias"] + new_client.personal["bias"],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_fedproto_pulls_features_to_the_prototypes_and_uploads_its_class_means(mlp, digits_federation):
+    alg = fedproto(mlp, lambda_=2.0, **TRAIN)
+    _, client = alg.init(jax.random.key(0))
+    present = np.arange(10) % 3 != 0  # classes 0, 3, 6, 9 have no global prototype
+    prototypes = Prototypes(jax.random.normal(jax.random.key(1), (10, 200)), jnp.asarray(present))
+    data, rng = _client(digits_federation), jax.random.key(5)
+    new_client, upload, _ = jax.jit(alg.client_update)(prototypes, client, data, rng, round_info())
+
+    def loss(params, batch):
+        z = _features(mlp, params, batch.x)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(mlp.apply({"params": params}, batch.x)[0]), batch.y[:, None], 1)
+        pull = jnp.mean((z - prototypes.means[batch.y]) ** 2, axis=1) * jnp.asarray(present)[batch.y]
+        return jnp.sum((ce[:, 0] + 2.0 * pull) * batch.mask) / jnp.sum(batch.mask)
+
+    want = _reference_fit(loss, client.params, data, rng)
+    chex.assert_trees_all_close(new_client.params, want, rtol=1e-5, atol=1e-6)
+    real = np.asarray(data.indices)[: int(data.count)]
+    z, y = np.asarray(_features(mlp, want, data.x[real]), np.float64), np.asarray(data.y)[real]
+    counts = np.bincount(y, minlength=10)
+    np.testing.assert_array_equal(upload.counts, counts)
+    for c in range(10):
+        want_mean = z[y == c].mean(0) if counts[c] else np.zeros(200)
+        np.testing.assert_allclose(upload.means[c], want_mean, rtol=1e-4, atol=1e-5)
+
+
+def test_fedprotos_server_weighs_each_class_by_its_counts(mlp):
+    alg = fedproto(mlp)
+    server, _ = alg.init(jax.random.key(0))
+    rng = np.random.default_rng(3)
+    means = rng.normal(size=(3, 10, 200))
+    counts = rng.integers(0, 4, size=(3, 10)).astype(np.float64)
+    counts[:, 4] = 0  # nobody holds class 4
+    weights = np.array([5.0, 0.0, 7.0])  # the second client is a weight-0 row: it counts for nothing
+    total = None
+    for k in range(3):
+        share = alg.aggregation.contribute(server, Upload(jnp.asarray(means[k]), jnp.asarray(counts[k])),
+                                           jnp.float32(weights[k]), round_info(tier=None))  # fmt: skip
+        share = jax.tree.map(lambda s: s * (weights[k] > 0), share)  # the engine's rule for weight-0 rows
+        total = share if total is None else jax.tree.map(jnp.add, total, share)
+    new = alg.aggregation.apply(server, total, round_info(tier=None))
+    kept = counts * (weights > 0)[:, None]
+    for c in range(10):
+        if kept[:, c].sum() == 0:
+            assert not new.present[c]
+        else:
+            want = (kept[:, c, None] * means[:, c]).sum(0) / kept[:, c].sum()
+            assert new.present[c]
+            np.testing.assert_allclose(new.means[c], want, rtol=1e-5, atol=1e-6)

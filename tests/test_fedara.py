@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import make_federation, round_info
 
-from jaxfed.algorithms.fedara import class_anchors, fedara, frobenius_penalty, lambda_at
+from jaxfed.algorithms.features import class_anchors
+from jaxfed.algorithms.fedara import fedara, frobenius_penalty, lambda_at
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.core.losses import masked_loss

@@ -64,6 +64,8 @@ PRIVATE = {
     "ditto": ("personal", "personal_state", "model_state"),
     "moon": ("previous", "model_state"),
     "fedntd": ("model_state",),
+    "fedrod": ("personal", "model_state"),  # the personal loss does not reach the shared model: lr > 0
+    "fedproto": ("params", "model_state"),
 }
 FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -72,7 +74,8 @@ FROZEN |= {"fedper", "fedrep", "fedbn", "moon", "fedntd"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant"}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.
-DISCLOSED = {"floral": ("mixture_weights",), "ensemble": ("mixture_weights",)}
+# A FedProto client sends its class prototypes (the mean features of its private model).
+DISCLOSED = {"floral": ("mixture_weights",), "ensemble": ("mixture_weights",), "fedproto": ("means",)}
 SETTINGS = {
     "local_epochs": 1,
     "batch_size": 32,

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms import RoundInfo
-from jaxfed.algorithms.fedara import anchor_drift, class_anchors, fedara
+from jaxfed.algorithms.features import class_anchors
+from jaxfed.algorithms.fedara import anchor_drift, fedara
 from jaxfed.cli import add_config_arguments, config_from_args
 from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss

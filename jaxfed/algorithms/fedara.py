@@ -32,13 +32,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.features import class_anchors
 from jaxfed.algorithms.fedhm import TieredOptions, reconstruct_upload, tier_ranks
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss, masked_mean
-from jaxfed.data import Batch, ClientData
+from jaxfed.data import Batch
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
@@ -180,24 +181,6 @@ def frobenius_penalty(fe_params, layers, weights=None) -> jax.Array:
             term = term + jnp.sum(jnp.square(layer["kernel"]))
         total = total + (term if weights is None else weights[i] * term)
     return total
-
-
-def class_anchors(model, head: str, variables, data: ClientData, batch_size: int):
-    """``(anchors [classes, features], present [classes])``: the mean feature of each class over the
-    client's real training examples (``present`` False, anchor 0, for a class it does not hold)."""
-    feature_dim, num_classes = lowrank.get_layer(variables["params"], head)["kernel"].shape
-    steps = -(-data.count // batch_size)
-
-    def one_batch(b, totals):
-        sums, counts = totals
-        batch = data.batch(b * batch_size + jnp.arange(batch_size, dtype=jnp.int32))
-        (features, _), _ = head_input(model, head, variables, batch.x, train=False)
-        members = jax.nn.one_hot(batch.y, num_classes) * batch.mask[:, None]
-        return sums + members.T @ features, counts + jnp.sum(members, axis=0)
-
-    zeros = (jnp.zeros((num_classes, feature_dim)), jnp.zeros((num_classes,)))
-    sums, counts = jax.lax.fori_loop(0, steps, one_batch, zeros)
-    return sums / jnp.maximum(counts, 1.0)[:, None], counts > 0
 
 
 def anchor_drift(features, anchors, anchor_loss: str) -> jax.Array:

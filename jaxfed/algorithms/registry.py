@@ -68,6 +68,8 @@ BUILTINS = {
     "ditto": "ditto",
     "moon": "regularized",
     "fedntd": "regularized",
+    "fedrod": "fedrod",
+    "fedproto": "fedproto",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -97,6 +99,8 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("ditto", "FedAvg plus a personal model pulled toward it (Li et al., ICML 2021)"),
         ("moon", "FedAvg plus a model-contrastive loss (Li et al., CVPR 2021)"),
         ("fedntd", "FedAvg plus not-true distillation from the global model (Lee et al., NeurIPS 2022)"),
+        ("fedrod", "a generic model (balanced softmax) plus a personal head (Chen & Chao, ICLR 2022)"),
+        ("fedproto", "private models pulled toward shared class prototypes (Tan et al., AAAI 2022)"),
     ],
 }
 
