@@ -64,6 +64,7 @@ PRIVATE = {
     "ditto": ("personal", "personal_state", "model_state"),
     "moon": ("previous", "model_state"),
     "fedntd": ("model_state",),
+    "ifca": ("model_state",),  # the chosen cluster is sent (its one-hot): IFCA's upload, not private
 }
 FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
