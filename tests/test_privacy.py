@@ -66,6 +66,7 @@ PRIVATE = {
     "fedntd": ("model_state",),
     "fedrod": ("personal", "model_state"),  # the personal loss does not reach the shared model: lr > 0
     "fedproto": ("params", "model_state"),
+    "ifca": ("model_state",),  # the chosen cluster is sent (its one-hot): IFCA's upload, not private
 }
 FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle, oracle_clusters
+from jaxfed.algorithms.floral import CODE, RoutedClient, RouterOptions, check_oracle
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import per_key, train_routed
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -107,5 +107,5 @@ def ensemble(
 builtin(
     "ensemble",
     EnsembleOptions,
-    lambda model, options, config: ensemble(model, options, num_clusters=oracle_clusters(config)),
+    lambda model, options, config: ensemble(model, options, num_clusters=config.ground_truth_clusters()),
 )

@@ -177,11 +177,6 @@ class AdaptorClient(NamedTuple):
     model_state: Any
 
 
-def oracle_clusters(config) -> int:
-    """The ground-truth cluster count an oracle router may use (0 when the task has none)."""
-    return config.num_clusters if config.clustered() else 0
-
-
 def check_oracle(router: str, num_components: int, num_clusters: int) -> None:
     if router == "oracle" and not num_clusters:
         raise ConfigError(
@@ -326,6 +321,8 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
 
 
 builtin(
-    "floral", FLoRALOptions, lambda model, options, config: floral(model, options, num_clusters=oracle_clusters(config))
+    "floral",
+    FLoRALOptions,
+    lambda model, options, config: floral(model, options, num_clusters=config.ground_truth_clusters()),
 )
 builtin("local_adaptor", LocalAdaptorOptions, lambda model, options, config: local_adaptor(model, options))

@@ -70,6 +70,7 @@ BUILTINS = {
     "fedntd": "regularized",
     "fedrod": "fedrod",
     "fedproto": "fedproto",
+    "ifca": "ifca",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -101,6 +102,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedntd", "FedAvg plus not-true distillation from the global model (Lee et al., NeurIPS 2022)"),
         ("fedrod", "a generic model (balanced softmax) plus a personal head (Chen & Chao, ICLR 2022)"),
         ("fedproto", "private models pulled toward shared class prototypes (Tan et al., AAAI 2022)"),
+        ("ifca", "K cluster models, each client trains its best fit (Ghosh et al., NeurIPS 2020)"),
     ],
 }
 

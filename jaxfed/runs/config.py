@@ -216,6 +216,11 @@ class Config(Options):
 
         return self.cluster_task != "none" or self.partition == "label_groups" or self.dataset in SYNTHETIC_TASKS
 
+    def ground_truth_clusters(self) -> int:
+        """The clients' ground-truth cluster count, 0 when the task has none (FLoRAL's oracle router,
+        IFCA's default K)."""
+        return self.num_clusters if self.clustered() else 0
+
     def hidden_widths(self) -> tuple[int, ...] | None:
         """``mlp_hidden`` as widths (None when empty)."""
         if not self.mlp_hidden.strip():
