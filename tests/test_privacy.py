@@ -64,6 +64,10 @@ PRIVATE = {
     "ditto": ("personal", "personal_state", "model_state"),
     "moon": ("previous", "model_state"),
     "fedntd": ("model_state",),
+    # FedALA's local model is the model it uploaded last, and its aggregation weights W make the model
+    # it starts from and uploads (theta_hat, trained): by design neither is kept from the server, so
+    # only its BatchNorm statistics are private (ALA's loss, like training, normalizes in train mode).
+    "fedala": ("model_state",),
 }
 FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model

@@ -68,6 +68,7 @@ BUILTINS = {
     "ditto": "ditto",
     "moon": "regularized",
     "fedntd": "regularized",
+    "fedala": "fedala",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -97,6 +98,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("ditto", "FedAvg plus a personal model pulled toward it (Li et al., ICML 2021)"),
         ("moon", "FedAvg plus a model-contrastive loss (Li et al., CVPR 2021)"),
         ("fedntd", "FedAvg plus not-true distillation from the global model (Lee et al., NeurIPS 2022)"),
+        ("fedala", "FedAvg from an adaptive local aggregation of the global model (Zhang et al., AAAI 2023)"),
     ],
 }
 
