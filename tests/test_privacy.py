@@ -67,6 +67,10 @@ PRIVATE = {
     "fedrod": ("personal", "model_state"),  # the personal loss does not reach the shared model: lr > 0
     "fedproto": ("params", "model_state"),
     "ifca": ("model_state",),  # the chosen cluster is sent (its one-hot): IFCA's upload, not private
+    # FedALA's local model is the model it uploaded last, and its aggregation weights W make the model
+    # it starts from and uploads (theta_hat, trained): by design neither is kept from the server, so
+    # only its BatchNorm statistics are private (ALA's loss, like training, normalizes in train mode).
+    "fedala": ("model_state",),
 }
 FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model

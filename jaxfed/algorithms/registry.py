@@ -71,6 +71,7 @@ BUILTINS = {
     "fedrod": "fedrod",
     "fedproto": "fedproto",
     "ifca": "ifca",
+    "fedala": "fedala",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -103,6 +104,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedrod", "a generic model (balanced softmax) plus a personal head (Chen & Chao, ICLR 2022)"),
         ("fedproto", "private models pulled toward shared class prototypes (Tan et al., AAAI 2022)"),
         ("ifca", "K cluster models, each client trains its best fit (Ghosh et al., NeurIPS 2020)"),
+        ("fedala", "FedAvg from an adaptive local aggregation (Zhang et al., AAAI 2023)"),
     ],
 }
 

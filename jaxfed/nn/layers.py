@@ -91,6 +91,23 @@ def head_input(model, head: str, variables, x, *, train: bool = False, mask=None
     return (captured[-1], outputs), model_state
 
 
+def parameter_layers(model) -> list[str]:
+    """Keys of the modules that hold parameter arrays of their own (Dense, Conv, normalization
+    layers), in the order a forward pass calls them: the model's layers counted as its parameters
+    list them, layer by layer, the output side last (FedALA's top layers)."""
+    params = jax.eval_shape(model.init, jax.random.key(0))["params"]
+
+    def own_arrays(key: str) -> bool:
+        node = params
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return isinstance(node, dict) and any(not isinstance(v, dict) for v in node.values())
+
+    return [key for key, _ in _called_modules(model) if own_arrays(key)]
+
+
 def all_layers(model) -> list[tuple[str, str]]:
     """``(key, module type)`` of every submodule a forward pass calls (for error messages)."""
     return [(key, type(module).__name__) for key, module in _called_modules(model)]
