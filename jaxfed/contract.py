@@ -165,6 +165,24 @@ class EvalParamsFn(Protocol):
         """
 
 
+class PersonalizeFn(Protocol):
+    def __call__(self, server_state: PyTree, client_state: PyTree, data: Any, rng: jax.Array, info: RoundInfo) -> dict:
+        """A client's personalized model made at evaluation from its training data (FedBABU's
+        fine-tuning): its own local training, with nothing uploaded and nothing kept.
+
+        Args:
+          server_state: the server's state (or, with ``eval_server``, the tier's view of it).
+          client_state: the client's state.
+          data: the client's training data, a :class:`jaxfed.data.ClientData`.
+          rng: a key from the root seed, the rounds completed and the client id.
+          info: the rounds completed and the client's tier.
+
+        Returns:
+          Flax variables, ``{"params": ..., **collections}``: the model evaluated on the client's
+          test split in place of ``eval_params``'.
+        """
+
+
 class GlobalParamsFn(Protocol):
     def __call__(self, server_state: PyTree) -> dict:
         """The global model, for an algorithm that has one.
@@ -308,6 +326,8 @@ class FederatedAlgorithm(NamedTuple):
         engine evaluates it once over the pooled test examples.
       eval_model: (evaluation) the model ``eval_params``' variables belong to when it is not the
         run's model (the ensemble's mixture).
+      personalize: (evaluation) :class:`PersonalizeFn`; with it the engine evaluates the model it
+        makes from each client's training data instead of ``eval_params``' (FedBABU's fine-tuning).
       num_tiers: (tiers) clients sit in this many static tiers of equal contiguous id blocks
         (client k of N in tier ``k * num_tiers // N``); each tier runs with its own broadcast and
         shapes, its sampled clients padded with weight-0 rows.
@@ -335,6 +355,7 @@ class FederatedAlgorithm(NamedTuple):
     global_params: GlobalParamsFn | None = None
     evaluates_global: bool = False
     eval_model: Any = None
+    personalize: PersonalizeFn | None = None
     # tiers
     num_tiers: int | None = None
     receive: ReceiveFn | None = None

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import round_info
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms.ditto import ditto
 from jaxfed.algorithms.features import class_counts
 from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.fedbabu import fedbabu
 from jaxfed.algorithms.fedproto import Prototypes, Upload, fedproto
 from jaxfed.algorithms.fedprox import proximal_term
 from jaxfed.algorithms.fedrod import balanced_softmax_loss, fedrod
@@ -30,6 +31,8 @@ from jaxfed.algorithms.training import fit, train_classifier
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.options import sgd
+from jaxfed.simulation import Simulation
+from jaxfed.simulation.sampling import personalization_key
 
 TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 32}
 
@@ -282,3 +285,42 @@ def test_fedprotos_server_weighs_each_class_by_its_counts(mlp):
             want = (kept[:, c, None] * means[:, c]).sum(0) / kept[:, c].sum()
             assert new.present[c]
             np.testing.assert_allclose(new.means[c], want, rtol=1e-5, atol=1e-6)
+
+
+def test_fedbabu_trains_the_body_under_the_fixed_head_and_uploads_the_body(mlp, digits_federation):
+    alg = fedbabu(mlp, **TRAIN)
+    server, client = alg.init(jax.random.key(0))
+    data, rng = _client(digits_federation), jax.random.key(5)
+    _, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
+    not_head = lambda key: key != "head"  # noqa: E731
+    want, _ = train_classifier(mlp, _frozen_except(server.params, not_head, 0.1), {"params": server.params}, data,
+                               rng, epochs=1, batch_size=32)  # fmt: skip
+    assert set(upload) == {"fc1", "fc2"}
+    chex.assert_trees_all_close(upload, split_layers(want["params"], ["head"])[0], rtol=1e-5, atol=1e-6)
+    new = alg.aggregation.apply(server, alg.aggregation.contribute(server, upload, 3.0, round_info(tier=None)),
+                                round_info(tier=None))  # fmt: skip
+    chex.assert_trees_all_equal(new.params["head"], server.params["head"])  # the head stays at its init
+
+
+def test_fedbabu_is_evaluated_after_each_client_fine_tunes_the_global_model(mlp, digits):
+    """The engine's ``personalize`` path against a per-client loop: each client fine-tunes the
+    global model on its training split (with the key of its id) and is scored on its test split."""
+    fed = make_federation(digits, num_clients=4, alpha=0.5)
+    alg = fedbabu(mlp, finetune_epochs=2, **TRAIN)
+    sim = Simulation(alg, mlp, fed, seed=3)
+    state, _ = sim.run_rounds(sim.init(), 1)
+    got = sim.evaluate(state)
+    global_params = state.server.params
+    key = personalization_key(sim.root, state.round)
+    accuracies = []
+    for k in range(fed.num_clients):
+        train, test = fed.train_data(jnp.array([k])), fed.test_data(jnp.array([k]))
+        own = ClientData(train.x, train.y, train.indices[0], train.count[0])
+        tuned, _ = train_classifier(mlp, sgd(0.1), {"params": global_params}, own, jax.random.fold_in(key, k), epochs=2,
+                                    batch_size=32)  # fmt: skip
+        real = np.asarray(test.indices[0])[: int(test.count[0])]
+        logits, _ = mlp.apply(tuned, fed.x_test[real])
+        accuracies.append(np.mean(np.argmax(logits, -1) == np.asarray(fed.y_test)[real]))
+    np.testing.assert_allclose(got["personalized_acc_mean"], np.mean(accuracies), atol=1e-6)
+    untuned = fedbabu(mlp, finetune_epochs=0, **TRAIN)  # no fine-tuning: the global model, scored lower
+    assert got["personalized_acc_mean"] > Simulation(untuned, mlp, fed, seed=3).evaluate(state)["personalized_acc_mean"]

@@ -66,6 +66,7 @@ PRIVATE = {
     "fedntd": ("model_state",),
     "fedrod": ("personal", "model_state"),  # the personal loss does not reach the shared model: lr > 0
     "fedproto": ("params", "model_state"),
+    "fedbabu": ("model_state",),
     "ifca": ("model_state",),  # the chosen cluster is sent (its one-hot): IFCA's upload, not private
     # FedALA's local model is the model it uploaded last, and its aggregation weights W make the model
     # it starts from and uploads (theta_hat, trained): by design neither is kept from the server, so

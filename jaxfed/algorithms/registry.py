@@ -72,6 +72,7 @@ BUILTINS = {
     "fedproto": "fedproto",
     "ifca": "ifca",
     "fedala": "fedala",
+    "fedbabu": "fedbabu",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -104,6 +105,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedrod", "a generic model (balanced softmax) plus a personal head (Chen & Chao, ICLR 2022)"),
         ("fedproto", "private models pulled toward shared class prototypes (Tan et al., AAAI 2022)"),
         ("ifca", "K cluster models, each client trains its best fit (Ghosh et al., NeurIPS 2020)"),
+        ("fedbabu", "body trained under a fixed random head; fine-tuned to evaluate (Oh et al. 2022)"),
         ("fedala", "FedAvg from an adaptive local aggregation (Zhang et al., AAAI 2023)"),
     ],
 }

@@ -189,6 +189,10 @@ class Simulation:
         if client_state == "host" and jax.process_count() > 1:
             raise ValueError("client_state: host keeps client states in this process's memory; one process only")
         check_server_step(algorithm)
+        if algorithm.personalize is not None and algorithm.evaluates_global:
+            raise ValueError(
+                f"{algorithm.name}: evaluates_global evaluates one model for every client; drop personalize"
+            )
         if algorithm.pad_tier is not None and algorithm.download_bytes is not None:
             raise ValueError(f"{algorithm.name}: pad_tier counts each tier's whole message; give no download_bytes")
         self.client_state = client_state
@@ -508,7 +512,7 @@ class Simulation:
     def evaluate_pure(self, state: SimState, data: FederatedData):
         """Every client's evaluation on ``data`` (pure, not jitted): metrics as arrays."""
         counted = self._in_cohort() if self.eval_clients == "cohort" else None
-        return self.evaluation(self.algorithm, state, data, counted)
+        return self.evaluation(self.algorithm, state, data, counted, self.root)
 
     def _in_cohort(self) -> jax.Array:
         """``[num_clients]`` bool: the clients of the fixed cohort."""
@@ -546,7 +550,7 @@ class Simulation:
         return self._eval_summary(state.server, correct, loss, count, self.data)
 
     def _evaluate_block_pure(self, server, round_, tier, states, ids, data, counted):
-        return self.evaluation.block(self.algorithm, server, round_, tier, states, ids, data, counted)
+        return self.evaluation.block(self.algorithm, server, round_, tier, states, ids, data, counted, self.root)
 
     def _evaluate_pooled_pure(self, server, data, counted):
         return self.evaluation.pooled(self.algorithm, server, data, counted)

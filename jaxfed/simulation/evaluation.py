@@ -16,6 +16,7 @@ import numpy as np
 from jaxfed.contract import RoundInfo
 from jaxfed.core.losses import example_losses, is_regression
 from jaxfed.data import ClientData
+from jaxfed.simulation import sampling
 
 
 def evaluate_examples(model, variables, data: ClientData, batch_size: int):
@@ -112,10 +113,11 @@ class Evaluation:
         self.client_batch = client_eval_batch(test_counts, batch_size)
         self.clients_per_chunk = max(1, examples_per_call // self.client_batch)
 
-    def __call__(self, algorithm, state, data, counted=None) -> dict:
+    def __call__(self, algorithm, state, data, counted=None, root=None) -> dict:
         """The metrics (as arrays) of ``state`` (a :class:`~jaxfed.simulation.SimState`) on
         ``data``'s test splits; ``counted``: ``[num_clients]`` bool, the clients whose results
-        count (the others count as clients without test examples), default all."""
+        count (the others count as clients without test examples), default all; ``root``: the
+        run's root key (the keys of an algorithm's ``personalize``)."""
         if algorithm.evaluates_global:  # one pass over the pooled test set, each client's share summed
             return self.pooled(algorithm, state.server, data, counted)
         blocks = [
@@ -128,6 +130,7 @@ class Evaluation:
                 jnp.arange(lo, hi, dtype=jnp.int32),
                 data,
                 counted,
+                root,
             )
             for tier, lo, hi in self.spans(data.num_clients)
         ]
@@ -141,15 +144,22 @@ class Evaluation:
             return [(None, 0, num_clients)]
         return [(t, lo, hi) for t, (lo, hi) in enumerate(self.tiers)]
 
-    def block(self, algorithm, server, round_, tier, states, ids, data, counted=None):
+    def block(self, algorithm, server, round_, tier, states, ids, data, counted=None, root=None):
         """``(correct, loss, count)`` of the clients ``ids`` (of one span) whose states are
-        ``states``; an id past ``data.num_clients`` or not ``counted`` has count 0."""
-        view = server
-        if algorithm.eval_server is not None:
-            view = algorithm.eval_server(server, RoundInfo(round=round_, tier=tier))
+        ``states``; an id past ``data.num_clients`` or not ``counted`` has count 0. An algorithm
+        with ``personalize`` makes each client's model from its training split and a key of
+        ``root``, the rounds completed and its id."""
+        info = RoundInfo(round=round_, tier=tier)
+        view = server if algorithm.eval_server is None else algorithm.eval_server(server, info)
         test = data.test_data(ids)  # an id past the clients has count 0
         count = test.count if counted is None else jnp.where(jnp.take(counted, ids, mode="clip"), test.count, 0)
-        return self.clients(algorithm, algorithm.eval_model or self.model, view, (states, test.indices, count), data)
+        own, personalizing = None, None
+        if algorithm.personalize is not None:
+            train = data.train_data(ids)
+            own = (ids, train.indices, train.count)
+            personalizing = (data.x_train, data.y_train, sampling.personalization_key(root, round_), info)
+        clients = (states, test.indices, count, own)
+        return self.clients(algorithm, algorithm.eval_model or self.model, view, clients, data, personalizing)
 
     def summary(self, algorithm, server, correct, loss, count, data) -> dict:
         """The personalized summaries of per-client outcomes and, where the algorithm has a
@@ -173,27 +183,37 @@ class Evaluation:
         metrics = personalized_metrics(correct, loss, count.astype(jnp.float32), is_regression(data.y_test))
         return {**metrics, **global_metrics(*outcomes, is_regression(data.y_test))}
 
-    def clients(self, algorithm, model, server_view, clients, data):
-        """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts)``,
-        each on its own test split, in the order given (they run largest first: the summaries
-        then add the same numbers in the same order however the clients were grouped)."""
+    def clients(self, algorithm, model, server_view, clients, data, personalizing=None):
+        """``(correct, loss, count)`` per client of ``clients = (states, test indices, test counts,
+        own)``, each on its own test split, in the order given (they run largest first: the
+        summaries then add the same numbers in the same order however the clients were grouped).
+        With ``personalize``, ``own = (ids, train indices, train counts)`` and ``personalizing =
+        (x_train, y_train, key, info)``; else both None."""
         batch = self.client_batch
 
+        def personalized_model(server_view, client_state, own, personalizing):
+            if own is None:
+                return algorithm.eval_params(server_view, client_state)
+            (client_id, indices, count), (x, y, key, info) = own, personalizing
+            own_data = ClientData(x, y, indices, count)
+            return algorithm.personalize(server_view, client_state, own_data, jax.random.fold_in(key, client_id), info)
+
         def one_client(shared, args):
-            server_view, x, y = shared
-            client_state, indices, count = args
-            variables = algorithm.eval_params(server_view, client_state)
+            server_view, x, y, personalizing = shared
+            client_state, indices, count, own = args
+            variables = personalized_model(server_view, client_state, own, personalizing)
             return evaluate_examples(model, variables, ClientData(x, y, indices, count), batch)
 
         def evaluate_all(shared, xs):
             return jax.lax.map(functools.partial(one_client, shared), xs, batch_size=self.clients_per_chunk)
 
         n = clients[2].shape[0]
-        states, indices, counts = self.strategy.padded_rows(clients)
+        states, indices, counts, own = self.strategy.padded_rows(clients)
         counts = jnp.where(jnp.arange(counts.shape[0]) < n, counts, 0)  # padding clients: no test examples
         order = self.strategy.run_order(counts)
-        clients = jax.tree.map(lambda x: x[order], (states, indices, counts))
-        outcomes = self.strategy.over_devices(evaluate_all, (server_view, data.x_test, data.y_test), clients)
+        clients = jax.tree.map(lambda x: x[order], (states, indices, counts, own))
+        shared = (server_view, data.x_test, data.y_test, personalizing)
+        outcomes = self.strategy.over_devices(evaluate_all, shared, clients)
         return jax.tree.map(lambda o: jnp.zeros_like(o).at[order].set(o)[:n], outcomes)
 
     def pooled_outcomes(self, model, variables, data):

@@ -15,7 +15,7 @@ from jaxfed.errors import ConfigError
 SAMPLINGS = ("uniform", "fixed")
 EVAL_CLIENTS = ("all", "cohort")
 
-_INIT, _ROUNDS, _COHORT = 0, 1, 2
+_INIT, _ROUNDS, _COHORT, _PERSONALIZE = 0, 1, 2, 3
 _SAMPLE, _CLIENTS = 0, 1
 
 
@@ -25,6 +25,12 @@ def init_key(root):
 
 def round_key(root, round_index):
     return jax.random.fold_in(jax.random.fold_in(root, _ROUNDS), round_index)
+
+
+def personalization_key(root, rounds_completed):
+    """The key of the evaluation after ``rounds_completed`` rounds whose per-client fold-ins feed an
+    algorithm's ``personalize``."""
+    return jax.random.fold_in(jax.random.fold_in(root, _PERSONALIZE), rounds_completed)
 
 
 def client_keys(round_key_, ids):
