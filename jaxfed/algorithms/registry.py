@@ -72,6 +72,7 @@ BUILTINS = {
     "fedproto": "fedproto",
     "ifca": "ifca",
     "fedala": "fedala",
+    "pfedlora": "pfedlora",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -105,6 +106,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedproto", "private models pulled toward shared class prototypes (Tan et al., AAAI 2022)"),
         ("ifca", "K cluster models, each client trains its best fit (Ghosh et al., NeurIPS 2020)"),
         ("fedala", "FedAvg from an adaptive local aggregation (Zhang et al., AAAI 2023)"),
+        ("pfedlora", "a shared full-rank model plus personal LoRA modules (the FedLoRU paper's baseline)"),
     ],
 }
 
