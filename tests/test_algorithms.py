@@ -89,10 +89,11 @@ def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
 # Left out for test time, each covered elsewhere: fedprox and fedlora (fedavg's and fedloru's code
 # paths), fedhm (fedara's tiered reconstruct-and-average), local (no message at all), and those
 # whose own test file checks that their private state never enters a message: pfedloru and
-# mfedloru (test_fedloru_variants), feddecomp (tau), fedcspack (only the sent packs), floral and
-# local_adaptor (routers, private adaptors), ensemble (routers). tests/test_privacy.py perturbs
-# every built-in's private state and checks its upload stays as it was.
-LEFT_OUT = {"fedprox", "fedlora", "fedhm", "local", "pfedloru", "mfedloru", "feddecomp", "fedcspack"}
+# mfedloru (test_fedloru_variants), feddecomp (tau), pfedlora (test_baselines: its upload is the
+# trained global model alone), fedcspack (only the sent packs), floral and local_adaptor (routers,
+# private adaptors), ensemble (routers). tests/test_privacy.py perturbs every built-in's private
+# state and checks its upload stays as it was.
+LEFT_OUT = {"fedprox", "fedlora", "fedhm", "local", "pfedloru", "mfedloru", "feddecomp", "pfedlora", "fedcspack"}
 LEFT_OUT |= {"floral", "local_adaptor", "ensemble"}
 # The papers' baselines: tests/test_privacy.py perturbs their private state. (MOON's "previous
 # model" is the model it uploaded: not private, so this test's check does not apply to it.)

@@ -3,11 +3,15 @@
 Each round is checked against its definition written another way: FedPer's and FedRep's
 training against FedAvg's with the frozen parts' updates zeroed by ``optax.multi_transform``,
 Ditto's two models against FedAvg's and FedProx's client steps, MOON's and FedNTD's terms in
-numpy float64 (and each reduced to FedAvg when its weight is 0). Every baseline's defaults learning
-and its private state staying private are tests/test_defaults.py's and tests/test_privacy.py's.
+numpy float64 (and each reduced to FedAvg when its weight is 0), pFedLoRA's two schedules against
+``train_classifier`` on kernels ``W + s * down @ up`` written out, frozen parts zeroed the same
+way. Every baseline's defaults learning and its private state staying private are
+tests/test_defaults.py's and tests/test_privacy.py's.
 """
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
@@ -25,13 +29,15 @@ from jaxfed.algorithms.fedproto import Prototypes, Upload, fedproto
 from jaxfed.algorithms.fedprox import proximal_term
 from jaxfed.algorithms.fedrod import balanced_softmax_loss, fedrod
 from jaxfed.algorithms.partial import fedbn, fedper, fedrep, merge_layers, split_layers
+from jaxfed.algorithms.pfedlora import PFedLoRAOptions, pfedlora
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.regularized import fedntd, model_contrastive, moon, not_true_distillation
 from jaxfed.algorithms.training import fit, train_classifier
+from jaxfed.core import lowrank
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.options import sgd
-from jaxfed.simulation import Simulation
+from jaxfed.simulation import Simulation, server_step
 from jaxfed.simulation.sampling import personalization_key
 
 TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 32}
@@ -324,3 +330,90 @@ def test_fedbabu_is_evaluated_after_each_client_fine_tunes_the_global_model(mlp,
     np.testing.assert_allclose(got["personalized_acc_mean"], np.mean(accuracies), atol=1e-6)
     untuned = fedbabu(mlp, finetune_epochs=0, **TRAIN)  # no fine-tuning: the global model, scored lower
     assert got["personalized_acc_mean"] > Simulation(untuned, mlp, fed, seed=3).evaluate(state)["personalized_acc_mean"]
+
+
+def _pfedlora_client(alg, digits_federation):
+    """pFedLoRA's start with personal modules away from zero (so their scale matters), a client's data, a key."""
+    server, client = alg.init(jax.random.key(0))
+    tau = {
+        key: lora._replace(up=0.1 * jax.random.normal(jax.random.key(2), lora.up.shape))
+        for key, lora in client.tau.items()
+    }
+    return server, client._replace(tau=tau), _client(digits_federation), jax.random.key(5)
+
+
+def _kernel_plus_lora(params, tau, scale):
+    """The personalized MLP written out: each adapted Dense kernel ``W + scale * (down @ up)`` (for a
+    Dense kernel the im2col folding is the plain matrix product)."""
+    written = dict(params)
+    for key, (down, up) in tau.items():
+        written[key] = {**params[key], "kernel": params[key]["kernel"] + scale * (down @ up)}
+    return written
+
+
+def _only(part, optimizer):
+    """``optimizer`` on ``part`` ("global" or "personal") of the trained tree, zero updates on the other."""
+    labels = {name: "train" if name == part else "freeze" for name in ("global", "personal")}
+    return optax.multi_transform({"train": optimizer, "freeze": optax.set_to_zero()}, labels)
+
+
+@pytest.mark.parametrize("schedule", ["alternating", "simultaneous"])
+def test_pfedlora_trains_the_personal_modules_and_the_global_model_by_its_schedule(schedule, mlp, digits_federation):
+    options = PFedLoRAOptions(schedule=schedule, personal_rank=4, lora_alpha=2.0, personal_epochs=2, local_epochs=1)
+    alg = pfedlora(mlp, options)
+    server, client, data, rng = _pfedlora_client(alg, digits_federation)
+    assert {key: lora.down.shape for key, lora in client.tau.items()} == {"fc2": (200, 4)}  # the interior layer
+    info = round_info(3)  # the cosine schedule's lr of round 3
+    new_client, upload, metrics = jax.jit(alg.client_update)(server, client, data, rng, info)
+
+    optimizer = options.optimizer(3)
+    both = {"params": {"global": server.params, "personal": client.tau}}
+    scale = 2.0 / 4  # lora_alpha / personal_rank
+    to_params = lambda t: _kernel_plus_lora(t["global"], t["personal"], scale)  # noqa: E731
+    train = functools.partial(train_classifier, mlp, data=data, batch_size=32, to_params=to_params)
+    if schedule == "simultaneous":
+        want, m = train(optimizer, both, rng=rng, epochs=1)
+        steps = m["steps"]
+    else:  # the personal modules first (key fold_in(rng, 1)), then the global model, each with the other frozen
+        after_personal, m1 = train(_only("personal", optimizer), both, rng=jax.random.fold_in(rng, 1), epochs=2)
+        want, m2 = train(_only("global", optimizer), after_personal, rng=rng, epochs=1)
+        steps = m1["steps"] + m2["steps"]
+        assert not np.allclose(after_personal["params"]["personal"]["fc2"].up, client.tau["fc2"].up)
+    chex.assert_trees_all_close(upload.params, want["params"]["global"], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new_client.tau, want["params"]["personal"], rtol=1e-5, atol=1e-6)
+    assert float(metrics["steps"]) == float(steps) > 0
+    assert not np.allclose(upload.params["fc1"]["kernel"], server.params["fc1"]["kernel"])  # the global model trained
+    personalized = alg.eval_params(upload, new_client)["params"]
+    chex.assert_trees_all_close(personalized, to_params(want["params"]), rtol=1e-5, atol=1e-6)
+
+
+def test_pfedlora_starts_at_the_global_model_and_averages_it_by_sample_count(mlp):
+    alg = pfedlora(mlp)
+    server, client = alg.init(jax.random.key(0))
+    assert PFedLoRAOptions().schedule == "simultaneous"  # pFedLoRA(2), the paper's better variant
+    assert not any(np.any(lora.up) for lora in client.tau.values()) and all(np.any(x.down) for x in client.tau.values())
+    chex.assert_trees_all_equal(alg.eval_params(server, client), alg.global_params(server), {"params": server.params})
+    rng = np.random.default_rng(0)
+    uploads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(3,) + a.shape), jnp.float32), server)
+    counts = np.array([10.0, 30.0, 0.0])  # the third is padding
+    new = server_step(alg, server, uploads, jnp.asarray(counts))
+    weights = counts / counts.sum()
+    for got, stacked in zip(jax.tree.leaves(new.params), jax.tree.leaves(uploads.params), strict=True):
+        np.testing.assert_allclose(got, np.tensordot(weights, np.asarray(stacked, np.float64), 1), rtol=1e-5, atol=1e-6)
+
+
+def test_pfedlora_keeps_batchnorm_statistics_on_the_client_and_uses_the_families_im2col_layout(digits):
+    from jaxfed.nn import get_model
+
+    model = get_model("vgg8", digits.input_shape, digits.num_classes, norm="batch")
+    alg = pfedlora(model, personal_rank=2)
+    server, client = jax.eval_shape(alg.init, jax.random.key(0))
+    assert alg.global_params is None and not server.model_state and "batch_stats" in client.model_state
+    # every Dense/Conv but the first called and the head; a kernel [..., cout] as [prod(...), r] @ [r, cout]
+    assert sorted(client.tau) == ["conv2", "conv3", "conv4", "conv5", "fc1", "fc2"]
+    template = jax.eval_shape(model.init, jax.random.key(0))["params"]
+    for key, lora in client.tau.items():
+        shape = lowrank.get_layer(template, key)["kernel"].shape  # conv: (kh, kw, cin, cout), im2col rows
+        assert (lora.down.shape, lora.up.shape) == ((np.prod(shape[:-1]), 2), (2, shape[-1])), key
+    with pytest.raises(ConfigError, match="personal_rank: 500 is not a valid rank"):
+        pfedlora(model, personal_rank=500)

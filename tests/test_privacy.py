@@ -4,9 +4,9 @@ does not reach its upload, and it does make the client's personalized model.
 For each algorithm the private parts of one client's state are perturbed (every leaf moved); the
 client then runs ``client_update`` on the same message, data and key. Its upload must be exactly
 what it was, and its ``eval_params`` must change. Where the private state shapes local training
-(FedARA's head, FedDecomp's tau, pFedLoRU's personal pair, FLoRAL's router and adaptors, the
-ensemble's router, FedCSPACK's own packs) the shared part's gradients legitimately depend on it,
-so those run with training frozen (``lr=0``): the upload must then be a function of what the
+(FedARA's head, FedDecomp's tau, pFedLoRU's personal pair, pFedLoRA's personal modules, FLoRAL's
+router and adaptors, the ensemble's router, FedCSPACK's own packs) the shared part's gradients
+legitimately depend on it, so those run with training frozen (``lr=0``): the upload must then be a function of what the
 server sent alone. Where the private state is only BatchNorm statistics (train mode normalizes
 with the batch's own statistics) the clients train at a real learning rate. This catches a
 private leaf sent in any form (copied, scaled, mixed into a shared leaf), not only verbatim.
@@ -72,8 +72,9 @@ PRIVATE = {
     # it starts from and uploads (theta_hat, trained): by design neither is kept from the server, so
     # only its BatchNorm statistics are private (ALA's loss, like training, normalizes in train mode).
     "fedala": ("model_state",),
+    "pfedlora": ("tau", "model_state"),  # the personal LoRA modules
 }
-FROZEN = {"pfedloru", "feddecomp", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
+FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
 # and FedNTD's teacher run with the client's BatchNorm statistics.
 FROZEN |= {"fedper", "fedrep", "fedbn", "moon", "fedntd"}

@@ -18,11 +18,15 @@ epochs, then ``sigma`` alone for the remaining ``local_epochs - lora_epochs`` (a
 each phase, every round), and uploads ``sigma``; ``tau_k`` never leaves the client.
 ``schedule="simultaneous"`` trains both together for ``local_epochs`` (the paper's ablation).
 The server averages the uploads uniformly (the paper) or by sample count (``aggregation="samples"``).
+
+:func:`decomposed` is this mechanism given its ranks, scales, layout, schedule, server mean and
+BatchNorm rule; :func:`feddecomp` and pFedLoRA (:mod:`jaxfed.algorithms.pfedlora`) both build on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 from jaxfed.algorithms.aggregation import averaging, uniform_averaging
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
-from jaxfed.contract import FederatedAlgorithm
+from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
@@ -187,23 +191,53 @@ def _combine(first: dict, second: dict) -> dict:
     return {"train_loss": loss, "steps": steps}
 
 
-def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "feddecomp", **overrides):
-    """FedDecomp: every layer of ``options.layers`` (default: every Dense and Conv kernel) gets a
-    private low-rank part."""
-    options = resolve(FedDecompOptions, options, overrides)
-    local_epochs, lora_epochs = options.local_epochs, options.tau_epochs()
-    schedule, aggregation = options.schedule, options.aggregation
+class Alternating(NamedTuple):
+    """A client's round: ``tau_epochs`` on the private part alone, then ``sigma_epochs`` on the
+    shared part alone, a fresh optimizer each phase."""
+
+    tau_epochs: int
+    sigma_epochs: int
+
+
+class Simultaneous(NamedTuple):
+    """A client's round: ``epochs`` on both parts together."""
+
+    epochs: int
+
+
+def schedule_of(options: FedDecompOptions) -> Alternating | Simultaneous:
+    """FedDecomp's round: ``lora_epochs`` on tau, the rest of ``local_epochs`` on sigma (or all
+    of them on both, ``schedule=simultaneous``)."""
+    if options.schedule == "simultaneous":
+        return Simultaneous(options.local_epochs)
+    return Alternating(options.tau_epochs(), options.local_epochs - options.tau_epochs())
+
+
+def decomposed(
+    model,
+    options: TrainingOptions,
+    *,
+    ranks: dict[str, int],
+    scales: dict[str, float],
+    layout: str,
+    schedule: Alternating | Simultaneous,
+    aggregation: Callable[..., Aggregation],
+    shared_stats: bool,
+    name: str,
+) -> FederatedAlgorithm:
+    """A shared full-rank model ``sigma`` plus, on each layer of ``ranks``, a private low-rank
+    part ``tau_k = scales[layer] * fold(down @ up)`` of that rank in ``layout`` (zero at init),
+    trained on the client's data by ``schedule`` with ``options``' optimizer and batching. The
+    server takes ``aggregation(finish)`` of the uploaded ``sigma`` (:func:`averaging` or
+    :func:`uniform_averaging`); BatchNorm statistics go with ``sigma`` when ``shared_stats``,
+    else stay with each client. FedDecomp, and pFedLoRA (:mod:`jaxfed.algorithms.pfedlora`)."""
     template, model_stats = model_template(model)
-    layers = list(split_keys(options.layers)) or None
-    ranks = decomposition_ranks(template, options.rank_dense, options.rank_conv, layers)
     if not ranks:
-        raise no_adaptable_layers("feddecomp", model)
-    scales = layer_scales(template, ranks, options)
-    shared_stats = options.batch_stats == "shared"
+        raise no_adaptable_layers(name, model)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
-        tau = lowrank.init_loras(jax.random.fold_in(rng, 1), template, ranks, LAYOUT)
+        tau = lowrank.init_loras(jax.random.fold_in(rng, 1), template, ranks, layout)
         if shared_stats:
             return SharedModel(params, model_state), ClientState(tau, {})
         return SharedModel(params, {}), ClientState(tau, model_state)
@@ -213,7 +247,7 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
 
     def personalized(sigma, tau):
         """A client's model parameters: ``sigma`` plus each decomposed kernel's scaled ``fold(down @ up)``."""
-        return lowrank.add_loras(sigma, tau, scales, LAYOUT)
+        return lowrank.add_loras(sigma, tau, scales, layout)
 
     def train(optimizer, trainable, model_state, to_params, data, rng, epochs):
         return train_parameters(
@@ -232,9 +266,9 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
         sigma, tau, model_state = message.params, client_state.tau, statistics(message, client_state)
-        # The sigma phase shuffles with ``rng`` itself, as FedAvg does: lora_epochs=0 is FedAvg.
+        # The sigma phase shuffles with ``rng`` itself, as FedAvg does: no tau epochs is FedAvg.
         tau_rng = jax.random.fold_in(rng, 1)
-        if schedule == "simultaneous":
+        if isinstance(schedule, Simultaneous):
             both, model_state, metrics = train(
                 optimizer,
                 {"sigma": sigma, "tau": tau},
@@ -242,15 +276,15 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
                 lambda t: personalized(t["sigma"], t["tau"]),
                 data,
                 rng,
-                local_epochs,
+                schedule.epochs,
             )
             sigma, tau = both["sigma"], both["tau"]
         else:
             tau, model_state, tau_metrics = train(
-                optimizer, tau, model_state, lambda t: personalized(sigma, t), data, tau_rng, lora_epochs
+                optimizer, tau, model_state, lambda t: personalized(sigma, t), data, tau_rng, schedule.tau_epochs
             )
             sigma, model_state, sigma_metrics = train(
-                optimizer, sigma, model_state, lambda s: personalized(s, tau), data, rng, local_epochs - lora_epochs
+                optimizer, sigma, model_state, lambda s: personalized(s, tau), data, rng, schedule.sigma_epochs
             )
             metrics = _combine(tau_metrics, sigma_metrics)
         if shared_stats:
@@ -272,11 +306,31 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        # each kept client once (uniform), or by its training-set size
-        aggregation=(uniform_averaging if aggregation == "uniform" else averaging)(finish),
+        aggregation=aggregation(finish),
         eval_params=eval_params,
         # With private BatchNorm statistics there is no global model to evaluate.
         global_params=global_params if shared_stats or not model_stats else None,
+    )
+
+
+def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "feddecomp", **overrides):
+    """FedDecomp: every layer of ``options.layers`` (default: every Dense and Conv kernel) gets a
+    private low-rank part."""
+    options = resolve(FedDecompOptions, options, overrides)
+    template, _ = model_template(model)
+    layers = list(split_keys(options.layers)) or None
+    ranks = decomposition_ranks(template, options.rank_dense, options.rank_conv, layers)
+    return decomposed(
+        model,
+        options,
+        ranks=ranks,
+        scales=layer_scales(template, ranks, options),
+        layout=LAYOUT,
+        schedule=schedule_of(options),
+        # each kept client once (uniform), or by its training-set size
+        aggregation=uniform_averaging if options.aggregation == "uniform" else averaging,
+        shared_stats=options.batch_stats == "shared",
+        name=name,
     )
 
 

@@ -21,6 +21,10 @@ with ``reinit`` the factors restart (``down`` Kaiming, ``up`` 0), otherwise they
   ``down, up`` frozen, and uploads ``(D1, D2, U1, U2)``; a tier with ``r_k = r`` trains ``down, up``
   as FedLoRU. The server recovers each client's rank-r factors and aggregates as FedLoRU.
 
+:class:`FamilyOptions` (the paper's App. D training, ``lora_alpha``, ``layers``),
+:func:`adapted_ranks` and :func:`lora_scale` are the family's rules, which pFedLoRA
+(:mod:`jaxfed.algorithms.pfedlora`) follows too.
+
 Download (``download_bytes``): a client keeps the W it last received, so it downloads the frozen
 kernels only once, then, after accumulations it missed, their folded factors (``reinit``: one
 rank-r set per accumulation; without ``reinit`` none, W - W_old = s (merged - merged_old) comes
@@ -51,8 +55,9 @@ AUTHORS_CODE = "the authors' code (haemPark/fedloru_official, main.py)"
 
 
 @dataclasses.dataclass(frozen=True)
-class FedLoRAOptions(TrainingOptions):
-    """Low-rank client updates of a frozen global model (FedLoRA: never accumulated)."""
+class FamilyOptions(TrainingOptions):
+    """What the whole FedLoRU family shares (pFedLoRA too): the paper's App. D training, the LoRA
+    scale and the adapted layers."""
 
     local_epochs: int = option(5, "local epochs per round", source=SETUP)
     batch_size: int = option(32, "local batch size", source=SETUP)
@@ -77,13 +82,6 @@ class FedLoRAOptions(TrainingOptions):
     lr_decay_rounds: int = option(
         50, "cosine: rounds from lr to lr_min (the paper: 50 or the total rounds)", source=SETUP
     )
-    lora_rank: int = option(
-        16,
-        "rank r of every LoRA update (at most the layer's matricized min dim); the paper's 128 is for "
-        "ResNet-18 layers, larger than the CNN's (64 at most)",
-        source="jaxfed default (the paper: 128 on ResNet-18)",
-        check=at_least(1),
-    )
     lora_alpha: float = option(
         0.0,
         "LoRA alpha: scale = alpha / r; 0 = alpha r (scale 1)",
@@ -92,6 +90,19 @@ class FedLoRAOptions(TrainingOptions):
     )
     layers: tuple[str, ...] = option(
         (), "layers to adapt (comma-separated); empty = every Dense/Conv but the first called and the last"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FedLoRAOptions(FamilyOptions):
+    """Low-rank client updates of a frozen global model (FedLoRA: never accumulated)."""
+
+    lora_rank: int = option(
+        16,
+        "rank r of every LoRA update (at most the layer's matricized min dim); the paper's 128 is for "
+        "ResNet-18 layers, larger than the CNN's (64 at most)",
+        source="jaxfed default (the paper: 128 on ResNet-18)",
+        check=at_least(1),
     )
     init: str = option(
         "lora",
@@ -172,14 +183,26 @@ class _Adapted(NamedTuple):
         return lowrank.split_kernels(params, list(self.ranks))
 
 
-def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_rank") -> _Adapted:
-    template, private_stats = model_template(model)
-    keys = choose_layers(model, layers or (), "the FedLoRU family")
+def adapted_ranks(model, template, rank: int, layers, field: str = "lora_rank") -> dict[str, int]:
+    """``{layer: rank}`` over ``layers`` (empty: every Dense/Conv but the first called and the
+    last) of ``model`` (``template``: its parameter shapes); a one-line ConfigError naming
+    ``field`` where a layer matricized in ``LAYOUT`` cannot hold ``rank``."""
     ranks = {}
-    for key in keys:
+    for key in choose_layers(model, layers or (), "the FedLoRU family"):
         shape = lowrank.get_layer(template, key)["kernel"].shape
         ranks[key] = lowrank.check_rank(lowrank.matrix_shape(shape, LAYOUT), rank, field=field, name=key)
-    return _Adapted(template, bool(private_stats), ranks, (lora_alpha or rank) / rank)
+    return ranks
+
+
+def lora_scale(rank: int, lora_alpha: float) -> float:
+    """The family's factor on ``down @ up``: ``lora_alpha / rank``, 1 with ``lora_alpha = 0``."""
+    return (lora_alpha or rank) / rank
+
+
+def _adapted(model, rank: int, lora_alpha: float, layers, field: str = "lora_rank") -> _Adapted:
+    template, private_stats = model_template(model)
+    ranks = adapted_ranks(model, template, rank, layers, field)
+    return _Adapted(template, bool(private_stats), ranks, lora_scale(rank, lora_alpha))
 
 
 class ServerState(NamedTuple):

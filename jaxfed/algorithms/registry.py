@@ -73,6 +73,7 @@ BUILTINS = {
     "ifca": "ifca",
     "fedala": "fedala",
     "fedbabu": "fedbabu",
+    "pfedlora": "pfedlora",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -107,6 +108,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("ifca", "K cluster models, each client trains its best fit (Ghosh et al., NeurIPS 2020)"),
         ("fedbabu", "body trained under a fixed random head; fine-tuned to evaluate (Oh et al. 2022)"),
         ("fedala", "FedAvg from an adaptive local aggregation (Zhang et al., AAAI 2023)"),
+        ("pfedlora", "a shared full-rank model plus personal LoRA modules (the FedLoRU paper's baseline)"),
     ],
 }
 
