@@ -276,13 +276,8 @@ def test_fedprotos_server_weighs_each_class_by_its_counts(mlp):
     counts = rng.integers(0, 4, size=(3, 10)).astype(np.float64)
     counts[:, 4] = 0  # nobody holds class 4
     weights = np.array([5.0, 0.0, 7.0])  # the second client is a weight-0 row: it counts for nothing
-    total = None
-    for k in range(3):
-        share = alg.aggregation.contribute(server, Upload(jnp.asarray(means[k]), jnp.asarray(counts[k])),
-                                           jnp.float32(weights[k]), round_info(tier=None))  # fmt: skip
-        share = jax.tree.map(lambda s: s * (weights[k] > 0), share)  # the engine's rule for weight-0 rows
-        total = share if total is None else jax.tree.map(jnp.add, total, share)
-    new = alg.aggregation.apply(server, total, round_info(tier=None))
+    uploads = Upload(jnp.asarray(means, jnp.float32), jnp.asarray(counts, jnp.float32))
+    new = server_step(alg, server, uploads, jnp.asarray(weights, jnp.float32))
     kept = counts * (weights > 0)[:, None]
     for c in range(10):
         if kept[:, c].sum() == 0:
@@ -306,6 +301,21 @@ def test_fedbabu_trains_the_body_under_the_fixed_head_and_uploads_the_body(mlp, 
     new = alg.aggregation.apply(server, alg.aggregation.contribute(server, upload, 3.0, round_info(tier=None)),
                                 round_info(tier=None))  # fmt: skip
     chex.assert_trees_all_equal(new.params["head"], server.params["head"])  # the head stays at its init
+
+
+@pytest.mark.parametrize("part, fixed", [("head", ["fc1", "fc2"]), ("body", ["head"])])
+def test_fedbabus_fine_tuning_trains_only_the_part_named_at_the_base_lr(part, fixed, mlp, digits_federation):
+    alg = fedbabu(mlp, finetune=part, finetune_epochs=1, lr_schedule="cosine", lr_min=0.0, lr_decay_rounds=5,
+                  **TRAIN)  # fmt: skip
+    server, client = alg.init(jax.random.key(0))
+    data, rng = _client(digits_federation), jax.random.key(5)
+    tuned = alg.personalize(server, client, data, rng, round_info(5))["params"]  # round 5: the cosine's lr is 0
+    trained = lambda key: key not in fixed  # noqa: E731
+    want, _ = train_classifier(mlp, _frozen_except(server.params, trained, 0.1), {"params": server.params}, data,
+                               rng, epochs=1, batch_size=32)  # fmt: skip
+    chex.assert_trees_all_close(tuned, want["params"], rtol=1e-5, atol=1e-6)
+    for key in fixed:
+        chex.assert_trees_all_equal(tuned[key], server.params[key])
 
 
 def test_fedbabu_is_evaluated_after_each_client_fine_tunes_the_global_model(mlp, digits):

@@ -72,6 +72,9 @@ def test_a_client_trains_the_cluster_of_lowest_loss_as_train_classifier(best, ml
     # the personalized model is the chosen cluster's model on the server
     chex.assert_trees_all_equal(alg.eval_params(server, new_client)["params"],
                                 jax.tree.map(lambda m: m[best], server.models))  # fmt: skip
+    # at evaluation a client that never chose (cluster 0 in its state) picks the lowest loss again
+    picked = alg.personalize(server._replace(models=models), client, data, rng, round_info())
+    chex.assert_trees_all_equal(picked["params"], jax.tree.map(lambda m: m[best], models))
 
 
 class TinyBatchNormNet(nn.Module):

@@ -36,8 +36,15 @@ def class_feature_sums(model, head: str, variables, data: ClientData, batch_size
     return jax.lax.fori_loop(0, steps, one_batch, zeros)
 
 
-def class_anchors(model, head: str, variables, data: ClientData, batch_size: int):
-    """``(anchors [classes, features], present [classes])``: the mean feature of each class over the
-    client's real training examples (``present`` False, anchor 0, for a class it does not hold)."""
+def class_means(model, head: str, variables, data: ClientData, batch_size: int):
+    """``(means [classes, features], counts [classes])``: the mean feature of each class over the
+    client's real training examples (0 for a class it does not hold) and how many it holds."""
     sums, counts = class_feature_sums(model, head, variables, data, batch_size)
-    return sums / jnp.maximum(counts, 1.0)[:, None], counts > 0
+    return sums / jnp.maximum(counts, 1.0)[:, None], counts
+
+
+def class_anchors(model, head: str, variables, data: ClientData, batch_size: int):
+    """``(anchors [classes, features], present [classes])``: FedARA's anchors, :func:`class_means`
+    with ``present`` False (anchor 0) for a class the client does not hold."""
+    means, counts = class_means(model, head, variables, data, batch_size)
+    return means, counts > 0

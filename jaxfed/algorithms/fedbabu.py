@@ -4,7 +4,9 @@ The classifier ``head`` (a Dense layer) stays at its random initialization throu
 training, the same for every client: a round trains the body alone with the head fixed, uploads
 the body, and the server averages the bodies by sample count (FedAvg's rule). At evaluation each
 client fine-tunes the global model on its own training data for ``finetune_epochs`` (the whole
-model by default, or only the head or the body: ``finetune``) and is evaluated with the result
+model by default, or only the head or the body: ``finetune``) at the client learning rate ``lr``
+(not a schedule's value at the last round, which a cosine may have taken to ``lr_min``) and is
+evaluated with the result
 (the algorithm's ``personalize``); nothing of the fine-tuning is kept or uploaded. The global
 model is the averaged body with the initial head.
 """
@@ -87,7 +89,7 @@ def fedbabu(model, options: FedBABUOptions | None = None, **overrides) -> Federa
     def personalize(server_state, client_state, data, rng, info):
         params, model_state, _ = train_part(
             server_state.params, options.finetune, client_state.model_state, data, rng,
-            options.optimizer(info.round), options.finetune_epochs,
+            options.optimizer(), options.finetune_epochs,
         )  # fmt: skip
         return {"params": params, **model_state}
 

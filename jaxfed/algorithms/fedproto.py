@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jaxfed.algorithms.features import class_feature_sums
+from jaxfed.algorithms.features import class_means
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import Aggregation, FederatedAlgorithm
-from jaxfed.core import lowrank
+from jaxfed.core import lowrank, mean_of, weighted_share
 from jaxfed.core.losses import masked_loss, masked_mean
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import head_input, head_layer
@@ -98,15 +98,15 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
             loss_for(prototypes), options.optimizer(info.round), client_state.params, client_state.model_state,
             data, rng, **options.batching(),
         )  # fmt: skip
-        sums, counts = class_feature_sums(model, head, {"params": params, **model_state}, data, options.batch_size)
-        upload = Upload(sums / jnp.maximum(counts, 1.0)[:, None], counts)
+        means, counts = class_means(model, head, {"params": params, **model_state}, data, options.batch_size)
+        upload = Upload(means, counts)
         return ClientState(params, model_state), upload, metrics
 
     def contribute(server_state, upload, weight, info):
-        return Upload(upload.means * upload.counts[:, None], upload.counts)  # each class weighted by its count
+        return weighted_share(upload.means, upload.counts)  # each class's prototype weighted by its count
 
     def apply(server_state, total, info):
-        return Prototypes(total.means / jnp.maximum(total.counts, 1.0)[:, None], total.counts > 0)
+        return Prototypes(mean_of(total), total.weight > 0)
 
     return FederatedAlgorithm(
         name="fedproto",

@@ -11,10 +11,11 @@ A round (the paper's model-averaging option: local epochs on the chosen model):
 3. the server sets each cluster's model to the sample-weighted mean of the uploads that chose it;
    a cluster that no kept client chose keeps its model.
 
-A client's personalized model is the model of the cluster it chose in its last round. The paper
-instead lets each test client pick the cluster with the lowest loss on its own (labelled) test
-data; ``eval_params`` sees only the server's and the client's states, so jaxfed uses the choice
-made on the client's training data. A client that never trained is evaluated on cluster 0's model.
+A client is evaluated on the model of the cluster with the lowest loss on its training data under
+the current cluster models (``personalize``: the choice step again, whether or not it trained
+lately). The paper lets each test client pick on its own labelled test data; jaxfed keeps the
+test split for scoring. ``eval_params`` (a client's model without its data) is the cluster it
+chose in its last round (cluster 0 before its first).
 
 BatchNorm statistics stay on the client (as FedAvg's do), one set per client. The choice is made
 with each batch's own statistics (train-mode normalization): the cluster models carry no
@@ -141,6 +142,10 @@ def ifca(model, options: IFCAOptions | None = None, *, num_clusters: int = 0, **
     def eval_params(server_state, client_state):
         return {"params": cluster_model(server_state.models, client_state.cluster), **client_state.model_state}
 
+    def personalize(server_state, client_state, data, rng, info):
+        losses = cluster_losses(model, server_state.models, client_state.model_state, data, options.batch_size)
+        return {"params": cluster_model(server_state.models, choose_cluster(losses)), **client_state.model_state}
+
     return FederatedAlgorithm(
         name="ifca",
         init=init,
@@ -152,6 +157,7 @@ def ifca(model, options: IFCAOptions | None = None, *, num_clusters: int = 0, **
         ),
         eval_params=eval_params,
         global_params=None,  # K cluster models, no single global one
+        personalize=personalize,
     )
 
 

@@ -155,6 +155,7 @@ class Evaluation:
         count = test.count if counted is None else jnp.where(jnp.take(counted, ids, mode="clip"), test.count, 0)
         own, personalizing = None, None
         if algorithm.personalize is not None:
+            assert root is not None, "personalize needs the run's root key"
             train = data.train_data(ids)
             own = (ids, train.indices, train.count)
             personalizing = (data.x_train, data.y_train, sampling.personalization_key(root, round_), info)

@@ -1,8 +1,11 @@
 """Which clients take part in a round, and the per-round / per-client keys.
 
-All randomness derives from one root key: round t uses ``fold_in(root, t)``; client k in that
-round ``fold_in(fold_in(round_key, CLIENTS), k)``. Numbers therefore do not depend on how many
-devices run the round, how the clients are padded, or whether the run was resumed.
+All randomness derives from one root key, one stream per use: init ``fold_in(root, INIT)``; round t
+``fold_in(fold_in(root, ROUNDS), t)`` and client k in it ``fold_in(fold_in(round_key, CLIENTS), k)``;
+the fixed cohort ``fold_in(root, COHORT)``; the evaluation after t rounds, for an algorithm's
+``personalize``, ``fold_in(fold_in(root, PERSONALIZE), t)`` and client k ``fold_in(that, k)``.
+Numbers therefore do not depend on how many devices run the round, how the clients are padded,
+or whether the run was resumed.
 """
 
 from __future__ import annotations
