@@ -27,9 +27,11 @@ require_conf() {
 }
 
 # run_variant OUT ALGORITHM [jaxfed arguments...]; a failure (a diverged run, say) is reported
-# and the script goes on.
+# and the script goes on. With VARIANTS=a,b (variant names: OUT's last part) only those run; the
+# report still takes every finished variant in the directory (a table split across sessions).
 run_variant() {
   local out=$1; shift
+  [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$(basename "$out"),"* ]] || return 0
   if [[ -n ${SEEDS:-} ]]; then
     jaxfed sweep "$@" --seeds "$SEEDS" --quiet --out "$out" || echo "run.sh: $out failed (exit $?)" >&2
   else

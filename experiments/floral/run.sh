@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FLoRAL and the baselines of its Table 1: fedavg, local_adaptor, floral at 1% and 10% budgets and
-# ensemble, each learned-router method also with the ground-truth router (router=oracle).
+# ensemble, each learned-router method also with the ground-truth router (router=oracle); and the
+# personalized / clustered baselines it discusses, Ditto and IFCA (K = the task's clusters).
 # Usage: experiments/floral/run.sh DATA_DIR [SET] [-- --set key=value ...]
 #   SET: reduced (default; synthetic linear and MLP, MNIST rotation and label shift, about 15
 #        minutes on 2 CPU cores in all), paper (the authors' synthetic and MNIST settings, full
@@ -41,7 +42,7 @@ case $setting in
 esac
 
 for task in "${tasks[@]}"; do
-  variants=(fedavg local_adaptor floral floral_oracle ensemble ensemble_oracle)
+  variants=(fedavg local_adaptor floral floral_oracle ensemble ensemble_oracle ditto ifca)
   [[ $task != synthetic* ]] && variants+=(floral_10 floral_10_oracle)
   for variant in "${variants[@]}"; do
     case $variant in
@@ -56,7 +57,7 @@ for task in "${tasks[@]}"; do
     run_variant "$runs/$task/$variant" "${args[@]}" ${task_args[$task]} --data-dir "$data_dir" "$@"
   done
   # "The learned router near the oracle" is judged as at most 2 points (MSE: 0.02) below it.
-  claims=("floral>fedavg" "floral>local_adaptor" "floral>floral_oracle-0.02")
+  claims=("floral>fedavg" "floral>local_adaptor" "floral>floral_oracle-0.02" "floral>ditto" "floral>ifca")
   [[ $task != synthetic* ]] && claims+=("floral_10>fedavg" "floral_10>local_adaptor" "floral_10>floral_10_oracle-0.02")
   report_variants "$runs/$task" "${claims[@]}"
 done
