@@ -23,6 +23,8 @@ VARIANTS = [
     "floral_10_oracle",
     "ensemble",
     "ensemble_oracle",
+    "ditto",
+    "ifca",
 ]
 
 
