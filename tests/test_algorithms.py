@@ -97,7 +97,9 @@ LEFT_OUT = {"fedprox", "fedlora", "fedhm", "local", "pfedloru", "mfedloru", "fed
 LEFT_OUT |= {"floral", "local_adaptor", "ensemble"}
 # The papers' baselines: tests/test_privacy.py perturbs their private state. (MOON's "previous
 # model" is the model it uploaded: not private, so this test's check does not apply to it.)
-LEFT_OUT |= {"fedper", "fedrep", "fedbn", "ditto", "moon", "fedntd"}
+# FedRoD and FedBABU aggregate as FedAvg does (checked here); IFCA and FedProto, with servers of
+# their own, stay in.
+LEFT_OUT |= {"fedper", "fedrep", "fedbn", "ditto", "moon", "fedntd", "fedrod", "fedbabu"}
 # FedALA's client keeps the model it uploads (its local model): the check that no state leaf equals a
 # message leaf does not apply; tests/test_privacy.py perturbs its BatchNorm statistics.
 LEFT_OUT |= {"fedala"}

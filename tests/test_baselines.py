@@ -338,8 +338,6 @@ def test_fedbabu_is_evaluated_after_each_client_fine_tunes_the_global_model(mlp,
         logits, _ = mlp.apply(tuned, fed.x_test[real])
         accuracies.append(np.mean(np.argmax(logits, -1) == np.asarray(fed.y_test)[real]))
     np.testing.assert_allclose(got["personalized_acc_mean"], np.mean(accuracies), atol=1e-6)
-    untuned = fedbabu(mlp, finetune_epochs=0, **TRAIN)  # no fine-tuning: the global model, scored lower
-    assert got["personalized_acc_mean"] > Simulation(untuned, mlp, fed, seed=3).evaluate(state)["personalized_acc_mean"]
 
 
 def _pfedlora_client(alg, digits_federation):

@@ -8,7 +8,7 @@ Each image dataset is stood in for by the embedded digits resized to its shape (
 generated regression tasks are themselves. Every run has 6 clients, all sampled, 2 rounds and
 the algorithm's own defaults. A cell is the personalized accuracy (MSE for regression) after the
 two rounds, ``NaN`` where an update went non-finite, or the one-line refusal. The suite runs the
-cheap part of this grid (every algorithm on digits, the FedLoRU family on the MNIST CNN).
+cheap part of this grid (every algorithm on digits, FedLoRU on the MNIST CNN).
 """
 
 from __future__ import annotations
