@@ -165,7 +165,7 @@ def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
         "resample",
         digits.y_train,
         digits.y_test,
-        200,
+        64,
         np.random.default_rng(0),
         client_train_size=8,
         client_test_size=2,
@@ -177,11 +177,11 @@ def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
     memory = everyone.compiled(state, 1).memory_analysis()
     fixed = memory.argument_size_in_bytes + memory.output_size_in_bytes
     roomy = ClientStrategy(memory_bytes=int((fixed + memory.temp_size_in_bytes) / 0.9) + 1)
-    assert roomy.chunk == 0 and roomy.fitted(memory, 200) is None  # it fits: all at once
+    assert roomy.chunk == 0 and roomy.fitted(memory, 64) is None  # it fits: all at once
     tight = ClientStrategy(memory_bytes=int((fixed + memory.temp_size_in_bytes / 4) / 0.9))
     fitted = Simulation(alg, mlp, fed, participation=1.0, strategy=tight)
     got, _ = fitted.run_rounds(fitted.init(), 1)
-    assert 1 < fitted.client_chunk < 200, fitted.client_chunk
+    assert 1 < fitted.client_chunk < 64, fitted.client_chunk
     narrowed = fitted.compiled(got, 1).memory_analysis()
     assert narrowed.temp_size_in_bytes <= 0.9 * tight.memory_bytes - fixed
     want, _ = everyone.run_rounds(state, 1)
