@@ -456,8 +456,8 @@ elif point == "before the last wait":
 sys.exit(cli.main(sys.argv[3:]))
 """
 
-# One kill of each kind (a kill inside a compiled call after a checkpoint: tests/test_checkpoint.py's
-# SIGKILL test).
+# One kill of each kind, each a real SIGKILL of the process at that point (a kill at a random moment
+# of a long run, which the suite ran once as well, lands in one of these).
 KILL_POINTS = [
     ("in a compiled call", 1),
     ("before an evaluation row", 2),

@@ -152,7 +152,8 @@ def test_download_when_clients_keep_w_matches_a_hand_count(
     assert float(metrics["bytes_down_cached"].sum()) < float(metrics["bytes_down"].sum())
 
 
-@pytest.mark.parametrize("name", ["fedlora", "fedloru", "pfedloru", "mfedloru"])
+# fedlora and pfedloru build their global pair as fedloru does (the family's one init); mfedloru's tiers differ.
+@pytest.mark.parametrize("name", ["fedloru", "mfedloru"])
 def test_the_authors_init_starts_a_pure_rank_r_model(mlp, digits_federation, name):
     """``init=authors``: adapted kernels at zero, both factors random, so each adapted layer of the
     global model is ``s * down @ up`` (rank r), checked in float64; ``init=lora`` is the model's
