@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxfed.algorithms.records import GlobalParams
 from jaxfed.contract import Aggregation, RoundInfo
 from jaxfed.core import mean_of, weighted_share
 
@@ -21,6 +22,12 @@ def averaging(finish: Callable[[Any, Any, RoundInfo], Any]) -> Aggregation:
         contribute=lambda server_state, message, weight, info: weighted_share(message, weight),
         apply=lambda server_state, total, info: finish(server_state, mean_of(total), info),
     )
+
+
+def model_averaging() -> Aggregation:
+    """FedAvg's server step on a :class:`~jaxfed.algorithms.records.GlobalParams` server state: the
+    sample-weighted mean of the uploaded models is the new global model."""
+    return averaging(lambda server_state, mean, info: GlobalParams(mean))
 
 
 def uniform_averaging(finish: Callable[[Any, Any, RoundInfo], Any]) -> Aggregation:

@@ -14,13 +14,13 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.aggregation import model_averaging
 from jaxfed.algorithms.fedprox import proximal_term
-from jaxfed.algorithms.records import GlobalParams
+from jaxfed.algorithms.records import GlobalParams, global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.nn import model_template, split_variables
+from jaxfed.nn import split_variables
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve
 
 PAPER = "Li et al. (ICML 2021), Ditto, Algorithm 1"
@@ -86,18 +86,14 @@ def ditto(model, options: DittoOptions | None = None, **overrides) -> FederatedA
     def eval_params(server_state, client_state):
         return {"params": client_state.personal, **client_state.personal_state}
 
-    def global_params(server_state):
-        return {"params": server_state.params}
-
     return FederatedAlgorithm(
         name="ditto",
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, mean, info: GlobalParams(mean)),
+        aggregation=model_averaging(),
         eval_params=eval_params,
-        # A model with BatchNorm has no global statistics: its global model is undefined (as FedAvg).
-        global_params=None if model_template(model)[1] else global_params,
+        global_params=global_model(model),
     )
 
 

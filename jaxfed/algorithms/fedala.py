@@ -29,14 +29,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.aggregation import averaging
-from jaxfed.algorithms.records import GlobalParams
+from jaxfed.algorithms.aggregation import model_averaging
+from jaxfed.algorithms.records import GlobalParams, global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import classification_loss, shuffled_positions, train_parameters
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
-from jaxfed.nn import model_template, split_variables
+from jaxfed.nn import split_variables
 from jaxfed.nn.layers import parameter_layers
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve
 
@@ -211,18 +211,14 @@ def fedala(model, options: FedALAOptions | None = None, **overrides) -> Federate
     def eval_params(server_state, client_state):
         return {"params": client_state.params, **client_state.model_state}
 
-    def global_params(server_state):
-        return {"params": server_state.params}
-
     return FederatedAlgorithm(
         name="fedala",
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, mean, info: GlobalParams(mean)),
+        aggregation=model_averaging(),
         eval_params=eval_params,
-        # A model with BatchNorm has no global statistics: its global model is undefined (as FedAvg's).
-        global_params=None if model_template(model)[1] else global_params,
+        global_params=global_model(model),
     )
 
 

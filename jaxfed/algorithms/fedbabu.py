@@ -18,11 +18,11 @@ import typing
 
 from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.partial import merge_layers, split_layers
-from jaxfed.algorithms.records import ClientStats, GlobalParams
+from jaxfed.algorithms.records import ClientStats, GlobalParams, global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.nn import model_template, split_variables
+from jaxfed.nn import split_variables
 from jaxfed.nn.layers import head_layer
 from jaxfed.options import TrainingOptions, non_negative, one_of, option, resolve
 
@@ -55,7 +55,6 @@ def fedbabu(model, options: FedBABUOptions | None = None, **overrides) -> Federa
     """FedBABU: the body trained and averaged under a fixed random head, fine-tuned per client for evaluation."""
     options = resolve(FedBABUOptions, options, overrides)
     head = head_layer(model, options.head, "fedbabu")
-    has_private_stats = bool(model_template(model)[1])
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
@@ -100,8 +99,7 @@ def fedbabu(model, options: FedBABUOptions | None = None, **overrides) -> Federa
         client_update=client_update,
         aggregation=averaging(finish),
         eval_params=lambda server_state, client_state: {"params": server_state.params, **client_state.model_state},
-        # A model with BatchNorm has no global statistics: its global model is undefined (as FedAvg's).
-        global_params=None if has_private_stats else (lambda server_state: {"params": server_state.params}),
+        global_params=global_model(model),
         personalize=personalize,
     )
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.aggregation import model_averaging
 from jaxfed.algorithms.records import ClientStats, GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
@@ -159,7 +159,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, average, info: GlobalParams(average)),  # full kernels
+        aggregation=model_averaging(),  # full kernels
         eval_params=eval_params,
         global_params=None if private_stats else global_params,
         num_tiers=len(ranks),

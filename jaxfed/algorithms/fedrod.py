@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.aggregation import model_averaging
 from jaxfed.algorithms.features import class_counts
-from jaxfed.algorithms.records import GlobalParams
+from jaxfed.algorithms.records import GlobalParams, global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
@@ -115,10 +115,9 @@ def fedrod(model, options: FedRoDOptions | None = None, **overrides) -> Federate
         init=init,
         broadcast=lambda server_state, info: server_state.params,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, mean, info: GlobalParams(mean)),
+        aggregation=model_averaging(),
         eval_params=eval_params,
-        # A model with BatchNorm has no global statistics: its global model is undefined (as FedAvg's).
-        global_params=None if model_stats else (lambda server_state: {"params": server_state.params}),
+        global_params=global_model(model),  # the generic model
     )
 
 

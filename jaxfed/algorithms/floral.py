@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.aggregation import model_averaging
 from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import per_key, train_parameters, train_routed
@@ -314,7 +314,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, average, info: GlobalParams(average)),
+        aggregation=model_averaging(),
         eval_params=eval_params,
         global_params=None,
     )

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.aggregation import model_averaging
 from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
@@ -125,7 +125,7 @@ def partially_shared(model, options, private_keys: list[str], train: LocalTraini
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, mean, info: GlobalParams(mean)),
+        aggregation=model_averaging(),
         eval_params=eval_params,
         global_params=None,  # the private layers have no global value
     )

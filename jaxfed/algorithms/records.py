@@ -15,6 +15,14 @@ class GlobalParams(NamedTuple):
     params: Any
 
 
+def global_model(model):
+    """A :class:`GlobalParams` algorithm's ``global_params``: its params as the model's variables;
+    None for a model with BatchNorm statistics, which have no global value (no global model)."""
+    from jaxfed.nn import model_template
+
+    return None if model_template(model)[1] else (lambda server_state: {"params": server_state.params})
+
+
 class ClientStats(NamedTuple):
     """A client state that is only the model's non-trainable collections (BatchNorm statistics;
     ``{}`` when the model has none): FedAvg, FedHM, the FedLoRU family."""

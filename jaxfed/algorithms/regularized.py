@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.algorithms.aggregation import averaging
-from jaxfed.algorithms.records import ClientStats, GlobalParams
+from jaxfed.algorithms.aggregation import model_averaging
+from jaxfed.algorithms.records import ClientStats, GlobalParams, global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
@@ -119,10 +119,9 @@ def with_global_model(model, options, *, name: str, loss_for, init_client, keep)
         init=init,
         broadcast=broadcast,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, mean, info: GlobalParams(mean)),
+        aggregation=model_averaging(),
         eval_params=lambda server_state, client_state: {"params": server_state.params, **client_state.model_state},
-        # A model with BatchNorm has no global statistics: its global model is undefined (as FedAvg's).
-        global_params=None if has_private_stats else (lambda server_state: {"params": server_state.params}),
+        global_params=global_model(model),
         evaluates_global=not has_private_stats,
     )
 
