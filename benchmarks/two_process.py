@@ -52,7 +52,7 @@ def simulate(overrides: list[str], rounds: int) -> dict:
         "devices": sim.num_devices,
         "seconds_per_round": seconds / max(rounds - 1, 1),
         "train_loss": np.asarray(metrics["train_loss"]).tolist(),
-        "evaluation": sim.evaluate(state),
+        "evaluation": {k: v for k, v in sim.evaluate(state).items() if k != "clients"},  # summaries: JSON
     }
 
 

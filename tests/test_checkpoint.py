@@ -18,6 +18,7 @@ from jaxfed.cli import main
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import chunk_schedule
+from jaxfed.runs.plots import read_clients
 from jaxfed.runs.rundir import LOCK_FILE
 from jaxfed.simulation import SimState
 
@@ -111,8 +112,17 @@ def reference_run(tmp_path_factory):
 
 def test_resume_extends_a_finished_run(tmp_path, reference_run):
     assert main(["run", "--out", str(tmp_path / "a"), *SMALL, "--set", "rounds=4", "--set", "checkpoint_every=4"]) == 0
+    np.savez(tmp_path / "a" / "clients" / "6.npz", acc=np.zeros(8))  # as a run stopped after round 6 left it
     assert main(["run", "--out", str(tmp_path / "a"), "--resume", "--quiet", "--set", "rounds=8"]) == 0
     assert _rows(tmp_path / "a") == _rows(reference_run)
+    # each evaluation's per-client arrays: the same as the run left alone, the row's mean their mean
+    resumed, alone = read_clients(tmp_path / "a"), read_clients(reference_run)
+    assert list(resumed) == list(alone) == [2, 4, 6, 8]
+    for round_, row in zip(resumed, _rows(reference_run)):
+        assert resumed[round_].keys() == {"acc", "loss", "examples"}
+        for name, values in alone[round_].items():
+            np.testing.assert_array_equal(resumed[round_][name], values)
+        assert np.mean(resumed[round_]["acc"]) == pytest.approx(row["personalized_acc_mean"], rel=1e-6)
     assert [r["round"] for r in _rows(tmp_path / "a")] == [2, 4, 6, 8]
     _assert_bitwise(_final_leaves(tmp_path / "a", 8), _final_leaves(reference_run, 8))
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())

@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent(
     per_client = jax.tree.leaves(state.clients) + [sim.data.train_idx, sim.data.test_idx]
     on_first = sum(s.data.nbytes for x in per_client for s in x.addressable_shards if s.device == jax.devices()[0])
     sizes = {"client_bytes": sum(x.nbytes for x in per_client), "client_bytes_on_device_0": on_first}
-    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sizes, **sim.evaluate(state)}))
+    summaries = {k: v for k, v in sim.evaluate(state).items() if k != "clients"}
+    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sizes, **summaries}))
     """
 )
 

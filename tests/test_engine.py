@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import round_info
+from conftest import make_federation, round_info
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
@@ -177,9 +177,11 @@ def test_pooled_evaluation_of_a_global_model_equals_the_per_client_one(mlp, digi
     per_client = Simulation(alg._replace(evaluates_global=False), mlp, digits_federation, participation=0.5, seed=2)
     state, _ = pooled.run_rounds(pooled.init(), 2)
     got, expected = pooled.evaluate(state), per_client.evaluate(state)
-    assert got.keys() == expected.keys()
-    for key in expected:
+    assert got.keys() == expected.keys() and got["clients"].keys() == expected["clients"].keys()
+    for key in expected.keys() - {"clients"}:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    for key, values in expected["clients"].items():
+        np.testing.assert_allclose(got["clients"][key], values, rtol=1e-5, atol=1e-6, err_msg=key)
     assert 0.3 < got["personalized_acc_mean"] < 1.0 and got["personalized_acc_std"] > 0
 
 
@@ -196,7 +198,7 @@ def test_the_pooled_pass_may_run_another_conv_implementation(digits, digits_fede
     per_client = Simulation(alg._replace(evaluates_global=False), patches, digits_federation, participation=0.5)
     state, _ = pooled.run_rounds(pooled.init(), 3)
     got, expected = pooled.evaluate(state), per_client.evaluate(state)
-    for key in expected:
+    for key in expected.keys() - {"clients"}:
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
     assert got["personalized_acc_mean"] > 0.1  # above chance (10 classes): not a constant prediction
 
@@ -217,8 +219,14 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
         idx = np.asarray(fed.test_idx[k][: int(fed.test_count[k])])
         logits, _ = mlp.apply(variables, fed.x_test[idx])
         accuracies.append(float(np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(fed.y_test)[idx])))
-    got = sim.evaluate(state)["personalized_acc_mean"]
+    evaluation = sim.evaluate(state)
+    got = evaluation["personalized_acc_mean"]
     np.testing.assert_allclose(got, np.mean(accuracies), rtol=1e-5)
+    per_client = evaluation["clients"]  # in client-id order: the cohort's values, NaN for the others
+    np.testing.assert_allclose(per_client["acc"][cohort], accuracies, rtol=1e-5)
+    assert np.isnan(np.delete(per_client["acc"], cohort)).all()
+    assert (np.delete(per_client["examples"], cohort) == 0).all()
+    np.testing.assert_array_equal(per_client["examples"][cohort], np.asarray(fed.test_count)[cohort])
     everyone = Simulation(alg, mlp, fed, participation=0.3, sampling_mode="fixed").evaluate(state)
     assert everyone["personalized_acc_mean"] != got  # the untrained clients count there
 
@@ -237,7 +245,8 @@ def test_a_variant_runs_its_own_algorithm_and_key(mlp, digits_federation):
     expected, _ = alone.run_rounds(alone.init(), 2)
     for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(got, want)
-    assert member.evaluate(ran) == alone.evaluate(expected)
+    for got, want in zip(*(jax.tree.leaves(e) for e in (member.evaluate(ran), alone.evaluate(expected))), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_client_strategy_is_one_swappable_object(mlp, digits_federation):
@@ -299,3 +308,62 @@ def test_vmapped_members_run_their_clients_one_at_a_time_with_each_members_numbe
     if chunk == 1:
         text = str(jax.make_jaxpr(jax.vmap(lambda *a: member(flat, *a)))(scales, offsets, steps, values))
         assert f"length={members * n}" in text
+
+
+def _accuracy(model, variables, fed, k):
+    idx = np.asarray(fed.test_idx[k][: int(fed.test_count[k])])
+    logits, _ = model.apply(variables, fed.x_test[idx])
+    return float(np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(fed.y_test)[idx]))
+
+
+def test_new_clients_never_train_and_are_evaluated_after_their_own_local_update(mlp, digits_federation):
+    """Held-out clients are never sampled and keep their initial states; evaluation reports them
+    with the global model and after one local update from that state (nothing uploaded), each
+    checked against a per-client loop; the trained clients' summaries leave them out."""
+    from jaxfed.algorithms.ditto import ditto
+
+    fed, new = digits_federation, [2, 7]
+    alg = ditto(mlp, lr=0.05, batch_size=32)
+    sim = Simulation(alg, mlp, fed, participation=0.5, seed=1, new_clients=new)
+    start = sim.init()
+    state, _ = sim.run_rounds(start, 3)
+    assert not {int(i) for r in range(3) for i in sim.sampled_ids(r)} & set(new)
+    assert len(sim.sampled_ids(0)) == 4  # half of the 8 clients that train
+    for before, after in zip(jax.tree.leaves(start.clients), jax.tree.leaves(state.clients)):
+        np.testing.assert_array_equal(before[np.asarray(new)], after[np.asarray(new)])
+    evaluation = sim.evaluate(state)
+    per_client = evaluation["clients"]
+    key, info = sampling.personalization_key(sim.root, state.round), round_info(int(state.round), None)
+    adapted_acc, global_acc, untouched = [], [], []
+    for k in new:
+        client = jax.tree.map(lambda a, k=k: a[k], state.clients)
+        rng = jax.random.fold_in(jax.random.fold_in(key, k), 0)
+        update = jax.jit(alg.client_update)
+        adapted, _, _ = update(alg.broadcast(state.server, info), client, _client_view(fed, k), rng, info)
+        adapted_acc.append(_accuracy(mlp, alg.eval_params(state.server, adapted), fed, k))
+        global_acc.append(_accuracy(mlp, alg.global_params(state.server), fed, k))
+        untouched.append(_accuracy(mlp, alg.eval_params(state.server, client), fed, k))
+    np.testing.assert_allclose(per_client["new_acc"][new], adapted_acc, rtol=1e-5)
+    np.testing.assert_allclose(per_client["new_global_acc"][new], global_acc, rtol=1e-5)
+    assert evaluation["new_personalized_acc_mean"] == pytest.approx(np.mean(adapted_acc), rel=1e-5)
+    assert evaluation["new_global_acc_mean"] == pytest.approx(np.mean(global_acc), rel=1e-5)
+    assert untouched != adapted_acc  # the local update did change the personal models
+    trained = np.setdiff1d(np.arange(fed.num_clients), new)
+    assert np.isnan(per_client["acc"][new]).all() and np.isnan(np.delete(per_client["new_acc"], new)).all()
+    assert evaluation["personalized_acc_mean"] == pytest.approx(np.mean(per_client["acc"][trained]), rel=1e-6)
+
+
+def test_new_clients_and_other_data_are_refused_in_one_line(mlp, digits_federation, digits):
+    from jaxfed import Config, ConfigError
+
+    alg = fedavg(mlp)
+    for bad, says in (([3, 3], "distinct"), ([10], "in 0..9"), (list(range(10)), "at least one must train")):
+        with pytest.raises(ConfigError, match=f"new_clients: .*{says}"):
+            Simulation(alg, mlp, digits_federation, new_clients=bad)
+    with pytest.raises(ConfigError, match="new_client_ids: give new_clients .* or new_client_ids"):
+        Config().with_overrides(["new_clients=0.2", "new_client_ids=1,2"]).validate()
+    assert Config().with_overrides(["new_clients=0.2", "num_clients=20"]).held_out_ids() == (2, 7, 12, 17)
+    sim = Simulation(alg, mlp, digits_federation)
+    others = make_federation(digits, num_clients=6)
+    with pytest.raises(ConfigError, match="data: has 6 clients, but this simulation's state has 10"):
+        sim.evaluate_pure(sim.init(), others)

@@ -75,7 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--metric",
         default="personalized_acc_mean",
-        help="personalized_acc_mean (default), personalized_acc_weighted or global_acc",
+        help="personalized_acc_mean (default), personalized_acc_weighted, global_acc, new_personalized_acc_mean, ...",
+    )
+    plot.add_argument(
+        "--clients",
+        nargs="?",
+        const="auto",
+        metavar="NAME",
+        help="draw the per-client values instead (clients/<round>.npz): acc or mse by default, or loss, new_acc, "
+        "new_global_acc; their distribution at the last evaluation and their spread over rounds",
     )
     report = commands.add_parser(
         "report", help="a table (mean ± std over seeds), per-seed CSV/JSON and a spread plot of variants"
@@ -276,10 +284,14 @@ def _grid_axis(text: str) -> tuple[str, list[str]]:
 def _plot(args) -> int:
     from pathlib import Path
 
-    from jaxfed.runs.plots import plot_runs
+    from jaxfed.runs.plots import plot_client_distribution, plot_runs
 
-    out = args.out or (Path(args.runs[0]) / "accuracy.png" if len(args.runs) == 1 else "accuracy.png")
-    print(plot_runs(args.runs, out, args.metric))
+    name = "clients.png" if args.clients else "accuracy.png"
+    out = args.out or (Path(args.runs[0]) / name if len(args.runs) == 1 else name)
+    if args.clients:
+        print(plot_client_distribution(args.runs, out, "" if args.clients == "auto" else args.clients))
+    else:
+        print(plot_runs(args.runs, out, args.metric))
     return 0
 
 

@@ -126,6 +126,8 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         nonfinite=config.nonfinite,
         matmul_precision=config.matmul_precision,
         client_state=config.client_state,
+        new_clients=config.held_out_ids(),
+        new_client_updates=config.new_client_updates,
     )
     check_memory(simulation, devices[0])
     return simulation

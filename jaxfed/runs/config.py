@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,6 +69,19 @@ class Config(Options):
         "all",
         "personalized metrics over all clients, or over the cohort (sampling=fixed: the clients that train; "
         "the FedCSPACK authors' protocol)",
+    )
+    new_clients: float = option(
+        0.0,
+        "fraction of clients held out of training as new clients (spread evenly over the ids, the same for "
+        "every seed), evaluated with the global model and after the algorithm's own personalization on their "
+        "training split (new_* metrics); in [0, 1)",
+        check=unit_interval,
+    )
+    new_client_ids: tuple[int, ...] = option(
+        (), "the ids of the clients held out as new clients (not with new_clients)"
+    )
+    new_client_updates: int = option(
+        1, "new clients: local updates (client_update, nothing uploaded) their personalization runs", check=at_least(1)
     )
     rounds: int = option(30, "communication rounds", check=at_least(1))
     # partition
@@ -221,6 +235,17 @@ class Config(Options):
         IFCA's default K)."""
         return self.num_clusters if self.clustered() else 0
 
+    def held_out_ids(self) -> tuple[int, ...]:
+        """The ids of the clients held out of training as new clients (``new_client_ids``, or
+        ``new_clients``' fraction of them spread evenly over the ids: at least one when above 0)."""
+        if self.new_client_ids:
+            return tuple(self.new_client_ids)
+        if not self.new_clients:
+            return ()
+        from jaxfed.simulation.sampling import spread_ids
+
+        return tuple(int(i) for i in spread_ids(max(1, round(self.new_clients * self.num_clients)), self.num_clients))
+
     def hidden_widths(self) -> tuple[int, ...] | None:
         """``mlp_hidden`` as widths (None when empty)."""
         if not self.mlp_hidden.strip():
@@ -243,8 +268,8 @@ class Config(Options):
     @classmethod
     def from_dict(cls, values: dict) -> Config:
         """The inverse of :meth:`to_dict` (imports the config's plugins first)."""
-        run = {k: v for k, v in values.items() if k in cls.run_keys()}
-        config = cls(**{**run, "plugins": tuple(run.get("plugins", ()))}, options=None)
+        run = _tuples({k: v for k, v in values.items() if k in cls.run_keys()})
+        config = cls(**run, options=None)
         for plugin in config.plugins:
             registry.import_plugin(plugin)
         options = _options_class(config.algorithm).from_dict(values.get("options", {}))
@@ -264,8 +289,7 @@ class Config(Options):
         options.update({k: v for k, v in values.items() if k != "options" and k not in run_keys})
         types = field_types(Config)
         run = {k: parse_value(k, v, types[k]) if isinstance(v, str) else v for k, v in values.items() if k in run_keys}
-        if isinstance(run.get("plugins"), list):
-            run["plugins"] = tuple(run["plugins"])
+        run = _tuples(run)
         for plugin in run.get("plugins", ()):
             registry.import_plugin(plugin)
         algorithm = run.get("algorithm", cls.algorithm)
@@ -321,6 +345,11 @@ class Config(Options):
         if self.clustered() and not 1 <= self.num_clusters <= self.num_clients:
             raise ConfigError(f"num_clusters: must be in 1..num_clients ({self.num_clients}), got {self.num_clusters}")
         self.hidden_widths()
+        if self.new_clients and self.new_client_ids:
+            raise ConfigError("new_client_ids: give new_clients (a fraction) or new_client_ids (a list), not both")
+        from jaxfed.simulation.sampling import held_out
+
+        held_out(self.held_out_ids(), self.num_clients)
         tiers = self.tier_count()
         if tiers > self.num_clients:
             raise ConfigError(
@@ -377,6 +406,12 @@ def _read_config_text(path) -> str:
     except UnicodeDecodeError as err:
         line, byte = data[: err.start].count(b"\n") + 1, data[err.start]
         raise ConfigError(f"--config: {path} line {line}: not UTF-8 text (byte 0x{byte:02x})") from None
+
+
+def _tuples(run: dict) -> dict:
+    """Run keys as read from JSON: a list given for a tuple key (``plugins``, ``new_client_ids``) as a tuple."""
+    types = field_types(Config)
+    return {k: tuple(v) if isinstance(v, list) and typing.get_origin(types[k]) is tuple else v for k, v in run.items()}
 
 
 def _split_pair(pair: str) -> tuple[str, str]:

@@ -177,8 +177,10 @@ def drive(
             if evaluate:
                 wall = time.perf_counter() - start
                 for directory, record, evaluation in zip(dirs, records, members.evaluate(state)):
+                    per_client = evaluation.pop("clients", None)
                     row = record.add_row(done, evaluation, wall)
                     directory.append_row(row)
+                    directory.write_clients(done, per_client)
                 name, value = headline(records[0].rows[-1])
                 bar.set_postfix({name: f"{value:.3f}", "up": human_bytes(records[0].rows[-1]["bytes_up_total"])})
             if checkpoint:

@@ -2,14 +2,19 @@
 
 ``plot_runs(dirs, out_file)`` draws one line per run, labelled by its algorithm and the config
 keys in which the runs differ. ``jaxfed plot`` and the end of ``jaxfed run`` call it.
-:func:`read_run` and :func:`read_json` read a run directory's files (``jaxfed report`` too): a
-damaged one, or an ``out_file`` that cannot be written, is a one-line ConfigError.
+``plot_client_distribution(dirs, out_file)`` (``jaxfed plot --clients``) draws the per-client
+values: their distribution after the last evaluation, and their spread over the rounds.
+:func:`read_run`, :func:`read_clients` and :func:`read_json` read a run directory's files
+(``jaxfed report`` too): a damaged one, or an ``out_file`` that cannot be written, is a one-line
+ConfigError.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 
 from jaxfed.errors import ConfigError, first_line
 from jaxfed.runs.keys import NEUTRAL_KEYS
@@ -21,6 +26,10 @@ METRICS = (
     "personalized_mse_mean",
     "personalized_mse_weighted",
     "global_mse",
+    "new_personalized_acc_mean",
+    "new_global_acc_mean",
+    "new_personalized_mse_mean",
+    "new_global_mse_mean",
 )
 # Not worth a label: keys that change no number, the algorithm (a label's first word) and the
 # rounds (the x axis).
@@ -42,6 +51,31 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     config_file = run_dir / "config.json"
     config = read_json(config_file) if config_file.exists() else {}
     return config, rows
+
+
+CLIENTS_DIR = "clients"  # a run directory's per-client files: clients/<round>.npz
+
+
+def client_files(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``[(round, path)]`` of a run directory's per-client files, by round."""
+    folder = Path(run_dir) / CLIENTS_DIR
+    found = [(p.name.split(".")[0], p) for p in folder.glob("*.npz")] if folder.is_dir() else []
+    return sorted((int(r), p) for r, p in found if r.isdigit())
+
+
+def read_clients(run_dir: str | Path) -> dict[int, dict[str, np.ndarray]]:
+    """``{round: {name: array}}``: every evaluated round's per-client arrays of a run directory, in
+    client-id order (``acc`` or ``mse``, ``loss``, ``examples``; ``new_*`` and ``new_global_*``
+    where clients were held out; NaN for a client without counted test examples). Empty for a
+    run written before per-client files existed."""
+    out = {}
+    for round_, path in client_files(run_dir):
+        try:
+            with np.load(path, allow_pickle=False) as arrays:
+                out[round_] = {name: arrays[name] for name in arrays.files}
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{path}: damaged ({first_line(err)})") from None
+    return out
 
 
 def read_json(path: Path) -> dict:
@@ -133,6 +167,57 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_me
     for ax in (by_round, by_bytes):
         ax.grid(alpha=0.3)
     by_round.legend(fontsize="small")
+    return _save(fig, out_file)
+
+
+def plot_client_distribution(run_dirs, out_file: str | Path, name: str = "") -> Path:
+    """Write a two-panel PNG of the per-client values ``name`` (default ``acc``, or ``mse`` for a
+    regression run; ``new_acc`` etc. for held-out clients) of ``run_dirs``: their empirical
+    distribution after the last evaluation, and their median with the 10-90% band over rounds."""
+    runs = [(read_run(d)[0], read_clients(d)) for d in run_dirs]
+    missing = [str(d) for d, (_, per_round) in zip(run_dirs, runs) if not per_round]
+    if missing:
+        raise ConfigError(f"--clients: {missing[0]} has no per-client results (clients/; runs before they existed)")
+    name = name or ("mse" if "mse" in next(iter(runs[0][1].values())) else "acc")
+    labels = run_labels([config for config, _ in runs])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (final, spread) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    drawn = 0
+    for (_, per_round), label in zip(runs, labels):
+        rounds = [r for r in sorted(per_round) if name in per_round[r]]
+        values = [per_round[r][name][~np.isnan(per_round[r][name])] for r in rounds]
+        if not rounds or not len(values[-1]):
+            continue
+        last = np.sort(values[-1])
+        below = np.arange(len(last) + 1) / len(last)  # the fraction of clients at or below each value
+        line = final.step(np.concatenate([last[:1], last]), below, where="post", label=label)[0]
+        low, mid, high = (np.array([np.percentile(v, q) for v in values]) for q in (10, 50, 90))
+        spread.plot(rounds, mid, marker=".", color=line.get_color())
+        spread.fill_between(rounds, low, high, color=line.get_color(), alpha=0.2)
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        allowed = sorted({k for _, per_round in runs for arrays in per_round.values() for k in arrays})
+        raise ConfigError(f"--clients: no run has per-client '{name}'; allowed: {', '.join(allowed)}")
+    shown = name.replace("_", " ")
+    final.set(xlabel=f"client {shown}", ylabel="fraction of clients", title=f"client {shown}, last evaluation")
+    spread.set(xlabel="round", ylabel=f"client {shown}", title="median and 10-90% of clients")
+    for ax in (final, spread):
+        ax.grid(alpha=0.3)
+    final.legend(fontsize="small")
+    return _save(fig, out_file)
+
+
+def _save(fig, out_file: str | Path) -> Path:
+    """Save ``fig`` as a PNG at ``out_file`` (its folder made), then close it; a one-line ConfigError
+    when it cannot be written."""
+    import matplotlib.pyplot as plt
+
     out_file = Path(out_file)
     try:
         if not out_file.parent.exists():  # a file there: saving says "Not a directory"

@@ -1,7 +1,9 @@
 """The run directory: what a run has logged, and the files that make it resumable and readable.
 
 A run directory holds ``config.json``, ``metrics.jsonl`` (one row per evaluated round),
-``summary.json``, ``accuracy.png`` (and ``global_accuracy.png``) and ``checkpoints/<round>``
+``clients/<round>.npz`` (each evaluated round's per-client arrays, in client-id order:
+:func:`~jaxfed.runs.plots.read_clients`), ``summary.json``, ``accuracy.png`` (and
+``global_accuracy.png``) and ``checkpoints/<round>``
 (orbax: the whole simulation state plus the :class:`RunRecord`). :class:`RunDirectory` writes
 them; ``--resume`` reads the newest readable checkpoint back. Any run writes one: a
 :class:`~jaxfed.Config` run (``jaxfed run``) or a simulation that research code built itself
@@ -30,6 +32,7 @@ from jaxfed.runs.checkpoint import RunCheckpoints
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import is_primary
 from jaxfed.runs.keys import NEUTRAL_KEYS, RESUMABLE_KEYS  # noqa: F401  (NEUTRAL_KEYS: re-exported)
+from jaxfed.runs.plots import CLIENTS_DIR, client_files, read_clients  # noqa: F401  (read_clients: re-exported)
 
 NAME_MAX = 255  # bytes in one file name, on the file systems runs are written to
 TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
@@ -252,6 +255,7 @@ class RunDirectory:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             write_rows(self.metrics_path, rows)
+            self.drop_clients_after(rows[-1]["round"] if rows else -1)
         except OSError as err:
             raise _unwritable(self.path, err) from None
 
@@ -260,6 +264,26 @@ class RunDirectory:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+    @property
+    def clients_path(self) -> Path:
+        return self.path / CLIENTS_DIR
+
+    def write_clients(self, round_: int, arrays: dict | None) -> None:
+        """``clients/<round>.npz``: the per-client arrays of the evaluation after ``round_`` rounds
+        (written whole, then renamed: a reader never sees half a file)."""
+        if not arrays or not is_primary():
+            return
+        self.clients_path.mkdir(exist_ok=True)
+        tmp = self.clients_path / f"{round_}.tmp.npz"
+        np.savez_compressed(tmp, **{k: np.asarray(v) for k, v in arrays.items()})
+        tmp.replace(self.clients_path / f"{round_}.npz")
+
+    def drop_clients_after(self, round_: int) -> None:
+        """Remove the per-client files of rounds after ``round_`` (a resumed run evaluates them again)."""
+        for round_file, path in client_files(self.path):
+            if round_file > round_:
+                path.unlink()
 
     def save(self, state, record: RunRecord, wall: float, devices: int) -> None:
         round_ = int(state.round)
@@ -450,6 +474,7 @@ def task_summary(rows: list[dict]) -> dict:
         f"global_{kind}": final.get(f"global_{kind}"),
         f"best_personalized_{kind}": best(r[f"personalized_{kind}_mean"] for r in rows),
         f"best_global_{kind}": best(global_values) if global_values else None,
+        **{k: final[k] for k in (f"new_personalized_{kind}_mean", f"new_global_{kind}_mean") if k in final},
     }
 
 

@@ -54,6 +54,7 @@ from jaxfed.runs.rundir import (
     summary,
     written_config,
 )
+from jaxfed.simulation.engine import host_metrics
 from jaxfed.simulation.strategy import default_client_chunk
 
 
@@ -306,7 +307,7 @@ class Sweep:
     def evaluate(self, states) -> list[dict]:
         with self.template.precision():
             metrics = jax.device_get(self._evaluate(self.seeds, self.values, states, self.data))
-        return [{k: float(v[i]) for k, v in metrics.items()} for i in range(len(self.configs))]
+        return [host_metrics(jax.tree.map(lambda v, i=i: v[i], metrics)) for i in range(len(self.configs))]
 
 
 def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None, resume=False):

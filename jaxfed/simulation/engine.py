@@ -98,6 +98,12 @@ class _Group(NamedTuple):
         return self.rows.up_bytes
 
 
+def host_metrics(metrics: dict) -> dict:
+    """Evaluation metrics on the host: the summaries as floats, the per-client arrays (under
+    ``"clients"``) as numpy arrays."""
+    return {k: {n: np.asarray(a) for n, a in v.items()} if k == "clients" else float(v) for k, v in metrics.items()}
+
+
 def first_nonfinite(metrics):
     """``(round within the call, sorted client ids)`` of the first round whose metrics count a
     non-finite client update, or None (``metrics`` of one call, leading round axis)."""
@@ -155,6 +161,12 @@ class Simulation:
     ``"host"`` (in this process's memory; each call moves the clients it samples): for client
     states larger than the device's memory.
 
+    ``new_clients``: ids of clients held out of training (never sampled, never uploading): each
+    evaluation reports them as new clients, with the global model and after the algorithm's own
+    personalization on their training split (``new_client_updates`` local updates from a fresh
+    client state where the algorithm has no ``personalize``), under ``new_*``; the personalized
+    summaries count the trained clients only.
+
     ``matmul_precision`` is this simulation's own (``"default"``: XLA's, TF32 on recent NVIDIA
     GPUs; ``"highest"``: full float32), applied where its programs are traced (:meth:`precision`),
     not to the process.
@@ -179,6 +191,8 @@ class Simulation:
         matmul_precision: str = "default",
         strategy: ClientStrategy | None = None,
         client_state: str = "device",
+        new_clients: Sequence[int] | None = None,
+        new_client_updates: int = 1,
     ):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
@@ -202,7 +216,12 @@ class Simulation:
         self.model = model
         self.pooled_eval_model = pooled_eval_model or model
         self.num_clients = data.num_clients
-        self.num_sampled = sampling.num_sampled(self.num_clients, participation)
+        self.new_clients = sampling.held_out(new_clients, self.num_clients)
+        self.trained_ids = None  # None: every client trains
+        if self.new_clients is not None:
+            self.trained_ids = np.setdiff1d(np.arange(self.num_clients), self.new_clients).astype(np.int32)
+        self.num_trained = self.num_clients if self.trained_ids is None else len(self.trained_ids)
+        self.num_sampled = sampling.num_sampled(self.num_trained, participation)
         tiered = algorithm.num_tiers is not None
         self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
         self.sampling_mode = sampling_mode
@@ -222,6 +241,7 @@ class Simulation:
             data.test_count,
             eval_batch_size,
             eval_examples_per_call,
+            new_client_updates,
         )
         self._new_compiled_calls()
 
@@ -233,8 +253,10 @@ class Simulation:
         self._init_state = jax.jit(self.init_pure)
         self._eval = jax.jit(self.evaluate_pure)
         self._eval_block = jax.jit(self._evaluate_block_pure, static_argnums=2)
-        self._eval_summary = jax.jit(self._evaluate_summary_pure)
+        self._eval_summary = jax.jit(self.evaluation.summary)
         self._eval_pooled = jax.jit(self._evaluate_pooled_pure)
+        self._eval_global = jax.jit(self._evaluate_global_pure)
+        self._eval_new = jax.jit(self._evaluate_new_pure)
 
     def _placed(self, data: FederatedData) -> FederatedData:
         """``data`` on the mesh (which may span processes, ``jax.distributed``): the examples on
@@ -272,15 +294,21 @@ class Simulation:
             return state.replace(clients=jax.device_get(state.clients))
         return state.replace(clients=self.strategy.place_clients(state.clients))
 
-    def check_state(self, state: SimState) -> None:
+    def check_state(self, state: SimState, num_clients: int | None = None) -> None:
         """A ConfigError unless ``state`` holds one client state per client of this simulation's
-        data (a state from a simulation of another client count must not run or evaluate here)."""
+        data (or of ``num_clients``: the data given): a state from a simulation of another client
+        count must not run or evaluate here."""
         leaves = jax.tree.leaves(state.clients)
         held = leaves[0].shape[0] if leaves else self.num_clients
         if held != self.num_clients:
             raise ConfigError(
                 f"state: holds {held} client states, but this simulation's data has {self.num_clients} clients; "
                 "run a state with the simulation (and data) it was made for"
+            )
+        if num_clients is not None and num_clients != self.num_clients:
+            raise ConfigError(
+                f"data: has {num_clients} clients, but this simulation's state has {self.num_clients}: their states "
+                "would pair with other clients' data; hold new clients out of training with new_clients= instead"
             )
 
     def init_pure(self) -> SimState:
@@ -301,9 +329,14 @@ class Simulation:
 
     def sampled_ids(self, round_index: int) -> np.ndarray:
         """The ids of the clients sampled in round ``round_index`` (0-based), as the round draws them."""
-        key = sampling.round_key(self.root, round_index)
-        ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
-        return np.asarray(ids)
+        return np.asarray(self._sample(sampling.round_key(self.root, round_index)))
+
+    def _sample(self, key):
+        """The sorted ids of the clients a round of key ``key`` samples (never a new client)."""
+        if self.trained_ids is None:
+            return sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
+        drawn = sampling.sample_clients(self.root, key, self.num_trained, self.num_sampled, self.sampling_mode)
+        return jnp.asarray(self.trained_ids)[drawn]  # trained_ids is sorted: so are these
 
     # ----- rounds ----------------------------------------------------------------------------
 
@@ -404,7 +437,7 @@ class Simulation:
         """One round (pure): returns the new state and this round's metrics. ``slots``: see
         :meth:`_update_group` (None: ``state.clients`` holds every client, by id)."""
         key = sampling.round_key(self.root, state.round)
-        real_ids = sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
+        real_ids = self._sample(key)
         groups = [self._update_group(state, data, key, t, ids, slots) for t, ids in self._client_groups(real_ids)]
 
         bad = jnp.concatenate([g.rows.bad for g in groups])
@@ -510,32 +543,57 @@ class Simulation:
     # ----- evaluation ------------------------------------------------------------------------
 
     def evaluate_pure(self, state: SimState, data: FederatedData):
-        """Every client's evaluation on ``data`` (pure, not jitted): metrics as arrays."""
-        counted = self._in_cohort() if self.eval_clients == "cohort" else None
-        return self.evaluation(self.algorithm, state, data, counted, self.root)
+        """Every client's evaluation on ``data`` (pure, not jitted): metrics as arrays, the
+        per-client ones (client-id order) under ``"clients"``. ``data`` must have as many clients
+        as ``state`` holds (another client set is a ConfigError: its clients are not the ones
+        whose states these are)."""
+        self.check_state(state, data.num_clients)
+        return self.evaluation(self.algorithm, state, data, self._counted(), self.root, self.new_clients)
 
-    def _in_cohort(self) -> jax.Array:
-        """``[num_clients]`` bool: the clients of the fixed cohort."""
-        ids = sampling.cohort(self.root, self.num_clients, self.num_sampled)
+    def _counted(self) -> jax.Array | None:
+        """``[num_clients]`` bool: the clients whose personalized results count (the fixed cohort
+        under ``eval_clients="cohort"``, the trained clients where some are new), or None: all."""
+        if self.eval_clients == "cohort":
+            ids = sampling.cohort(self.root, self.num_trained, self.num_sampled)
+            ids = ids if self.trained_ids is None else jnp.asarray(self.trained_ids)[ids]
+        elif self.trained_ids is not None:
+            ids = jnp.asarray(self.trained_ids, jnp.int32)
+        else:
+            return None
         return jnp.zeros(self.num_clients, bool).at[ids].set(True)
 
     def evaluate(self, state: SimState) -> dict:
-        """Personalized accuracy of every client (and global accuracy where there is a global model)."""
+        """Every client's evaluation: the summary metrics as floats (personalized accuracy, and
+        global accuracy where there is a global model; new clients' where some are held out),
+        and ``"clients"``: per-client numpy arrays in client-id order (``acc`` or ``mse``,
+        ``loss``, ``examples``; ``new_*`` and ``new_global_*`` for new clients), NaN for a client
+        without counted test examples."""
         self.check_state(state)
         with self.precision():
             if self.client_state == "host":
                 metrics = self._evaluate_held(state)
             else:
                 metrics = self._eval(state, self.data)
-            return {k: float(v) for k, v in metrics.items()}
+            return host_metrics(metrics)
 
     def _evaluate_held(self, state: SimState) -> dict:
         """:meth:`evaluate` of host-held client states: their outcomes block by block (a block
         is at most as many clients as a round samples, moved to the device one block at a time),
         then the same summaries."""
-        counted = self._in_cohort() if self.eval_clients == "cohort" else None
+        counted = self._counted()
+        pooled = self._eval_global(state.server, self.data)
         if self.algorithm.evaluates_global:
-            return self._eval_pooled(state.server, self.data, counted)
+            metrics = self._eval_pooled(state.server, self.data, counted, pooled)
+        else:
+            metrics = self._evaluate_held_blocks(state, counted, pooled)
+        if self.new_clients is not None:
+            held = jax.device_put(jax.tree.map(lambda x: np.asarray(x)[self.new_clients], state.clients))
+            new = self._eval_new(state.server, state.round, held, self.data, pooled)
+            metrics = {**metrics, **new, "clients": {**metrics["clients"], **new["clients"]}}
+        return metrics
+
+    def _evaluate_held_blocks(self, state: SimState, counted, pooled) -> dict:
+        """The personalized evaluation of host-held client states, block by block."""
         width = self.num_sampled
         parts = []
         for tier, lo, hi in self.evaluation.spans(self.num_clients):
@@ -547,13 +605,18 @@ class Simulation:
                 outcomes = self._eval_block(state.server, state.round, tier, states, ids, self.data, counted)
                 parts.append(tuple(o[: min(hi, start + width) - start] for o in outcomes))
         correct, loss, count = (jnp.concatenate(p) for p in zip(*parts))
-        return self._eval_summary(state.server, correct, loss, count, self.data)
+        return self._eval_summary(correct, loss, count, self.data, pooled)
 
     def _evaluate_block_pure(self, server, round_, tier, states, ids, data, counted):
         return self.evaluation.block(self.algorithm, server, round_, tier, states, ids, data, counted, self.root)
 
-    def _evaluate_pooled_pure(self, server, data, counted):
-        return self.evaluation.pooled(self.algorithm, server, data, counted)
+    def _evaluate_global_pure(self, server, data):
+        return self.evaluation.global_outcomes(self.algorithm, server, data)
 
-    def _evaluate_summary_pure(self, server, correct, loss, count, data):
-        return self.evaluation.summary(self.algorithm, server, correct, loss, count, data)
+    def _evaluate_pooled_pure(self, server, data, counted, pooled):
+        return self.evaluation.pooled(self.algorithm, server, data, counted, pooled)
+
+    def _evaluate_new_pure(self, server, round_, states, data, pooled):
+        return self.evaluation.new_clients(
+            self.algorithm, server, round_, states, self.new_clients, data, self.root, pooled
+        )

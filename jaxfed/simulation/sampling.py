@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfed.errors import ConfigError
 
@@ -64,6 +65,28 @@ def cohort(root, num_clients: int, count: int):
 
 def _draw(key, num_clients: int, count: int):
     return jnp.sort(jax.random.choice(key, num_clients, (count,), replace=False)).astype(jnp.int32)
+
+
+def held_out(new_clients, num_clients: int):
+    """The sorted ids (numpy int32) of the clients held out of training as new clients, or None
+    for none; a ConfigError for ids that are not distinct integers in ``0..num_clients-1`` or
+    that leave no client to train."""
+    if new_clients is None or len(new_clients) == 0:
+        return None
+    ids = np.asarray(new_clients)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"new_clients: client ids must be a list of integers, got {ids.dtype} of shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= num_clients or len(np.unique(ids)) != len(ids):
+        raise ConfigError(f"new_clients: ids must be distinct and in 0..{num_clients - 1}, got {sorted(ids.tolist())}")
+    if len(ids) >= num_clients:
+        raise ConfigError(f"new_clients: all {num_clients} clients held out; at least one must train")
+    return np.sort(ids).astype(np.int32)
+
+
+def spread_ids(count: int, num_clients: int):
+    """``count`` client ids spread evenly over ``0..num_clients-1`` (over contiguous tiers and the
+    ``k mod C`` clusters alike), the same for every seed: ``floor((j + 1/2) * N / count)``."""
+    return ((np.arange(count) + 0.5) * num_clients / count).astype(np.int64)
 
 
 def tier_bounds(num_clients: int, num_tiers: int) -> list[tuple[int, int]]:
