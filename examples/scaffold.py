@@ -30,7 +30,7 @@ from jaxfed.algorithms import Aggregation, FederatedAlgorithm, RoundInfo
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.core import WeightedSum, mean_of, weighted_share
 from jaxfed.nn import split_variables
-from jaxfed.options import TrainingOptions, option, positive, resolve
+from jaxfed.options import TrainingOptions, one_of, option, positive, resolve
 
 PAPER = "Karimireddy et al. 2020, Alg. 1"
 
@@ -39,6 +39,14 @@ PAPER = "Karimireddy et al. 2020, Alg. 1"
 class ScaffoldOptions(TrainingOptions):
     """SCAFFOLD's options: client SGD and the global step size."""
 
+    # Option II's control update (x - y) / (K lr) is the mean gradient only under plain SGD steps:
+    # the paper fixes the client optimizer, so this key allows SGD alone.
+    client_optimizer: str = option(
+        "sgd",
+        "client optimizer: sgd only (option II's control update (x - y) / (K lr) assumes SGD steps)",
+        source=PAPER,
+        check=one_of("sgd"),
+    )
     server_lr: float = option(1.0, "global step size eta_g", source=PAPER, check=positive)
 
 

@@ -34,6 +34,12 @@ from jaxfed.errors import ConfigError, clip
 
 Check = Callable[[Any], "str | None"]  # None when the value is allowed, else what is allowed
 LR_SCHEDULES = ("constant", "cosine")
+CLIENT_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+CLIENT_OPTIMIZER_HELP = (
+    "client optimizer: sgd (with momentum when momentum > 0, as torch's SGD), momentum (sgd that needs "
+    "momentum > 0), adam or adamw (optax's b1 0.9, b2 0.999, eps 1e-8; adamw's weight decay is decoupled); "
+    "its state starts fresh every round"
+)
 
 
 def option(default, help: str, *, source: str = "", check: Check | None = None):
@@ -323,16 +329,28 @@ def _show(value) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LocalTraining(Options):
-    """Client SGD (each algorithm's options subclass this, overriding the defaults its paper
-    states). ``optimizer()`` is the optax transformation they describe."""
+    """Client training (each algorithm's options subclass this, overriding the defaults its paper
+    states). ``optimizer()`` is the optax transformation they describe, made by
+    :func:`client_optimizer`."""
 
     batch_size: int = option(32, "local batch size", source="jaxfed default", check=at_least(1))
     lr: float = option(
-        0.05, "client SGD learning rate (0 freezes the model)", source="jaxfed default", check=non_negative
+        0.05, "client learning rate (0 freezes the model)", source="jaxfed default", check=non_negative
     )  # 0 is a legitimate experiment (evaluate the initialization); negative or non-finite is not
-    momentum: float = option(0.0, "client SGD momentum, in [0, 1)", source="jaxfed default", check=momentum_coefficient)
+    client_optimizer: str = option(
+        "sgd", CLIENT_OPTIMIZER_HELP, source="the papers' local SGD (jaxfed default)", check=one_of(*CLIENT_OPTIMIZERS)
+    )
+    momentum: float = option(
+        0.0,
+        "client SGD momentum, in [0, 1) (sgd and momentum only)",
+        source="jaxfed default",
+        check=momentum_coefficient,
+    )
     weight_decay: float = option(
-        0.0, "client weight decay (added to the gradient)", source="jaxfed default", check=non_negative
+        0.0,
+        "client weight decay: added to the gradient (sgd, momentum, adam), decoupled (adamw)",
+        source="jaxfed default",
+        check=non_negative,
     )
     drop_last: bool = option(False, "drop each client's last partial batch (PFLlib's convention)")
     lr_schedule: str = option(
@@ -346,10 +364,16 @@ class LocalTraining(Options):
     lr_decay_rounds: int = option(100, "cosine: rounds from lr to lr_min", source="jaxfed default", check=at_least(1))
     clip_norm: float = option(
         0.0,
-        "clip each local gradient to this global norm before the SGD step; 0 = off",
+        "clip each local gradient to this global norm before the optimizer's step; 0 = off",
         source="jaxfed default",
         check=non_negative,
     )
+
+    def check(self) -> None:
+        if self.client_optimizer == "momentum" and not _traced(self.momentum) and self.momentum == 0:
+            raise ConfigError(
+                "client_optimizer: momentum needs momentum > 0 (e.g. momentum=0.9); with momentum=0 it is sgd"
+            )
 
     def learning_rate(self, round_=None):
         """The client learning rate of round ``round_`` (0-based; None: round 0), from an optax schedule."""
@@ -359,10 +383,17 @@ class LocalTraining(Options):
         return self.lr_min + decay(round_)
 
     def optimizer(self, round_=None) -> optax.GradientTransformation:
-        """Client SGD at round ``round_``'s learning rate: weight decay added to the gradient,
-        optional momentum (re-created every round, as local optimizers are)."""
-        opt = sgd(self.learning_rate(round_), self.momentum, self.weight_decay)
-        return optax.chain(optax.clip_by_global_norm(self.clip_norm), opt) if self.clip_norm else opt
+        """The client optimizer at round ``round_``'s learning rate (:func:`client_optimizer` with
+        these options' kind, momentum, weight decay and clipping). Local training makes it anew
+        every round (and every phase of a round that trains parts in turn): its state never
+        outlives one ``fit``."""
+        return client_optimizer(
+            self.client_optimizer,
+            self.learning_rate(round_),
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            clip_norm=self.clip_norm,
+        )
 
     def batching(self) -> dict:
         """The keyword arguments of :func:`jaxfed.algorithms.training.run_epochs` these options set."""
@@ -379,10 +410,36 @@ class TrainingOptions(LocalTraining):
         return {"epochs": self.local_epochs, **super().batching()}
 
 
+def client_optimizer(
+    kind: str, learning_rate, *, momentum: float = 0.0, weight_decay: float = 0.0, clip_norm: float = 0.0
+) -> optax.GradientTransformation:
+    """The one constructor of every client optimizer (each parameter group of every algorithm's
+    local training: :meth:`LocalTraining.optimizer`, FLoRAL's and the ensemble's routers).
+
+    ``kind`` (:data:`CLIENT_OPTIMIZERS`) at ``learning_rate`` (a number, or a traced scalar in a
+    sweep): ``sgd`` and ``momentum`` are ``optax.sgd`` with heavy-ball ``momentum`` when it is
+    > 0 (torch's ``SGD``); ``adam`` is ``optax.adam`` and ``adamw`` ``optax.adamw`` at optax's
+    defaults (``b1=0.9, b2=0.999, eps=1e-8``). ``weight_decay`` is added to the gradient first
+    (torch's ``weight_decay`` of ``SGD`` and ``Adam``), except for ``adamw``, whose decay is
+    decoupled (``p <- p - lr (adam_step + weight_decay p)``). ``clip_norm`` > 0 clips each
+    gradient to that global norm before anything else."""
+    if kind in ("sgd", "momentum"):
+        opt = optax.sgd(learning_rate, momentum=momentum or None)
+    elif kind == "adam":
+        opt = optax.adam(learning_rate)
+    elif kind == "adamw":
+        opt = optax.adamw(learning_rate, weight_decay=weight_decay)
+    else:
+        raise ConfigError(f"client_optimizer: {one_of(*CLIENT_OPTIMIZERS)(kind)}")
+    if weight_decay and kind != "adamw":
+        opt = optax.chain(optax.add_decayed_weights(weight_decay), opt)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), opt) if clip_norm else opt
+
+
 def sgd(lr, momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """Client SGD as optax: optional weight decay added to the gradient, optional momentum."""
-    opt = optax.sgd(lr, momentum=momentum or None)
-    return optax.chain(optax.add_decayed_weights(weight_decay), opt) if weight_decay else opt
+    """Client SGD (:func:`client_optimizer`'s ``sgd``): optional weight decay added to the
+    gradient, optional momentum."""
+    return client_optimizer("sgd", lr, momentum=momentum, weight_decay=weight_decay)
 
 
 def split_keys(text: str | Sequence[str]) -> tuple[str, ...]:

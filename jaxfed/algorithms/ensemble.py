@@ -1,8 +1,9 @@
 """FLoRAL's Ensemble baseline: C full models mixed by a private per-client router.
 
 Client k's prediction is ``sum_c pi_kc f_c(x)`` with ``pi_k = softmax(w_k)`` (the model is a
-:class:`jaxfed.nn.models.Mixture`). Local training is simultaneous SGD on the C members and the
-router logits (their own learning rate, training noise drawn at every step); the server averages
+:class:`jaxfed.nn.models.Mixture`). Local training is simultaneous, with the client optimizer
+(SGD by default), on the C members and the router logits (their own learning rate, no weight
+decay, training noise drawn at every step); the server averages
 member c with the weights ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``, as FLoRAL averages its
 adaptors. ``router="oracle"`` fixes each client's router on its ground-truth cluster: C models
 trained by clustered FedAvg.
@@ -24,7 +25,7 @@ from jaxfed.core import mean_of
 from jaxfed.core.routing import mixture_share, oracle_init
 from jaxfed.nn import split_variables
 from jaxfed.nn.models import Mixture
-from jaxfed.options import at_least, option, resolve, sgd
+from jaxfed.options import at_least, option, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ def ensemble(
     def client_update(message, client_state, data, rng, info):
         transforms = {"members": options.optimizer(info.round)}  # this round's learning rate
         if learned:
-            transforms["router"] = sgd(options.router_lr)
+            transforms["router"] = options.router_optimizer()
         optimizer = per_key(transforms)
         router_logits = client_state.router
         if learned and not options.stateful:

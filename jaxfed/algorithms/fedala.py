@@ -7,7 +7,8 @@ A round: the client receives the global model ``Theta`` and starts from
 
     theta_hat(W) = theta + (Theta - theta) * W   on the top layers,   Theta   on the layers below.
 
-``W`` is learned first, ``theta`` and ``Theta`` fixed: SGD steps of size ``eta`` on the loss of
+``W`` is learned first, ``theta`` and ``Theta`` fixed: SGD steps of size ``eta`` (the paper's own
+rule, not the ``client_optimizer``, which trains ``theta_hat`` after) on the loss of
 ``theta_hat(W)`` over a random ``rand_percent`` of the client's training examples, ``W`` clipped to
 ``[0, 1]`` after each step. A round makes one pass over that subset, except the first ALA of a
 client, which passes until the standard deviation of the last ``num_pre_loss`` passes' losses (each
@@ -55,7 +56,8 @@ class FedALAOptions(TrainingOptions):
 
     eta: float = option(
         1.0,
-        "learning rate of the aggregation weights W (0 keeps W at ones: the client starts from the global model)",
+        "learning rate of the aggregation weights W, plain SGD steps clipped to [0, 1] whatever client_optimizer "
+        "is (the paper's rule); 0 keeps W at ones: the client starts from the global model",
         source=PAPER + " and " + MAIN + ": eta = 1.0",
         check=non_negative,
     )

@@ -102,6 +102,7 @@ class FedARAOptions(TieredOptions):
     head: str = option("", "the private classifier layer (a Dense layer's key); empty = the last Dense called")
 
     def check(self):
+        super().check()
         if self.tier_layers and len(self.tier_layers) != len(self.tiers):
             raise ConfigError(
                 f"tier_layers: one count per tier ({len(self.tiers)} tiers), got {len(self.tier_layers)}: "

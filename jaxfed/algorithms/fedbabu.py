@@ -4,7 +4,8 @@ The classifier ``head`` (a Dense layer) stays at its random initialization throu
 training, the same for every client: a round trains the body alone with the head fixed, uploads
 the body, and the server averages the bodies by sample count (FedAvg's rule). At evaluation each
 client fine-tunes the global model on its own training data for ``finetune_epochs`` (the whole
-model by default, or only the head or the body: ``finetune``) at the client learning rate ``lr``
+model by default, or only the head or the body: ``finetune``) with the client optimizer
+(``client_optimizer``, fresh) at the client learning rate ``lr``
 (not a schedule's value at the last round, which a cosine may have taken to ``lr_min``) and is
 evaluated with the result
 (the algorithm's ``personalize``); nothing of the fine-tuning is kept or uploaded. The global
@@ -39,7 +40,8 @@ class FedBABUOptions(TrainingOptions):
     head: str = option("", "the head fixed at its initialization (a Dense layer's key); empty = the last Dense")
     finetune_epochs: int = option(
         5,
-        "epochs each client fine-tunes the global model on its training data before it is evaluated",
+        "epochs each client fine-tunes the global model on its training data before it is evaluated (with the "
+        "client optimizer at lr)",
         source=PAPER + " §4: personalization by fine-tuning for tau_f = 5 epochs",
         check=non_negative,
     )

@@ -31,7 +31,7 @@ from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import packs as pk
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
-from jaxfed.options import TrainingOptions, at_least, one_of, option, ratio, resolve
+from jaxfed.options import CLIENT_OPTIMIZER_HELP, TrainingOptions, at_least, one_of, option, ratio, resolve
 
 MERGES = ("masked", "full")
 SELECTIONS = ("top_k", "all_below")
@@ -46,7 +46,12 @@ class FedCSPACKOptions(TrainingOptions):
 
     local_epochs: int = option(5, "local epochs per round (the authors' code: 3)", source=PAPER)
     batch_size: int = option(16, "local batch size", source=PAPER)
-    lr: float = option(0.05, "client SGD learning rate", source=PAPER)
+    lr: float = option(0.05, "client learning rate", source=PAPER)
+    client_optimizer: str = option(
+        "sgd",
+        CLIENT_OPTIMIZER_HELP,
+        source="FedCSPACK paper, Loss & Training ('an SGD optimizer is used for local model updates')",
+    )
     pack_size: int = option(
         1024, "parameters per pack (the flattened model is zero-padded to packs)", source=PAPER, check=at_least(1)
     )

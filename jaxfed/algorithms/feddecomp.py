@@ -41,6 +41,7 @@ from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import no_adaptable_layers
 from jaxfed.options import (
+    CLIENT_OPTIMIZER_HELP,
     TrainingOptions,
     at_least,
     momentum_coefficient,
@@ -67,7 +68,13 @@ class FedDecompOptions(TrainingOptions):
 
     local_epochs: int = option(5, "local epochs per round (tau first, then sigma)", source=PAPER)
     batch_size: int = option(100, "local batch size", source=PAPER)
-    lr: float = option(0.1, "client SGD learning rate", source=PAPER)
+    lr: float = option(0.1, "client learning rate", source=PAPER)
+    client_optimizer: str = option(
+        "sgd",
+        CLIENT_OPTIMIZER_HELP + " and phase",
+        source=AUTHORS + " (src/client.py: --optimizer sgd, one torch.optim.SGD per part, made anew each round; "
+        "the paper's Eq. 5-6 leave the optimizer open)",
+    )
     momentum: float = option(
         0.0,
         "client SGD momentum (the authors': 0.9, with ResNet-8's normalization; on the un-normalized FedAvg CNN, "
@@ -124,6 +131,7 @@ class FedDecompOptions(TrainingOptions):
     layers: tuple[str, ...] = option((), "layers given a private part (comma-separated); empty = every Dense/Conv")
 
     def check(self):
+        super().check()
         if self.lora_epochs < 0 and self.local_epochs < 2:
             raise ConfigError(
                 f"lora_epochs: the auto rule needs local_epochs >= 2 (at least one epoch on tau and one on sigma), "

@@ -30,7 +30,7 @@ from jaxfed.core import lowrank
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import choose_layers
-from jaxfed.options import TrainingOptions, each, one_of, option, rank_ratio, resolve, split_keys
+from jaxfed.options import CLIENT_OPTIMIZER_HELP, TrainingOptions, each, one_of, option, rank_ratio, resolve, split_keys
 
 DEFAULT_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 RANK_RULES = ("min_dim", "cout")
@@ -44,7 +44,10 @@ class TieredOptions(TrainingOptions):
 
     local_epochs: int = option(5, "local epochs per round", source=FEDARA_SETUP)
     batch_size: int = option(16, "local batch size", source=FEDARA_SETUP)
-    lr: float = option(5e-3, "client SGD learning rate", source=FEDARA_SETUP)
+    lr: float = option(5e-3, "client learning rate", source=FEDARA_SETUP)
+    client_optimizer: str = option(
+        "sgd", CLIENT_OPTIMIZER_HELP, source="ALGORITHMS.md (FedARA: SGD; the paper gives the lr only)"
+    )
     tiers: tuple[float, ...] = option(
         DEFAULT_TIERS,
         "one rank ratio in (0, 1] per client tier; clients split into equal contiguous id blocks",

@@ -45,7 +45,17 @@ from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import lowrank, mean_of, tree_bytes, tree_select, weighted_share
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import choose_layers
-from jaxfed.options import TrainingOptions, at_least, each, non_negative, one_of, option, rank_ratio, resolve
+from jaxfed.options import (
+    CLIENT_OPTIMIZER_HELP,
+    TrainingOptions,
+    at_least,
+    each,
+    non_negative,
+    one_of,
+    option,
+    rank_ratio,
+    resolve,
+)
 
 LAYOUT = "im2col"
 MFEDLORU_DEFAULT_TIERS = (1.0, 0.5, 0.25)
@@ -61,11 +71,12 @@ class FamilyOptions(TrainingOptions):
 
     local_epochs: int = option(5, "local epochs per round", source=SETUP)
     batch_size: int = option(32, "local batch size", source=SETUP)
-    lr: float = option(0.1, "client SGD learning rate (the paper grid-searches 0.01-0.3)", source=SETUP)
+    lr: float = option(0.1, "client learning rate (the paper grid-searches 0.01-0.3)", source=SETUP)
+    client_optimizer: str = option("sgd", CLIENT_OPTIMIZER_HELP, source=SETUP + ": SGD with momentum 0.9")
     momentum: float = option(0.9, "client SGD momentum", source=SETUP)
     clip_norm: float = option(
         0.1,
-        "clip each local gradient to this global norm before the SGD step; 0 = off (without it lr 0.1 with "
+        "clip each local gradient to this global norm before the optimizer's step; 0 = off (without it lr 0.1 with "
         "momentum 0.9 diverges in round 1 on the MNIST CNN, measured)",
         source=AUTHORS_CODE + " (--max_grad_norm 0.1; the paper does not state it)",
     )

@@ -3,9 +3,10 @@
 Every adapted layer has a shared base weight and ``C`` adaptors (:mod:`jaxfed.core.adaptors`:
 dense LoRA, conv ``balanced_2d`` / ``channel`` / ``in_layer`` / ``out_layer``, bias and norm
 adaptors). Client k holds private router logits ``w_k``; its model is the base mixed with
-``pi_k = softmax(w_k)`` inside one forward pass. Local training is simultaneous SGD on the base,
-the adaptors (LoRA-preconditioned by default; conv adaptors per kernel tap, as the authors' code
-does) and the router (its own learning rate; ``mixture_floor`` clamps the mixture weights). The server
+``pi_k = softmax(w_k)`` inside one forward pass. Local training is simultaneous, with the client
+optimizer (SGD by default), on the base, the adaptors (LoRA-preconditioned by default; conv
+adaptors per kernel tap, as the authors' code does) and the router (its own learning rate, no
+weight decay; ``mixture_floor`` clamps the mixture weights). The server
 averages the base with the sample weights ``p_k`` and adaptor c's factors with
 ``p(k|c) = p_k pi_kc / sum_k' p_k' pi_k'c``. The router logits never leave the client; a client
 sends its mixture weights ``pi_k`` (C numbers) with its update, since the server weighs by them.
@@ -42,17 +43,21 @@ from jaxfed.options import (
     DatasetDefaults,
     TrainingOptions,
     at_least,
+    client_optimizer,
     non_negative,
     one_of,
     option,
     positive,
     ratio,
     resolve,
-    sgd,
     unit_interval,
 )
 
 CODE = "the authors' code (zeligism/FLoRAL, conf/task/mnist.yaml)"
+AUTHORS_OPTIMIZER = (
+    "the authors' code (zeligism/FLoRAL, conf/base.yaml: torch.optim.SGD; floral/training/utils.py: the "
+    "router's param group has its own lr and weight decay 0)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +76,13 @@ class FLoRALTraining(TrainingOptions):
 
     local_epochs: int = option(1, "local epochs per round", source=CODE)
     batch_size: int = option(32, "local batch size", source=CODE)
-    lr: float = option(0.1, "client SGD learning rate (base and adaptors)", source=CODE)
+    lr: float = option(0.1, "client learning rate (base and adaptors)", source=CODE)
+    client_optimizer: str = option(
+        "sgd",
+        "client optimizer: sgd (with momentum when momentum > 0), momentum, adam or adamw (optax's defaults), "
+        "fresh every round; a learned router trains with it too, at router_lr without weight decay",
+        source=AUTHORS_OPTIMIZER,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +146,11 @@ class RouterOptions(FLoRALTraining):
         check=unit_interval,
     )
 
+    def router_optimizer(self) -> optax.GradientTransformation:
+        """The router logits' optimizer: the client optimizer at ``router_lr`` (constant), without
+        weight decay or clipping (the authors' router param group: its own lr, weight decay 0)."""
+        return client_optimizer(self.client_optimizer, self.router_lr, momentum=self.momentum)
+
     def mixture(self, logits, rng=None):
         """The mixture weights of router ``logits``: with ``rng`` the training noise is drawn."""
         return mixture_weights(logits, rng, self.router_noise, self.router_temperature, self.mixture_floor)
@@ -185,15 +201,16 @@ def check_oracle(router: str, num_components: int, num_clusters: int) -> None:
     check_router(router, num_components, num_clusters)
 
 
-def _local_optimizer(plan, options: AdaptorOptions, round_, router_lr=None):
-    """SGD on the base and the adaptors (LoRA-preconditioned) at round ``round_``'s learning rate,
-    and on the router at its own rate."""
+def _local_optimizer(plan, options: AdaptorOptions, round_, router: bool = False):
+    """The client optimizer on the base and the adaptors (their gradients LoRA-preconditioned
+    first) at round ``round_``'s learning rate, and with ``router`` on the router logits
+    (:meth:`RouterOptions.router_optimizer`)."""
     adaptor_opt = options.optimizer(round_)
     if options.precondition:
         adaptor_opt = optax.chain(ad.lora_preconditioner(plan, conv=options.conv_precondition), adaptor_opt)
     transforms = {"base": options.optimizer(round_), "adaptors": adaptor_opt}
-    if router_lr is not None:
-        transforms["router"] = sgd(router_lr)
+    if router:
+        transforms["router"] = options.router_optimizer()
     return per_key(transforms)
 
 
@@ -230,8 +247,7 @@ def floral(
         return server, RoutedClient(jnp.zeros((num_adaptors,), jnp.float32), model_state)
 
     def client_update(message, client_state, data, rng, info):
-        router_lr = options.router_lr if learned else None
-        optimizer = _local_optimizer(plan, options, info.round, router_lr)
+        optimizer = _local_optimizer(plan, options, info.round, router=learned)
         router_logits = client_state.router
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)

@@ -17,7 +17,7 @@ import optax
 from jaxfed.core.losses import masked_loss
 from jaxfed.data import Batch, ClientData
 from jaxfed.nn import split_variables
-from jaxfed.options import sgd  # noqa: F401  (re-exported: the client optimizer every algorithm uses)
+from jaxfed.options import client_optimizer, sgd  # noqa: F401  (re-exported: the one client optimizer constructor)
 
 STEP_KEY_STREAM = 0x5EED  # the per-step keys are fold_in(rng, this), apart from the shuffling keys
 
