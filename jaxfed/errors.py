@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
 from typing import Any
 
 
@@ -57,3 +59,14 @@ def clip(text: str, limit: int = 80) -> str:
     """``text`` cut to ``limit`` characters, saying how long it was: a user's value echoed in a
     one-line error (a 200 KB value must not make a 200 KB line)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def where_raised(err: BaseException, file: str | None = None) -> str:
+    """``ErrorType: message (FILE line N)`` of an exception raised by a user's code being imported
+    (a plugin, a model): the line is the last one in ``file`` where given (else the last frame)."""
+    if isinstance(err, SyntaxError):
+        return f"SyntaxError: {err.msg} ({err.filename} line {err.lineno})"
+    frames = traceback.extract_tb(err.__traceback__)
+    own = [f for f in frames if file is not None and Path(f.filename) == Path(file)] or frames
+    place = f" ({own[-1].filename} line {own[-1].lineno})" if own else ""
+    return f"{type(err).__name__}: {first_line(err)}{place}"

@@ -248,6 +248,10 @@ def field_check(cls, name: str) -> Check | None:
 
 
 def key_of(name: str) -> str:
+    """The key users write for the field ``name`` (``--set``, config files, ``config.json``,
+    ``jaxfed list``): the name without its trailing underscore. An option named by a Python
+    keyword is declared with one (``lambda_``, ``global_``, ``in_``, as PEP 8 has it) and written
+    without (``--set lambda=0.5``); :meth:`Options.field_for` maps a key back to its field."""
     return name.rstrip("_")
 
 

@@ -25,13 +25,12 @@ import difflib
 import importlib
 import importlib.util
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jaxfed.errors import ConfigError, clip, first_line
-from jaxfed.options import Options
+from jaxfed.errors import ConfigError, clip, where_raised
+from jaxfed.options import Options, key_of
 
 Builder = Callable[[Any, Any, Any], Any]  # (model, options, config) -> FederatedAlgorithm
 
@@ -117,7 +116,12 @@ RUN_KEYS: set[str] = set()  # the run layer's config keys (filled by jaxfed.runs
 
 def register(name: str, options: type[Options], build: Builder | None = None, *, replace: bool = False):
     """Register algorithm ``name`` with its ``options`` class and ``build`` function; usable as
-    a decorator (``@register(name, Options)``). ``replace=True`` overrides an existing name."""
+    a decorator (``@register(name, Options)``). ``replace=True`` overrides an existing name.
+
+    Users name each option by its key: the field's name without a trailing underscore, so an
+    option named by a Python keyword is declared ``lambda_`` (``global_``, ``in_``, ...) and
+    written ``--set lambda=0.5`` (:func:`jaxfed.options.key_of`). Refused (ValueError): two
+    fields with one key (``mu`` and ``mu_``) and an option that shadows a run-level key."""
     if build is None:
 
         def decorator(fn):
@@ -129,7 +133,14 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
         raise TypeError(f"register({name!r}): options must be a dataclass subclassing jaxfed.options.Options")
     if (name in _REGISTRY or name in BUILTINS) and not replace:
         raise ValueError(f"register: algorithm '{name}' exists already (pass replace=True to override it)")
-    clash = sorted(set(options.keys()) & RUN_KEYS)
+    by_key: dict[str, list[str]] = {}
+    for field in dataclasses.fields(options):
+        by_key.setdefault(key_of(field.name), []).append(field.name)
+    for key, fields in by_key.items():
+        if len(fields) > 1 or not key:
+            what = f"are all the key '{key}'" if len(fields) > 1 else "leaves no key (underscores only)"
+            raise ValueError(f"register({name!r}): option field(s) {', '.join(fields)} {what}; rename")
+    clash = sorted(set(by_key) & RUN_KEYS)
     if clash:
         raise ValueError(f"register({name!r}): option(s) {', '.join(clash)} shadow run-level config keys")
     spec = _REGISTRY[name] = _spec(name, options, build)
@@ -186,21 +197,11 @@ def import_plugin(spec: str) -> None:
             module_spec.loader.exec_module(module)
         except Exception as err:
             del sys.modules[module_name]
-            raise ConfigError(f"plugins: importing {spec} failed: {_where(err, str(path))}") from None
+            raise ConfigError(f"plugins: importing {spec} failed: {where_raised(err, str(path))}") from None
         return
     try:
         importlib.import_module(spec)
     except ModuleNotFoundError as err:
         raise ConfigError(f"plugins: cannot import '{spec}' ({err})") from None
     except Exception as err:
-        raise ConfigError(f"plugins: importing {spec} failed: {_where(err)}") from None
-
-
-def _where(err: Exception, file: str | None = None) -> str:
-    """``ErrorType: message (FILE line N)``: the line is the plugin's own (or the last frame)."""
-    if isinstance(err, SyntaxError):
-        return f"SyntaxError: {err.msg} ({err.filename} line {err.lineno})"
-    frames = traceback.extract_tb(err.__traceback__)
-    own = [f for f in frames if file is not None and Path(f.filename) == Path(file)] or frames
-    place = f" ({own[-1].filename} line {own[-1].lineno})" if own else ""
-    return f"{type(err).__name__}: {first_line(err)}{place}"
+        raise ConfigError(f"plugins: importing {spec} failed: {where_raised(err)}") from None

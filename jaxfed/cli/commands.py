@@ -313,8 +313,8 @@ def _report(args) -> int:
 
 def _list(args) -> int:
     from jaxfed.algorithms import registry
-    from jaxfed.data import DATASETS, PARTITIONERS, SYNTHETIC_TASKS, default_model
-    from jaxfed.nn import MODELS
+    from jaxfed.data import DATASETS, FILE_PARTITION, PARTITIONERS, SYNTHETIC_TASKS, default_model
+    from jaxfed.nn import MODELS, user
 
     for plugin in args.plugin:
         registry.import_plugin(plugin)
@@ -333,8 +333,8 @@ def _list(args) -> int:
         for name, line in entries:
             print(f"    {name:<14}{line}")
     _print_list("datasets", [f"{name} (model {default_model(name)})" for name in names])
-    _print_list("models", MODELS)
-    _print_list("partitioners", PARTITIONERS)
+    _print_list("models", [*MODELS, f"or your own flax Module: model={user.FORMS}"])
+    _print_list("partitioners", [*PARTITIONERS, f"{FILE_PARTITION} (partition_file=PATH: your own, an .npz)"])
     print("run keys (--set key=value):")
     _print_keys(Config.describe())
     return 0

@@ -87,16 +87,24 @@ def index_table(parts) -> tuple[np.ndarray, np.ndarray]:
     return table, counts
 
 
-def federate(dataset, train_parts, test_parts) -> FederatedData:
+def federate(dataset, train_parts, test_parts, *, allow_empty_train: bool = False) -> FederatedData:
     """Put ``dataset`` on the device with the clients' index tables, after checking both
-    (:mod:`jaxfed.data.validate`: a DataError names the first problem)."""
+    (:mod:`jaxfed.data.validate`: a DataError names the first problem).
+
+    ``train_parts[k]`` and ``test_parts[k]`` are client k's example indices (1-D integer arrays
+    into the training and test split): as many test parts as training parts, every index in
+    range. A client with an empty test part counts in no personalized metric (the partitioners
+    give one to a client too small to get a test example of its classes). An empty training
+    part is refused unless ``allow_empty_train``: such a client trains on nothing and has
+    weight 0 in every aggregation."""
     check_dataset(dataset)
     source = f"dataset '{dataset.name}'"
     if len(train_parts) != len(test_parts):
         raise DataError(
             f"{source}: {len(train_parts)} training parts and {len(test_parts)} test parts; give one of each per client"
         )
-    check_parts(source, train_parts, len(dataset.x_train), "training")
+    hint = " (federate(..., allow_empty_train=True) keeps such a client, with weight 0)"
+    check_parts(source, train_parts, len(dataset.x_train), "training", allow_empty=allow_empty_train, empty_hint=hint)
     check_parts(source, test_parts, len(dataset.x_test), "test")
     train_idx, train_count = index_table(train_parts)
     test_idx, test_count = index_table(test_parts)

@@ -1,14 +1,21 @@
 """Partitioners: split a dataset's examples over clients, test split following the train split.
 
 Each partitioner returns ``(train_parts, test_parts)``: one int array of example indices per
-client. All randomness comes from the ``np.random.Generator`` passed in.
+client. All randomness comes from the ``np.random.Generator`` passed in. A partition of one's
+own is a file (``partition=file``): :func:`save_partition` writes one, :func:`load_partition`
+reads and checks it.
 """
 
 from __future__ import annotations
 
+import re
+import zipfile
+from pathlib import Path
+
 import numpy as np
 
-from jaxfed.errors import ConfigError
+from jaxfed.data.validate import ZIP_MAGIC, DataError, check_parts
+from jaxfed.errors import ConfigError, first_line
 
 MAX_DIRICHLET_TRIES = 1000
 
@@ -239,3 +246,92 @@ def describe(summary: dict) -> str:
 
 
 PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological", "label_groups", "resample")
+FILE_PARTITION = "file"  # the config's partition=file: the clients of partition_file
+SPLIT_PREFIXES = {"train": "training", "test": "test"}  # array name prefix -> split
+PART_NAME = re.compile(r"^(train|test)_(0|[1-9][0-9]*)$")
+
+
+def save_partition(path, train_parts, test_parts) -> Path:
+    """Write a partition for ``partition=file``: an ``.npz`` with client k's training indices as
+    the integer array ``train_k`` and its test indices as ``test_k`` (k = 0..K-1)."""
+    if len(train_parts) != len(test_parts):
+        raise ConfigError(f"partition_file: {len(train_parts)} training parts and {len(test_parts)} test parts")
+    arrays = {
+        f"{prefix}_{k}": np.asarray(part) if len(part) else np.zeros(0, np.int64)  # as given: checked when read
+        for prefix, parts in (("train", train_parts), ("test", test_parts))
+        for k, part in enumerate(parts)
+    }
+    path = Path(path)
+    with open(path, "wb") as f:  # np.savez would append .npz to a name without it
+        np.savez(f, **arrays)
+    return path
+
+
+def load_partition(path, num_clients: int, train_examples: int, test_examples: int):
+    """``(train_parts, test_parts)`` of a :func:`save_partition` file, for a dataset of
+    ``train_examples`` / ``test_examples`` examples. Each problem is one DataError naming
+    ``partition_file``: not a readable .npz, arrays other than ``train_k`` / ``test_k``, a part
+    missing, a client count other than ``num_clients``, and every check of
+    :func:`~jaxfed.data.validate.check_parts` (integer 1-D indices in range; a training part
+    may not be empty, a test part may)."""
+    source = f"partition_file: {path}"
+    arrays = _read_parts(path, source)
+    counts = {}
+    for prefix in SPLIT_PREFIXES:
+        numbers = sorted(int(name.split("_")[1]) for name in arrays if name.startswith(prefix + "_"))
+        missing = sorted(set(range(len(numbers))) - set(numbers))
+        if missing or not numbers:
+            lacks = f"{prefix}_{missing[0]}" if missing else f"{prefix}_0"
+            raise DataError(f"{source}: lacks {lacks}; expected train_0..train_{{K-1}} and test_0..test_{{K-1}}")
+        counts[prefix] = len(numbers)
+    if counts["train"] != counts["test"]:
+        raise DataError(
+            f"{source}: {counts['train']} training parts and {counts['test']} test parts; give one of each per client"
+        )
+    if counts["train"] != num_clients:
+        raise DataError(
+            f"{source}: holds {counts['train']} clients, the config {num_clients}; set num_clients={counts['train']}"
+        )
+    parts = {prefix: [arrays[f"{prefix}_{k}"] for k in range(num_clients)] for prefix in SPLIT_PREFIXES}
+    hint = "; leave a client without training examples out of the file"
+    check_parts(
+        source,
+        parts["train"],
+        train_examples,
+        "training",
+        allow_empty=False,
+        empty_hint=hint,
+        array_names="train_{}".format,
+    )
+    check_parts(source, parts["test"], test_examples, "test", array_names="test_{}".format)
+    return parts["train"], parts["test"]
+
+
+def _read_parts(path, source: str) -> dict[str, np.ndarray]:
+    """The arrays of a partition file, read without pickles; only ``train_k`` / ``test_k`` names."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(ZIP_MAGIC))
+    except OSError as err:
+        raise DataError(f"{source}: cannot be read ({err.strerror or err})") from None
+    if magic != ZIP_MAGIC:
+        raise DataError(f"{source}: not an .npz file; write one with jaxfed.data.save_partition")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            unexpected = [name for name in f.files if not PART_NAME.match(name)]
+            if unexpected:
+                raise DataError(
+                    f"{source}: holds an array named '{unexpected[0]}'; expected only train_0..train_{{K-1}} "
+                    "and test_0..test_{K-1}"
+                )
+            return {name: f[name] for name in f.files}
+    except DataError:
+        raise
+    except ValueError as err:
+        if "pickle" in str(err):
+            raise DataError(
+                f"{source}: holds object arrays (pickles), which are never loaded; save integer arrays"
+            ) from None
+        raise DataError(f"{source}: unreadable ({first_line(err)})") from None
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError) as err:
+        raise DataError(f"{source}: truncated or corrupt ({first_line(err)})") from None

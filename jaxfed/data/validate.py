@@ -98,19 +98,27 @@ def check_dataset(dataset, source: str | None = None) -> None:
     check_arrays(source or f"dataset '{dataset.name}'", arrays, classes, images=False)
 
 
-def check_parts(source: str, parts, size: int, split: str) -> None:
-    """Every client's example indices are one list of integers in ``[0, size)``."""
+def check_parts(
+    source: str, parts, size: int, split: str, *, allow_empty: bool = True, empty_hint: str = "", array_names=None
+) -> None:
+    """Every client's example indices are one list of integers in ``[0, size)``; an empty list is
+    refused (with ``empty_hint``) unless ``allow_empty``. ``array_names``: what a message calls
+    client k's list, where it has a name of its own (a partition file's ``train_k``)."""
+    if len(parts) == 0:
+        raise DataError(f"{source}: no {split} parts; give one list of example indices per client")
     for k, part in enumerate(parts):
+        what = f"client {k}'s {split} indices" + (f" ({array_names(k)})" if array_names else "")
         part = np.asarray(part)
         if part.size and not np.issubdtype(part.dtype, np.integer):
-            raise DataError(f"{source}: client {k}'s {split} indices have dtype {part.dtype}; expected integers")
+            raise DataError(f"{source}: {what} have dtype {part.dtype}; expected integers")
         if part.ndim != 1:
-            raise DataError(f"{source}: client {k}'s {split} indices have shape {part.shape}; expected one list")
+            raise DataError(f"{source}: {what} have shape {part.shape}; expected one list")
+        if not part.size:
+            if allow_empty:
+                continue
+            raise DataError(f"{source}: {what} are empty; every client needs {split} examples{empty_hint}")
         if part.min() < 0 or part.max() >= size:
-            raise DataError(
-                f"{source}: client {k}'s {split} indices run {part.min()}..{part.max()}; "
-                f"the {split} split has {size} examples"
-            )
+            raise DataError(f"{source}: {what} run {part.min()}..{part.max()}; the {split} split has {size} examples")
 
 
 def _check_image_shape(source: str, name: str, shape: tuple[int, ...]) -> None:

@@ -19,7 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, first_line
+from jaxfed.nn import user
 from jaxfed.nn.conv import CONV_IMPLS, Conv, max_pool_2x2
 
 NORMS = ("group", "batch")
@@ -239,27 +240,47 @@ def get_model(
 ) -> Model:
     """The model ``name`` for inputs of ``input_shape`` (HWC); a clear error if it cannot fit them.
 
+    ``name`` is a built-in (:data:`MODELS`) or a user's Flax module, ``module:Class`` or
+    ``path/to/file.py:Class`` (:mod:`jaxfed.nn.user`; the model is named by that spec).
     ``num_classes`` is the output size (the number of targets for a regression task). ``conv``
     picks the convolution implementation (see :mod:`jaxfed.nn.conv`); ``hidden`` the hidden
-    widths of ``mlp`` (default 200, 200)."""
-    if name not in MODELS:
-        raise ConfigError(f"model: unknown '{name}'; allowed: {', '.join(MODELS)}")
+    widths of ``mlp`` (default 200, 200). ``norm`` and ``conv`` apply to the built-ins only."""
+    if not user.is_spec(name) and name not in MODELS:
+        raise ConfigError(f"model: unknown '{name}'; allowed: {', '.join(MODELS)}, or {user.FORMS}")
     if norm not in NORMS:
         raise ConfigError(f"norm: unknown '{norm}'; allowed: {', '.join(NORMS)}")
     if conv not in CONV_IMPLS:
         raise ConfigError(f"conv: unknown '{conv}'; allowed: {', '.join(CONV_IMPLS)}")
     if hidden is not None and name != "mlp":
         raise ConfigError(f"mlp_hidden: applies to model mlp only, not '{name}'")
+    if user.is_spec(name):
+        model = Model(name, user.construct(name, num_classes), tuple(input_shape))
+        _check_fits(model, f"'{user.label(name)}'", num_classes)
+        return model
     module = MLP(num_classes, tuple(hidden)) if hidden is not None else MODELS[name](num_classes, norm, conv)
     model = Model(name, module, tuple(input_shape))
-    try:
-        jax.eval_shape(model.init, jax.random.key(0))
-    except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
-        raise ConfigError(
-            f"model: '{name}' cannot take inputs of shape {tuple(input_shape)} "
-            f"({type(err).__name__}); pick another model"
-        ) from None
+    _check_fits(model, f"'{name}'")
     return model
+
+
+def _check_fits(model: Model, shown: str, num_classes: int | None = None) -> None:
+    """A ConfigError when ``model`` cannot take its input shape or (where ``num_classes`` is
+    given) does not give one output per class; checked on shapes, nothing computed."""
+    x = jax.ShapeDtypeStruct((1,) + model.input_shape, jnp.float32)
+    try:
+        variables = jax.eval_shape(model.init, jax.random.key(0))
+        out = jax.eval_shape(lambda v, x: model.apply(v, x)[0], variables, x) if num_classes is not None else None
+    except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
+        reason = f"{type(err).__name__}: {first_line(err, 120)}" if num_classes is not None else type(err).__name__
+        raise ConfigError(
+            f"model: {shown} cannot take inputs of shape {model.input_shape} ({reason}); pick another model"
+        ) from None
+    if out is not None and (not hasattr(out, "shape") or out.shape != (1, num_classes)):
+        got = out.shape if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(
+            f"model: {shown} returns {got} for a batch of 1; expected (1, {num_classes}) (one output per class: "
+            "give the class a num_classes field)"
+        )
 
 
 class Mixture(NamedTuple):

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxfed.algorithms import registry
 from jaxfed.data import (
+    FILE_PARTITION,
     SYNTHETIC_TASKS,
     FederatedData,
     apply_cluster_task,
@@ -22,6 +23,7 @@ from jaxfed.data import (
     default_model,
     federate,
     load_dataset,
+    load_partition,
     partition,
     reduce_parts,
     summarize,
@@ -30,6 +32,7 @@ from jaxfed.data import (
 from jaxfed.data.synthetic import DEFAULT_OUTPUTS
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model, model_template
+from jaxfed.nn.user import is_spec
 from jaxfed.runs.config import Config
 from jaxfed.runs.memory import check_memory
 from jaxfed.simulation import Simulation
@@ -73,7 +76,9 @@ def build_data(config: Config, load=None) -> DataPart:
     else:
         dataset, train_parts, test_parts = _image_task(config, (load or load_config_dataset)(config))
     check_batch_size(config.options, len(dataset.x_train))
-    data = federate(dataset, train_parts, test_parts)
+    # A partitioner gives every client training examples; train_reduction with min_examples=0 may
+    # leave a small client none, which then trains with weight 0 (a file's parts are checked when read).
+    data = federate(dataset, train_parts, test_parts, allow_empty_train=True)
     summary = summarize(train_parts, dataset.y_train)
     return DataPart(data, tuple(dataset.input_shape), _outputs(config, dataset), len(dataset.x_train), summary)
 
@@ -108,7 +113,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         raise ConfigError(f"devices: {config.devices} requested but {len(available)} visible")
     devices = available[: config.devices or None]
     pooled_eval_model = None
-    if config.dataset not in SYNTHETIC_TASKS and config.conv != "xla":
+    if config.dataset not in SYNTHETIC_TASKS and config.conv != "xla" and not is_spec(config.model):
         # the global model's passes over the whole test set: XLA's conv is faster there
         pooled_eval_model = _model(dataclasses.replace(config, conv="xla"), part.input_shape, part.outputs)
     simulation = Simulation(
@@ -159,8 +164,22 @@ def _model(config: Config, input_shape, outputs: int):
 
 
 def _image_task(config: Config, dataset):
-    """``dataset`` partitioned, with its clustered-task transform applied."""
-    train_parts, test_parts = partition(
+    """``dataset`` partitioned (or as ``partition_file`` says), with its clustered-task transform applied."""
+    if config.partition == FILE_PARTITION:
+        sizes = len(dataset.y_train), len(dataset.y_test)
+        train_parts, test_parts = load_partition(config.partition_file, config.num_clients, *sizes)
+    else:
+        train_parts, test_parts = _partition(config, dataset)
+    train_parts = reduce_parts(
+        train_parts, config.train_reduction, config.min_examples, np.random.default_rng([config.seed, 1])
+    )
+    dataset = apply_cluster_task(dataset, train_parts, test_parts, config.cluster_task, config.num_clusters)
+    return dataset, train_parts, test_parts
+
+
+def _partition(config: Config, dataset):
+    """``dataset``'s examples split over the clients by the partitioner ``config`` names."""
+    return partition(
         config.partition,
         dataset.y_train,
         dataset.y_test,
@@ -173,11 +192,6 @@ def _image_task(config: Config, dataset):
         client_test_size=config.client_test_size,
         num_groups=config.num_clusters,
     )
-    train_parts = reduce_parts(
-        train_parts, config.train_reduction, config.min_examples, np.random.default_rng([config.seed, 1])
-    )
-    dataset = apply_cluster_task(dataset, train_parts, test_parts, config.cluster_task, config.num_clusters)
-    return dataset, train_parts, test_parts
 
 
 def _synthetic_task(config: Config):

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import typing
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jaxfed.algorithms import registry
@@ -53,7 +54,12 @@ class Config(Options):
     )
     data_dir: str = option("", "directory with <dataset>.npz files or TFDS data ($JAXFED_DATA_DIR if empty)")
     download: bool = option(False, "let TFDS download a missing dataset (needs internet)")
-    model: str = option("", "model name; empty = the dataset's default (digits: mlp, mnist: cnn, ...)")
+    model: str = option(
+        "",
+        "model name, or your own flax Module as module:Class (importable from sys.path or the working "
+        "directory) or path/to/file.py:Class, built with num_classes= when it has that field; empty = the "
+        "dataset's default (digits: mlp, mnist: cnn, ...)",
+    )
     mlp_hidden: str = option(
         "", "model mlp: comma-separated hidden widths; empty = 200,200 (synthetic_mlp: 2 * synthetic_dim)"
     )
@@ -90,7 +96,12 @@ class Config(Options):
         "iid, dirichlet, client_dirichlet, pathological, label_groups (num_clusters disjoint label groups, "
         "client k in group k mod C) or resample (client_train_size / client_test_size examples drawn per "
         "client from the whole pool, shared between clients: throughput studies); synthetic datasets come "
-        "partitioned",
+        "partitioned; file: the clients of partition_file",
+    )
+    partition_file: str = option(
+        "",
+        "partition=file: an .npz of each client's example indices, integer arrays train_0..train_{K-1} and "
+        "test_0..test_{K-1} for K = num_clients (jaxfed.data.save_partition writes one)",
     )
     alpha: float = option(0.5, "Dirichlet concentration (> 0); smaller = more heterogeneous", check=positive)
     min_examples: int = option(10, "dirichlet: minimum training examples per client", check=non_negative)
@@ -172,6 +183,13 @@ class Config(Options):
     options: Any = dataclasses.field(default=None, metadata={"help": "the algorithm's options", "source": ""})
 
     def __post_init__(self):
+        # relative paths recorded absolute: config.json names the same files on --resume from anywhere
+        if isinstance(self.model, str) and ":" in self.model:
+            from jaxfed.nn.user import recorded_spec
+
+            object.__setattr__(self, "model", recorded_spec(self.model))
+        if isinstance(self.partition_file, str) and self.partition_file:
+            object.__setattr__(self, "partition_file", str(Path(self.partition_file).expanduser().absolute()))
         if self.options is None:
             options_class = _options_class(self.algorithm, missing_ok=True)
             if options_class is not None:
@@ -312,8 +330,9 @@ class Config(Options):
 
     def check(self) -> None:
         """The run keys' choices and the rules that span several keys (the per-field checks run first)."""
-        from jaxfed.data import CLUSTER_TASKS, DATASETS, PARTITIONERS, SYNTHETIC_TASKS
+        from jaxfed.data import CLUSTER_TASKS, DATASETS, FILE_PARTITION, PARTITIONERS, SYNTHETIC_TASKS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
+        from jaxfed.nn.user import is_spec, load_class
         from jaxfed.simulation import EVAL_CLIENTS, NONFINITE_POLICIES, SAMPLINGS
 
         options_class = _options_class(self.algorithm)
@@ -323,11 +342,14 @@ class Config(Options):
                 f"(expects {options_class.__name__})"
             )
         _choice("dataset", self.dataset, [*DATASETS, *SYNTHETIC_TASKS])
-        if self.model:
+        if is_spec(self.model):
+            load_class(self.model)  # a user's module: found, and a flax Module class
+        elif self.model:
             _choice("model", self.model, MODELS)
         _choice("norm", self.norm, NORMS)
         _choice("conv", self.conv, CONV_IMPLS)
-        _choice("partition", self.partition, PARTITIONERS)
+        _choice("partition", self.partition, [*PARTITIONERS, FILE_PARTITION])
+        self.check_partition_file()
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("eval_clients", self.eval_clients, EVAL_CLIENTS)
         if self.eval_clients == "cohort" and self.sampling != "fixed":
@@ -356,6 +378,18 @@ class Config(Options):
                 f"tiers: {tiers} tiers for {self.num_clients} clients; every tier needs at least one client"
             )
         self.options.validate()
+
+    def check_partition_file(self) -> None:
+        """``partition=file`` and ``partition_file`` go together, on an image dataset (the file
+        itself is read, and checked against the data, when the run is built)."""
+        from jaxfed.data import FILE_PARTITION, SYNTHETIC_TASKS
+
+        if self.partition == FILE_PARTITION and not self.partition_file:
+            raise ConfigError("partition_file: partition=file needs partition_file=PATH (an .npz of client indices)")
+        if self.partition_file and self.partition != FILE_PARTITION:
+            raise ConfigError(f"partition_file: applies to partition=file only, not partition={self.partition}")
+        if self.partition == FILE_PARTITION and self.dataset in SYNTHETIC_TASKS:
+            raise ConfigError(f"partition: {self.dataset} comes partitioned; partition=file needs an image dataset")
 
 
 def read_config_file(path) -> list[str]:

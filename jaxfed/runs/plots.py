@@ -99,10 +99,16 @@ def read_json(path: Path) -> dict:
 
 def run_labels(configs: list[dict]) -> list[str]:
     """The algorithm, then ``key=value`` for every key (run key or algorithm option) that every
-    run has and whose value differs between them."""
-    differing = differing_keys(configs, UNLABELLED_KEYS)
+    run has and whose value differs between them; a user's own model (``model=net.py:Net``) is
+    named whether or not it differs, so no plot passes it off as a built-in."""
+    from jaxfed.nn.user import is_spec
+
     flat = [flat_config(config) for config in configs]
-    return [" ".join([str(f.get("algorithm", "?"))] + [f"{k}={show(f[k])}" for k in differing]) for f in flat]
+    labelled = set(differing_keys(configs, UNLABELLED_KEYS))
+    if any(is_spec(f.get("model", "")) for f in flat):
+        labelled.add("model")
+    words = [[str(f.get("algorithm", "?"))] + [f"{k}={show(f.get(k, ''), k)}" for k in sorted(labelled)] for f in flat]
+    return [" ".join(w) for w in words]
 
 
 def differing_keys(configs: list[dict], ignore=frozenset()) -> list[str]:
@@ -118,7 +124,13 @@ def flat_config(config: dict) -> dict:
     return {**(config.get("options") or {}), **{k: v for k, v in config.items() if k != "options"}}
 
 
-def show(value) -> str:
+def show(value, key: str = "") -> str:
+    """A config value in a label: lists comma-separated; a model by :func:`jaxfed.nn.user.label`
+    (a user's file by its name, not its absolute path), an empty one as the dataset's default."""
+    if key == "model":
+        from jaxfed.nn.user import label
+
+        return label(str(value)) if value else "default"
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
