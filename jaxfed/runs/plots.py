@@ -85,7 +85,12 @@ def flat_config(config: dict) -> dict:
 
 
 def show(value) -> str:
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    """A config value as a label or a name: a float as ``:g`` writes it (``0.05``, ``1e-05``,
+    ``2``) where that reads back as the same number, else its shortest exact form
+    (``0.1234567``), so distinct values get distinct names; a list comma-separated."""
+    if isinstance(value, float):
+        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
+    return ",".join(map(show, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_mean") -> Path:

@@ -44,7 +44,7 @@ from jaxfed.runs.build import build, build_algorithm, build_data, build_model, b
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
-from jaxfed.runs.plots import read_json
+from jaxfed.runs.plots import read_json, show
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -79,17 +79,8 @@ def member_name(config: Config, keys=()) -> str:
     """A member's run directory name: ``seed<seed>_lr<lr>``, then ``_<key><value>`` for each
     other swept key."""
     values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
-    extra = "".join(f"_{key}{_short(values[key])}" for key in keys if key not in ("seed", "lr"))
-    return f"seed{config.seed}_lr{_short(config.options.lr)}{extra}"
-
-
-def _short(value) -> str:
-    """A value as a name: a float as ``:g`` writes it (``0.05``, ``1e-05``) where that reads back
-    as the same number, else its shortest exact form (``0.1234567``), so distinct values get
-    distinct names."""
-    if isinstance(value, float):
-        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
-    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+    extra = "".join(f"_{key}{show(values[key])}" for key in keys if key not in ("seed", "lr"))
+    return f"seed{config.seed}_lr{show(config.options.lr)}{extra}"
 
 
 def differing_keys(configs: list[Config]) -> list[str]:
