@@ -224,7 +224,7 @@ def _grid(root, finals: dict[float, list[float]]):
     return root
 
 
-def test_a_grid_directory_is_one_variant_per_value_its_seeds_pooled_within(tmp_path, capsys):
+def test_a_grid_directory_is_one_variant_per_value_its_seeds_pooled_within(tmp_path):
     finals = {0.1: [0.80, 0.82, 0.81], 2.0: [0.70, 0.74, 0.71], 10.0: [0.60, 0.61, 0.65]}
     grid = _grid(tmp_path / "lam", finals)
     variants = collect({"lam": grid})
