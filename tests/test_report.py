@@ -7,6 +7,7 @@ import pytest
 
 from jaxfed.cli import main
 from jaxfed.cli.report import Claim, collect, markdown, paired_standard_error, parse_claim, verdict, write_report
+from jaxfed.errors import ConfigError
 
 
 def _fake_run(directory, seed, final, task="classification", upload=2e6, cached=None, **config):
@@ -209,29 +210,92 @@ def _report_error(variants, tmp_path, capsys) -> str:
     return err
 
 
-def test_runs_of_different_algorithms_are_not_seeds_of_one_variant(tmp_path, capsys):
+def _grid(root, finals: dict[float, list[float]]):
+    """A sweep's grid directory: fedara at each ``lambda`` (``finals[lambda]``: its seeds' results)."""
+    for lam, values in finals.items():
+        for seed, final in enumerate(values):
+            _fake_run(
+                root / f"seed{seed}_lr0.05_lambda{lam:g}",
+                seed,
+                final,
+                algorithm="fedara",
+                options={"lr": 0.05, "lambda": lam},
+            )
+    return root
+
+
+def test_a_grid_directory_is_one_variant_per_value_its_seeds_pooled_within(tmp_path):
+    finals = {0.1: [0.80, 0.82, 0.81], 2.0: [0.70, 0.74, 0.71], 10.0: [0.60, 0.61, 0.65]}
+    grid = _grid(tmp_path / "lam", finals)
+    variants = collect({"lam": grid})
+    assert [(v.name, v.seeds) for v in variants] == [
+        ("lam[lambda=0.1]", [0, 1, 2]), ("lam[lambda=2]", [0, 1, 2]), ("lam[lambda=10]", [0, 1, 2])
+    ]  # fmt: skip
+    table = markdown(variants)
+    for lam, values in finals.items():
+        mean, std = np.mean(values), np.std(values, ddof=1)
+        assert f"| lam[lambda={lam:g}] | 3 | {mean:.4f} ± {std:.4f} |" in table
+    # through the command: a directory given without NAME= is named by its last part; claims and
+    # paper numbers name a grid's variants
+    claims = ["--claim", "lam[lambda=0.1]>lam[lambda=10]", "--paper", "lam[lambda=2]=71.3"]
+    assert main(["report", str(grid), *claims, "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| lam[lambda=2] | 3 | 0.7167 ± 0.0208 | 71.3 |" in table
+    assert "| lam[lambda=0.1] > lam[lambda=10] | +0.1900 |" in table and "| reproduced |" in table
+    records = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["variant"] for r in records] == [v.name for v in variants for _ in range(3)]
+
+
+def test_a_grid_over_two_keys_is_named_by_both_and_a_seeds_only_sweep_stays_one_variant(tmp_path):
+    for seed in (0, 1):
+        for lr in (0.01, 0.1):
+            for mu in (0.0, 0.5):
+                options = {"lr": lr, "mu": mu}
+                _fake_run(
+                    tmp_path / "g" / f"seed{seed}_lr{lr}_mu{mu}", seed, lr + mu, algorithm="fedprox", options=options
+                )
+    variants = collect({"g": tmp_path / "g", "plain": _variant(tmp_path, "plain", [0.8, 0.81, 0.82])})
+    names = ["g[lr=0.01,mu=0]", "g[lr=0.01,mu=0.5]", "g[lr=0.1,mu=0]", "g[lr=0.1,mu=0.5]", "plain"]
+    assert [v.name for v in variants] == names
+    assert [len(v.runs) for v in variants] == [2, 2, 2, 2, 3]
+    assert [v.summaries[0]["personalized_acc_mean"] for v in variants[:4]] == [0.01, 0.51, 0.1, 0.6]
+
+
+def test_a_grid_variant_named_as_another_variant_is_one_line(tmp_path):
+    grid = _grid(tmp_path / "lam", {0.1: [0.8], 2.0: [0.7]})
+    alone = _run_of(tmp_path, "alone", final=0.9)
+    with pytest.raises(ConfigError) as err:
+        collect({"lam[lambda=0.1]": alone, "lam": grid})
+    assert f"two variants named 'lam[lambda=0.1]' (from {alone} and {grid}); give each directory its own" in str(
+        err.value
+    )
+
+
+def test_runs_of_different_algorithms_are_variants_by_algorithm(tmp_path):
     for i, algorithm in enumerate(("fedara", "fedcspack", "floral")):  # all seed 0
         _run_of(tmp_path / "mix", algorithm, algorithm=algorithm, options={"lr": 0.05 * (i + 1)})
-    err = _report_error([f"all={tmp_path / 'mix'}"], tmp_path, capsys)
-    assert f"variant 'all' ({tmp_path / 'mix'}) holds runs that differ in more than the seed" in err
-    assert "algorithm (fedara in fedara; fedcspack in fedcspack; floral in floral)" in err
-    assert "report each configuration as its own variant, NAME=DIR" in err
-    assert "lr (" not in err  # the options of different algorithms are not compared key by key
+    variants = collect({"all": tmp_path / "mix"})
+    # the options of different algorithms are not compared key by key: lr names none of them
+    assert [v.name for v in variants] == ["all[algorithm=fedara]", "all[algorithm=fedcspack]", "all[algorithm=floral]"]
 
 
 @pytest.mark.parametrize(
-    "second, expected",
+    "second, names",
     [
-        ({"rounds": 50}, "rounds (10 in seed0; 50 in seed1)"),
-        ({"options": {"lr": 0.1}}, "lr (0.05 in seed0; 0.1 in seed1)"),
-        ({"dataset": "mnist", "num_clients": 100}, "dataset (digits in seed0; mnist in seed1), num_clients (20 in"),
+        ({"rounds": 50}, ["v[rounds=10]", "v[rounds=50]"]),
+        ({"options": {"lr": 0.1}}, ["v[lr=0.05]", "v[lr=0.1]"]),
+        (
+            {"dataset": "mnist", "num_clients": 100},
+            ["v[dataset=digits,num_clients=20]", "v[dataset=mnist,num_clients=100]"],
+        ),
     ],
 )
-def test_runs_that_differ_in_a_key_that_changes_the_numbers_are_refused(second, expected, tmp_path, capsys):
+def test_runs_that_differ_in_a_key_that_changes_the_numbers_are_not_pooled(second, names, tmp_path, capsys):
     _run_of(tmp_path / "v", "seed0", seed=0, dataset="digits", num_clients=20)
     _run_of(tmp_path / "v", "seed1", seed=1, **{"dataset": "digits", "num_clients": 20, **second})
-    err = _report_error([str(tmp_path / "v")], tmp_path, capsys)
-    assert "variant 'v'" in err and expected in err
+    assert [(v.name, v.seeds) for v in collect({"v": tmp_path / "v"})] == [(names[0], [0]), (names[1], [1])]
+    err = _report_error([str(tmp_path / "v"), "--claim", "v>v[lr=0.05]"], tmp_path, capsys)
+    assert f"--claim: unknown variant 'v'; variants: {', '.join(names)}" in err
 
 
 def test_runs_may_differ_in_the_seed_and_in_keys_that_change_no_number(tmp_path):

@@ -274,3 +274,60 @@ def test_vmapped_members_match_each_member_alone_bit_for_bit():
         assert metrics[m].keys() == rows_alone.keys()
         for key, want in rows_alone.items():
             np.testing.assert_array_equal(metrics[m][key], want, err_msg=key)
+
+
+def test_a_sweep_of_a_user_built_simulation_runs_each_member_as_it_runs_alone(digits, mlp, tmp_path):
+    """Sweep.of_simulation: research code's own simulation (its algorithm built by a function of
+    the swept lr, each seed on its own partition) driven into one run directory per member; each
+    member (differing from the template simulation in lr, and the second in seed and data too)
+    gives the rows of its simulation run alone, and jaxfed report pools the two seeds."""
+    from jaxfed.algorithms.fedavg import fedavg
+    from jaxfed.cli.report import collect
+    from jaxfed.runs.driver import run_simulation
+    from jaxfed.runs.rundir import LoopSettings
+    from jaxfed.runs.sweep import run_simulation_sweep
+    from jaxfed.simulation import Simulation
+
+    datas = {seed: make_federation(digits, num_clients=6, seed=seed, alpha=0.5) for seed in (0, 1)}
+
+    def algorithm(lr):
+        return fedavg(mlp, lr=lr, local_epochs=1, batch_size=32)
+
+    def simulation(seed, lr):
+        return Simulation(algorithm(lr), mlp, datas[seed], participation=0.5, seed=seed, client_chunk=1)
+
+    sim = simulation(0, 0.01)  # the template: its lr is not the members'
+    sweep = Sweep.of_simulation(sim, seeds=[0, 1], values={"lr": [0.2]}, algorithm=algorithm, data=datas)
+    settings = LoopSettings(rounds=1, eval_every=1, rounds_per_call=1, checkpoint_every=0)
+    outs, summaries = run_simulation_sweep(sweep, tmp_path / "sweep", settings, progress=False, log=lambda m: None)
+    assert [o.name for o in outs] == ["seed0_lr0.2", "seed1_lr0.2"] and not sim.strategy.members_as_clients
+    for m, seed in enumerate((0, 1)):
+        run_simulation(simulation(seed, 0.2), tmp_path / f"alone{seed}", settings, progress=False, log=print)
+        swept, single = rows(outs[m]), rows(tmp_path / f"alone{seed}")
+        assert [r["round"] for r in swept] == [r["round"] for r in single] == [1]
+        assert swept[0].keys() == single[0].keys()
+        for key in swept[0]:  # lr traced instead of folded into the program: equal to float32 rounding
+            np.testing.assert_allclose(swept[0][key], single[0][key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]  # the seeds differ
+    config = json.loads((outs[1] / "config.json").read_text())
+    assert config["seed"] == 1 and config["options"] == {"lr": 0.2} and config["algorithm"] == "fedavg"
+    assert [(v.name, v.seeds) for v in collect({"s": tmp_path / "sweep"})] == [("s", [0, 1])]
+
+
+def test_a_sweep_of_a_simulation_says_what_it_needs_in_one_line(digits_federation, mlp):
+    from jaxfed.algorithms.fedavg import fedavg
+    from jaxfed.simulation import Simulation
+
+    sim = Simulation(fedavg(mlp, lr=0.05), mlp, digits_federation)
+    cases = [
+        ({"seeds": [0, 0]}, "seeds: values repeat in [0, 0]"),
+        ({"seeds": [-1]}, "seeds: expected one or more ints in [0, 2**32), got [-1]"),
+        ({"values": {"lr": [0.1]}}, "algorithm: values ['lr'] are swept, so give algorithm="),
+        ({"values": {"lr": ["0.1"]}, "algorithm": len}, "values['lr']: expected one or more numbers"),
+        ({"values": {"seed": [1]}, "algorithm": len}, "values: 'seed' is not a keyword the algorithm can take"),
+        ({"data": {}}, "data: no FederatedData for seed(s) [0]"),
+    ]
+    for arguments, expected in cases:
+        with pytest.raises(ConfigError) as err:
+            Sweep.of_simulation(sim, **arguments)
+        assert expected in str(err.value) and "\n" not in str(err.value)

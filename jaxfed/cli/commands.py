@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         "variants",
         nargs="+",
         metavar="[NAME=]DIR",
-        help="a variant: a directory of run directories over seeds (a sweep's), or one run directory",
+        help="a variant: a directory of run directories over seeds (a sweep's), or one run directory; a grid "
+        "sweep's directory is one variant per configuration, NAME[key=value,...]",
     )
     report.add_argument("--out", required=True, help="directory for report.md, .json, .csv and .png")
     report.add_argument(

@@ -1,12 +1,15 @@
 """Results with error bars: variants of an experiment, each run over several seeds, as one table,
 one per-seed file and one plot of the curves with their spread.
 
-A *variant* is a directory whose run directories (``<variant>/<member>/summary.json``, e.g. the
-members ``seed0_lr0.05 ...`` of a ``jaxfed sweep``) are the same configuration over different
-seeds; a variant that is itself one run directory counts as one seed. :func:`collect` reads
-them and refuses, in one line, what is not that: runs whose configs differ in more than the
-seed and the keys that change no number (:data:`~jaxfed.runs.rundir.NEUTRAL_KEYS`), a seed twice, a
-run directory holding run directories too, variants of different tasks. :func:`summarize`
+A *variant* is one configuration over different seeds: a directory whose run directories
+(``<variant>/<member>/summary.json``, e.g. the members ``seed0_lr0.05 ...`` of a ``jaxfed
+sweep``) differ only in the seed and the keys that change no number
+(:data:`~jaxfed.runs.rundir.NEUTRAL_KEYS`); a variant that is itself one run directory counts as
+one seed. A directory whose runs differ in more (a sweep's grid: ``--grid lambda=0.1,1``) is
+split by :func:`configurations` into one variant per combination of the keys that differ, named
+``NAME[lambda=0.1]``; the seed is never one of those keys, so seeds are pooled only within a
+variant. :func:`collect` reads them and refuses, in one line, a seed twice in one variant, a run
+directory holding run directories too, variants of different tasks. :func:`summarize`
 gives mean and sample standard deviation per metric, :func:`verdict` judges a claim "A above
 B" (or "A above B minus a margin": "within a few points of B") against the seeds' spread (a
 difference under two standard errors is inconclusive; unpaired, the conservative test, with
@@ -67,20 +70,64 @@ def _finished(run: Path) -> bool:
 
 
 def collect(variants: dict[str, Path]) -> list[Variant]:
-    """``{name: directory}`` -> the variants' runs, summaries and rows (a ConfigError for a
-    directory without finished runs, or for runs that are not one configuration over distinct
-    seeds, or for variants of different tasks)."""
-    collected = []
+    """``{name: directory}`` -> the variants' runs, summaries and rows: a directory of one
+    configuration is the variant ``name``, a grid's is one variant per configuration,
+    ``name[key=value,...]`` (:func:`configurations`). A ConfigError for a directory without
+    finished runs, for a variant whose runs are not one configuration over distinct seeds, for
+    two variants of one name, or for variants of different tasks."""
+    collected, given = [], {}
     for name, directory in variants.items():
         runs = run_dirs(directory)
         if not runs:
             raise ConfigError(f"report: {directory} holds no finished run (no summary.json in it or below it)")
-        summaries = [read_json(run / "summary.json") for run in runs]
-        configs, rows = zip(*(read_run(run) for run in runs))
-        check_one_configuration(f"report: variant '{name}' ({directory})", runs, list(configs))
-        collected.append(Variant(name, runs, summaries, list(rows), [c.get("seed") for c in configs]))
+        read = [read_run(run) for run in runs]
+        for label, members in configurations([config for config, _ in read]):
+            variant = f"{name}[{label}]" if label else name
+            if variant in given:
+                raise ConfigError(
+                    f"report: two variants named '{variant}' (from {given[variant]} and {directory}); "
+                    "give each directory its own NAME=DIR"
+                )
+            given[variant] = directory
+            these = [runs[i] for i in members]
+            configs, rows = [read[i][0] for i in members], [read[i][1] for i in members]
+            check_one_configuration(f"report: variant '{variant}' ({directory})", these, configs)
+            summaries = [read_json(run / "summary.json") for run in these]
+            collected.append(Variant(variant, these, summaries, rows, [c.get("seed") for c in configs]))
     check_one_task(collected)
     return collected
+
+
+def configurations(configs: list[dict]) -> list[tuple[str, list[int]]]:
+    """The runs of one directory (their ``configs``) grouped into configurations: ``[(label,
+    indices)]``, ``label`` the keys that tell the group from the others, as ``key=value,...``
+    (``""`` for one configuration). Those keys are the run keys whose values differ between the
+    runs and the options that differ between the runs of one algorithm (the options of
+    different algorithms are not compared, the algorithm is); never the seed or a key that
+    changes no number (:data:`~jaxfed.runs.rundir.NEUTRAL_KEYS`). Ordered by value (numbers as
+    numbers)."""
+    ignored = NEUTRAL_KEYS | {"seed"}
+    run_keys = set(differing_keys([{k: v for k, v in c.items() if k != "options"} for c in configs], ignored))
+    by_algorithm: dict[str, list[dict]] = {}
+    for config in configs:
+        by_algorithm.setdefault(json.dumps(config.get("algorithm")), []).append(config)
+    option_keys = {algorithm: set(differing_keys(same, ignored)) for algorithm, same in by_algorithm.items()}
+    groups: dict[str, list[int]] = {}
+    order: dict[str, tuple] = {}
+    for i, config in enumerate(configs):
+        flat = flat_config(config)
+        keys = sorted(run_keys | option_keys[json.dumps(config.get("algorithm"))])
+        label = ",".join(f"{key}={show(flat[key])}" for key in keys)
+        groups.setdefault(label, []).append(i)
+        order[label] = tuple((key, _by_value(flat[key])) for key in keys)
+    return sorted(groups.items(), key=lambda group: order[group[0]])
+
+
+def _by_value(value) -> tuple:
+    """A sort key: numbers by value, before anything else by its JSON text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, value, "")
+    return (1, 0, json.dumps(value, sort_keys=True))
 
 
 def check_one_configuration(variant: str, runs: list[Path], configs: list[dict]) -> None:
@@ -217,7 +264,7 @@ def parse_claim(text: str) -> Claim:
 def parse_paper_value(text: str) -> tuple[str, str]:
     """``"fedavg=84.39"`` -> ``("fedavg", "84.39")``: a paper's reported number for a variant,
     shown as written (papers report percent, fractions or "n/a")."""
-    name, sep, value = text.partition("=")
+    name, sep, value = text.rpartition("=")  # a grid's variant names hold "=" too
     if not sep or not name.strip() or not value.strip():
         raise ConfigError(f"--paper: expected 'VARIANT=NUMBER', got '{text}'")
     return name.strip(), value.strip()

@@ -125,13 +125,18 @@ def flat_config(config: dict) -> dict:
 
 
 def show(value, key: str = "") -> str:
-    """A config value in a label: lists comma-separated; a model by :func:`jaxfed.nn.user.label`
-    (a user's file by its name, not its absolute path), an empty one as the dataset's default."""
+    """A config value as a label or a name: a model by :func:`jaxfed.nn.user.label` (a user's file
+    by its name, not its absolute path), an empty one as the dataset's default; a float as ``:g``
+    writes it (``0.05``, ``1e-05``, ``2``) where that reads back as the same number, else its
+    shortest exact form (``0.1234567``), so distinct values get distinct names; a list
+    comma-separated."""
     if key == "model":
         from jaxfed.nn.user import label
 
         return label(str(value)) if value else "default"
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    if isinstance(value, float):
+        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
+    return ",".join(map(show, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_mean") -> Path:

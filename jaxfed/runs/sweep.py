@@ -12,7 +12,10 @@ be plotted with the others or continued alone with ``jaxfed run --out DIR --resu
 ``run_grid(..., resume=True)`` (``jaxfed sweep ... --resume``) continues an interrupted sweep:
 finished members are skipped, the others go on from their newest checkpoints (or from the start)
 as compiled sweeps again, one per shape group and round (:func:`resume_point`,
-:func:`resume_batches`), with the numbers of the sweep left alone.
+:func:`resume_batches`), with the numbers of the sweep left alone. ``Sweep.of_simulation(sim,
+seeds, values, algorithm)`` sweeps a :class:`~jaxfed.simulation.Simulation` research code built
+itself (its algorithm built from the traced values); :func:`run_simulation_sweep` drives it into
+one run directory per member, as ``run_simulation`` drives one simulation.
 
 How the members are stacked: each configuration is built as ``jaxfed run`` would build it (its
 seed partitions the data on the host); the per-client index tables are padded to a common width
@@ -25,6 +28,7 @@ every member of a group.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import sys
@@ -44,7 +48,7 @@ from jaxfed.runs.build import build, build_algorithm, build_data, build_model, b
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
-from jaxfed.runs.plots import read_json
+from jaxfed.runs.plots import read_json, show
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -80,17 +84,8 @@ def member_name(config: Config, keys=()) -> str:
     """A member's run directory name: ``seed<seed>_lr<lr>``, then ``_<key><value>`` for each
     other swept key."""
     values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
-    extra = "".join(f"_{key}{_short(values[key])}" for key in keys if key not in ("seed", "lr"))
-    return f"seed{config.seed}_lr{_short(config.options.lr)}{extra}"
-
-
-def _short(value) -> str:
-    """A value as a name: a float as ``:g`` writes it (``0.05``, ``1e-05``) where that reads back
-    as the same number, else its shortest exact form (``0.1234567``), so distinct values get
-    distinct names."""
-    if isinstance(value, float):
-        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
-    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+    extra = "".join(f"_{key}{show(values[key])}" for key in keys if key not in ("seed", "lr"))
+    return f"seed{config.seed}_lr{show(config.options.lr)}{extra}"
 
 
 def differing_keys(configs: list[Config]) -> list[str]:
@@ -215,7 +210,13 @@ def stack_data(datas: list[FederatedData]) -> tuple[FederatedData, FederatedData
 
 class Sweep:
     """The members' simulations as one: ``init()``, ``run_rounds(states, n)`` and
-    ``evaluate(states)`` act on states stacked along a leading experiment axis."""
+    ``evaluate(states)`` act on states stacked along a leading experiment axis.
+
+    ``Sweep(configs)`` builds the members from :class:`Config` s (registered datasets, algorithms
+    and models); :meth:`of_simulation` from a :class:`~jaxfed.simulation.Simulation` research code
+    built itself. Either way a member is a template simulation with its own root key (its seed),
+    its own traced option values (the algorithm built from them) and its own data where it has
+    some (:func:`stack_data`): ``members`` lists each one's seed and values."""
 
     def __init__(self, configs: list[Config], traced=None):
         traced = ["lr", *(k for k in (traced or ()) if k != "lr")]
@@ -225,16 +226,61 @@ class Sweep:
         first = configs[0]
         self.parts = _member_data(configs)
         model = build_model(first, self.parts[0])
-        self.template = build_simulation(first, build_algorithm(first, model), model, self.parts[0])
-        self.num_members, self.nonfinite = len(configs), self.template.nonfinite
-        self.data, self.data_axes = stack_data([part.data for part in self.parts])
-        self.seeds = jnp.asarray([c.seed for c in configs], jnp.uint32)
-        self.values = {}  # option field -> [members]: the traced values
-        for key in traced:
-            name = type(configs[0].options).field_for(key).name
-            self.values[name] = jnp.asarray([getattr(c.options, name) for c in configs], jnp.float32)
-        chunk = configs[0].member_chunk
-        self.member_chunk = default_client_chunk(jax.devices()[0].platform) if chunk < 0 else chunk
+        template = build_simulation(first, build_algorithm(first, model), model, self.parts[0])
+        names = [type(first.options).field_for(key).name for key in traced]
+
+        def algorithm(**values):
+            options = dataclasses.replace(first.options, **values)
+            return registry.get(first.algorithm).build(model, options, first)
+
+        members = [{"seed": c.seed, **{name: getattr(c.options, name) for name in names}} for c in configs]
+        self._stack(template, [part.data for part in self.parts], members, algorithm, first.member_chunk)
+
+    @classmethod
+    def of_simulation(
+        cls, sim, seeds=(0,), values: dict | None = None, algorithm=None, *, data: dict | None = None, member_chunk=-1
+    ) -> Sweep:
+        """A sweep whose members are ``sim`` (a :class:`~jaxfed.simulation.Simulation` built by
+        hand: any algorithm, model and data) over ``seeds x`` every combination of ``values``
+        (``{name: [numbers]}``), seed first, run as one compiled program.
+
+        A member of seed ``s`` and values ``v`` computes what ``sim`` built with ``seed=s`` and
+        the algorithm ``algorithm(**v)`` computes alone, on ``sim``'s data (or ``data[s]``:
+        each seed's own :class:`~jaxfed.data.FederatedData`, of ``sim``'s clients and example
+        arrays). ``algorithm`` is called once, with the values as traced float32 scalars: it
+        may compute with them (learning rates, penalties, ...), not branch on them or make
+        shapes of them (sweep such a value with one Sweep per value). Without ``values`` the
+        members are ``sim``'s algorithm over ``seeds``. ``member_chunk`` as the run key (-1:
+        one member after another on CPU, vmapped on accelerators)."""
+        values = {name: list(given) for name, given in (values or {}).items()}
+        check_simulation_sweep(sim, seeds, values, algorithm, data)
+        values = {name: [float(v) for v in given] for name, given in values.items()}  # as config.json records
+        members = [
+            {"seed": int(seed), **dict(zip(values, combination))}
+            for seed in seeds
+            for combination in itertools.product(*values.values())
+        ]
+        template = sim.variant(sim.root, sim.algorithm)
+        template.strategy = copy.copy(sim.strategy)  # the sweep sets how its members' clients run
+        datas = [sim.data if data is None else data[m["seed"]] for m in members]
+        sweep = cls.__new__(cls)
+        sweep.configs, sweep.parts = [], []
+        build = algorithm or (lambda: sim.algorithm)
+        sweep._stack(template, datas, members, build, member_chunk)
+        return sweep
+
+    def _stack(self, template, datas: list[FederatedData], members: list[dict], algorithm, member_chunk: int):
+        """The members (``{"seed": s, name: value, ...}`` each, the same names in each) of
+        ``template`` as one program: ``algorithm(**values)`` builds a member's algorithm from
+        its traced values."""
+        self.template, self.members, self._algorithm = template, members, algorithm
+        self.num_members, self.nonfinite = len(members), template.nonfinite
+        self.data, self.data_axes = stack_data(datas)
+        self.seeds = jnp.asarray([m["seed"] for m in members], jnp.uint32)
+        self.values = {  # option field -> [members]: the traced values
+            name: jnp.asarray([m[name] for m in members], jnp.float32) for name in members[0] if name != "seed"
+        }
+        self.member_chunk = default_client_chunk(jax.devices()[0].platform) if member_chunk < 0 else member_chunk
         self.template.strategy.members_as_clients = self.member_chunk != 1  # vmapped members: one client axis
         self.compile_seconds = 0.0
         self._executables: dict[int, object] = {}
@@ -271,10 +317,7 @@ class Sweep:
 
     def _member(self, seed, values):
         """The template simulation with this member's root key and traced option values."""
-        config = self.configs[0]
-        options = dataclasses.replace(config.options, **values)
-        algorithm = registry.get(config.algorithm).build(self.template.model, options, config)
-        return self.template.variant(jax.random.key(seed), algorithm)
+        return self.template.variant(jax.random.key(seed), self._algorithm(**values))
 
     def init(self):
         with self.template.precision():
@@ -307,7 +350,7 @@ class Sweep:
     def evaluate(self, states) -> list[dict]:
         with self.template.precision():
             metrics = jax.device_get(self._evaluate(self.seeds, self.values, states, self.data))
-        return [host_metrics(jax.tree.map(lambda v, i=i: v[i], metrics)) for i in range(len(self.configs))]
+        return [host_metrics(jax.tree.map(lambda v, i=i: v[i], metrics)) for i in range(self.num_members)]
 
 
 def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None, resume=False):
@@ -412,47 +455,47 @@ def run_sweep(
 
 
 def _run_members(configs, dirs, start, progress, log, traced, resume=False) -> list[dict]:
-    config = configs[0]
     sweep = Sweep(configs, traced)
+    settings, partitions = LoopSettings.of(configs[0]), [part.partition_summary for part in sweep.parts]
+    return _drive_members(
+        sweep, [c.to_dict() for c in configs], dirs, settings, start, progress, log, resume, partitions
+    )
+
+
+def _drive_members(sweep, configs: list[dict], dirs, settings, start, progress, log, resume, partitions) -> list[dict]:
+    """Every member of ``sweep`` through :func:`~jaxfed.runs.driver.drive` into its locked run
+    directory (``configs``: what each one's ``config.json`` records), from the start or
+    (``resume``) from each one's newest checkpoint; each one's summary."""
     states = sweep.init()
     if resume:
-        states, records = restore_members(sweep, states, dirs, log)
+        states, records = restore_members(sweep, states, dirs, configs, log)
     else:
-        records = [RunRecord(c.to_dict()) for c in configs]
+        records = [RunRecord(c) for c in configs]
     for c, directory, record in zip(configs, dirs, records):
-        directory.start(c.to_dict(), record.rows)
-    drive(
-        sweep,
-        states,
-        dirs,
-        records,
-        LoopSettings.of(config),
-        start=start,
-        progress=progress,
-        desc=f"sweep of {len(configs)}",
-    )
+        directory.start(c, record.rows)
+    drive(sweep, states, dirs, records, settings, start=start, progress=progress, desc=f"sweep of {len(configs)}")
     summaries = []
     sweep.template.compile_seconds = sweep.compile_seconds
-    for part, record, directory in zip(sweep.parts, records, dirs):
-        result = summary(sweep.template, record, time.perf_counter() - start, partition=part.partition_summary)
+    for partition, record, directory in zip(partitions, records, dirs):
+        result = summary(sweep.template, record, time.perf_counter() - start, partition=partition)
         result["sweep_members"] = len(configs)
         directory.finish(result, record.rows, log)
         summaries.append(result)
     return summaries
 
 
-def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], log):
+def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], configs: list[dict], log):
     """``(states, records)``: each member's state and record from its newest readable checkpoint
-    (a member without one keeps its initial state in ``states``), stacked and placed as ``states``
-    is. A ConfigError if they come back at different rounds (one compiled sweep runs them
-    together): a checkpoint whose record reads but whose state does not is set aside, so the same
-    command run again plans from the round that reads."""
+    (a member without one keeps its initial state in ``states``; ``configs``: what each records),
+    stacked and placed as ``states`` is. A ConfigError if they come back at different rounds (one
+    compiled sweep runs them together): a checkpoint whose record reads but whose state does not
+    is set aside, so the same command run again plans from the round that reads."""
     members, records = [], []
-    for i, (config, directory) in enumerate(zip(sweep.configs, dirs)):
-        state, record = sweep.member(states, i), RunRecord(config.to_dict())
+    for i, (config, directory) in enumerate(zip(configs, dirs)):
+        state, record = sweep.member(states, i), RunRecord(config)
         if directory.checkpoints.rounds():
             state, record = directory.restore(state, log)
-            record.config = config.to_dict()
+            record.config = config
         members.append(state)
         records.append(record)
     rounds = [int(member.round) for member in members]
@@ -464,3 +507,89 @@ def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], log):
         )
     stacked = jax.tree.map(lambda like, *xs: jax.device_put(jnp.stack(xs), like.sharding), states, *members)
     return stacked, records
+
+
+def check_simulation_sweep(sim, seeds, values: dict, algorithm, data) -> None:
+    """One-line ConfigErrors for :meth:`Sweep.of_simulation`'s arguments."""
+    if sim.client_state == "host":
+        raise ConfigError(
+            "client_state: host is for single runs; a sweep's members keep their client states on the device "
+            "(build the simulation with client_state='device')"
+        )
+    seeds = list(seeds)
+    if not seeds or any(
+        isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2**32 for s in seeds
+    ):
+        raise ConfigError(f"seeds: expected one or more ints in [0, 2**32), got {seeds}")
+    for name, given in (("seeds", seeds), *((f"values[{k!r}]", list(v)) for k, v in values.items())):
+        if len(set(given)) < len(given):
+            raise ConfigError(f"{name}: values repeat in {given}; each member needs its own run directory")
+    for name, given in values.items():
+        if name == "seed" or not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"values: {name!r} is not a keyword the algorithm can take (nor 'seed': give seeds=)")
+        if not given or any(isinstance(v, bool) or not isinstance(v, (int, float, np.number)) for v in given):
+            raise ConfigError(f"values[{name!r}]: expected one or more numbers (traced as float32), got {given}")
+    if values and algorithm is None:
+        raise ConfigError(
+            f"algorithm: values {sorted(values)} are swept, so give algorithm=, a function of them that builds the "
+            "FederatedAlgorithm (e.g. lambda lr: fedavg(model, lr=lr))"
+        )
+    if data is not None:
+        missing = [seed for seed in seeds if seed not in data]
+        if missing:
+            raise ConfigError(f"data: no FederatedData for seed(s) {missing}; give one per seed, or none")
+        for seed in seeds:
+            shapes = {f: np.shape(getattr(data[seed], f)) for f in ("x_train", "y_train", "x_test", "y_test")}
+            expected = {f: np.shape(getattr(sim.data, f)) for f in shapes}
+            if data[seed].num_clients != sim.num_clients or shapes != expected:
+                raise ConfigError(
+                    f"data[{seed}]: {data[seed].num_clients} clients and examples {shapes}; every member's data holds "
+                    f"the simulation's {sim.num_clients} clients and examples {expected}"
+                )
+
+
+def simulation_member_name(member: dict) -> str:
+    """A :meth:`Sweep.of_simulation` member's run directory name: ``seed<seed>``, then
+    ``_<name><value>`` for each swept value (as :func:`member_name` writes a config sweep's)."""
+    return f"seed{member['seed']}" + "".join(f"_{name}{show(v)}" for name, v in member.items() if name != "seed")
+
+
+def run_simulation_sweep(
+    sweep: Sweep,
+    out: str | Path,
+    settings: LoopSettings | int,
+    *,
+    config: dict | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    log=None,
+) -> tuple[list[Path], list[dict]]:
+    """Run a :meth:`Sweep.of_simulation` into one run directory per member,
+    ``out/<simulation_member_name>``, as :func:`~jaxfed.runs.driver.run_simulation` runs one
+    simulation (metrics, checkpoints, summary, plots; ``resume``: every member from its newest
+    checkpoint). Each member's ``config.json`` is ``config`` (default: the algorithm's name and
+    the loop settings) with its ``seed`` and its values under ``options``, so ``jaxfed report
+    out`` makes one variant per combination of values. Returns ``(out_dirs, summaries)``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    settings = LoopSettings(settings) if isinstance(settings, int) else settings
+    start = time.perf_counter()
+    base = config or {"algorithm": sweep.template.algorithm.name, **settings._asdict()}
+    configs = [
+        {
+            **base,
+            "seed": m["seed"],
+            "options": {**base.get("options", {}), **{k: v for k, v in m.items() if k != "seed"}},
+        }
+        for m in sweep.members
+    ]
+    outs = [Path(out) / simulation_member_name(m) for m in sweep.members]
+    dirs = [RunDirectory(path, settings.keep_checkpoints) for path in outs]
+    with contextlib.ExitStack() as locks:
+        for directory in dirs:
+            locks.enter_context(directory.locked())
+            if not resume:
+                refuse_taken(directory)
+            elif not directory.checkpoints.rounds():
+                directory.refuse_existing()  # results without a checkpoint cannot be continued
+        partitions = [None] * sweep.num_members
+        return outs, _drive_members(sweep, configs, dirs, settings, start, progress, log, resume, partitions)
