@@ -388,6 +388,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=_server_init(model, adapted, options.init),
         broadcast=_broadcaster(options),
         client_update=client_update,
@@ -466,6 +467,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
 
     return FederatedAlgorithm(
         name="pfedloru",
+        options=options,
         init=init,
         broadcast=_broadcaster(options),
         client_update=client_update,
@@ -557,6 +559,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
 
     return FederatedAlgorithm(
         name="mfedloru",
+        options=options,
         init=_server_init(model, adapted, options.init),
         broadcast=broadcast,
         client_update=client_update,

@@ -267,6 +267,7 @@ def floral(
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
@@ -311,6 +312,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
 
     return FederatedAlgorithm(
         name="local_adaptor",
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
