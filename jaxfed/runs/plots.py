@@ -2,8 +2,9 @@
 
 ``plot_runs(dirs, out_file)`` draws one line per run, labelled by its algorithm and the config
 keys in which the runs differ. ``jaxfed plot`` and the end of ``jaxfed run`` call it.
-:func:`read_run` and :func:`read_json` read a run directory's files (``jaxfed report`` too): a
-damaged one, or an ``out_file`` that cannot be written, is a one-line ConfigError.
+:func:`read_run` and :func:`read_json` read a run directory's files (``jaxfed report`` and
+:func:`jaxfed.load_runs` too; :func:`run_dirs_below` finds a sweep's): a damaged one, or an
+``out_file`` that cannot be written, is a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     config_file = run_dir / "config.json"
     config = read_json(config_file) if config_file.exists() else {}
     return config, rows
+
+
+def run_dirs_below(path: str | Path) -> list[Path]:
+    """The run directories (holding a ``config.json``) right below ``path``: a sweep's members."""
+    path = Path(path)
+    return sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
 
 
 def read_json(path: Path) -> dict:
