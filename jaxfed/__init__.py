@@ -20,7 +20,10 @@ The public API, importable from here:
   has the CLI, config files, ``--set``, checkpoints, resume, metrics, plots and sweeps.
 - ``build(config)``: the data, model, algorithm and ``Simulation`` of a config.
 - ``run(config, out_dir)``: ``jaxfed run``; ``run_simulation(sim, out_dir, settings)`` drives a
-  ``Simulation`` built in research code with ``LoopSettings``.
+  ``Simulation`` built in research code with ``LoopSettings``; both take ``on_evaluation=fn``,
+  called with each evaluated metrics row.
+- ``load_runs(dirs)``: run directories (or a sweep's directory) as flat records, one per
+  evaluated row (or per run): ``pandas.DataFrame(jaxfed.load_runs(dirs))``.
 - ``save_state`` / ``load_state``: orbax checkpoints of a simulation state.
 - ``FederatedAlgorithm``, ``Aggregation``, ``RoundInfo``: the algorithm contract;
   ``server_step(algorithm, server_state, uploads, weights)``: the server's step on stacked uploads.
@@ -39,6 +42,7 @@ _LAZY = {  # name -> module: the heavier pieces (the engine, orbax) load when fi
     "RoundInfo": "jaxfed.contract",
     "Simulation": "jaxfed.simulation",
     "build": "jaxfed.runs.build",
+    "load_runs": "jaxfed.runs.results",
     "load_state": "jaxfed.runs.checkpoint",
     "run": "jaxfed.runs.driver",
     "run_simulation": "jaxfed.runs.driver",
@@ -69,6 +73,7 @@ __all__ = [
     "RoundInfo",
     "Simulation",
     "build",
+    "load_runs",
     "load_state",
     "register",
     "run",

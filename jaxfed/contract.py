@@ -341,6 +341,10 @@ class FederatedAlgorithm(NamedTuple):
       message_bytes: (accounting) :class:`MessageBytesFn`; default: the upload's arrays.
       download_bytes: (accounting) :class:`DownloadBytesFn`; default: all of ``message_down``.
       init_client: (client init) :class:`InitClientFn`; default: every client starts alike.
+      options: (description) the algorithm's options (a :class:`jaxfed.options.Options`) the
+        record was built with, for the record only: the engine never reads it. Every built-in's
+        constructor and the registry's build set it; run directories record it (``config.json``)
+        and a resume compares it with the checkpoint's (:mod:`jaxfed.runs.fingerprint`). None: unknown.
     """
 
     name: str
@@ -366,6 +370,8 @@ class FederatedAlgorithm(NamedTuple):
     download_bytes: DownloadBytesFn | None = None
     # client init
     init_client: InitClientFn | None = None
+    # description
+    options: Any = None
 
 
 def check_server_step(algorithm: FederatedAlgorithm) -> None:

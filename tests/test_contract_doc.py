@@ -136,7 +136,7 @@ def test_the_contract_page_matches_the_code():
 
 def test_every_function_field_has_a_protocol():
     functions = protocols()
-    data_fields = {"name", "num_tiers", "evaluates_global", "eval_model", "aggregation"}
+    data_fields = {"name", "num_tiers", "evaluates_global", "eval_model", "aggregation", "options"}
     assert set(functions) == set(FederatedAlgorithm._fields) - data_fields | set(Aggregation._fields)
 
 

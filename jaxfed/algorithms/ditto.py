@@ -88,6 +88,7 @@ def ditto(model, options: DittoOptions | None = None, **overrides) -> FederatedA
 
     return FederatedAlgorithm(
         name="ditto",
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

@@ -94,6 +94,7 @@ def ensemble(
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,

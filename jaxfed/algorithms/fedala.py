@@ -215,6 +215,7 @@ def fedala(model, options: FedALAOptions | None = None, **overrides) -> Federate
 
     return FederatedAlgorithm(
         name="fedala",
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

@@ -264,6 +264,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

@@ -110,6 +110,7 @@ def fedavg(
     has_private_stats = bool(model_template(model)[1])
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

@@ -96,6 +96,7 @@ def fedbabu(model, options: FedBABUOptions | None = None, **overrides) -> Federa
 
     return FederatedAlgorithm(
         name="fedbabu",
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state.params,
         client_update=client_update,

@@ -196,6 +196,7 @@ def fedcspack(model, options: FedCSPACKOptions | None = None, *, name: str = "fe
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,

@@ -311,6 +311,7 @@ def decomposed(
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,

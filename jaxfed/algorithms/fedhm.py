@@ -159,6 +159,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

@@ -399,6 +399,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=_server_init(model, adapted, options.init),
         broadcast=_broadcaster(options),
         client_update=client_update,
@@ -477,6 +478,7 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
 
     return FederatedAlgorithm(
         name="pfedloru",
+        options=options,
         init=init,
         broadcast=_broadcaster(options),
         client_update=client_update,
@@ -568,6 +570,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
 
     return FederatedAlgorithm(
         name="mfedloru",
+        options=options,
         init=_server_init(model, adapted, options.init),
         broadcast=broadcast,
         client_update=client_update,

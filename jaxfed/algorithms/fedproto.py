@@ -110,6 +110,7 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
 
     return FederatedAlgorithm(
         name="fedproto",
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,

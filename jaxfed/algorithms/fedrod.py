@@ -112,6 +112,7 @@ def fedrod(model, options: FedRoDOptions | None = None, **overrides) -> Federate
 
     return FederatedAlgorithm(
         name="fedrod",
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state.params,
         client_update=client_update,

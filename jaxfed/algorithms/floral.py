@@ -283,6 +283,7 @@ def floral(
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
@@ -327,6 +328,7 @@ def local_adaptor(model, options: LocalAdaptorOptions | None = None, **overrides
 
     return FederatedAlgorithm(
         name="local_adaptor",
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,

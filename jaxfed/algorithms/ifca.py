@@ -148,6 +148,7 @@ def ifca(model, options: IFCAOptions | None = None, *, num_clusters: int = 0, **
 
     return FederatedAlgorithm(
         name="ifca",
+        options=options,
         init=init,
         broadcast=lambda server_state, info: server_state.models,
         client_update=client_update,

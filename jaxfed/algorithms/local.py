@@ -43,6 +43,7 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
 
     return FederatedAlgorithm(
         name="local",
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

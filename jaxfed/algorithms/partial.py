@@ -122,6 +122,7 @@ def partially_shared(model, options, private_keys: list[str], train: LocalTraini
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

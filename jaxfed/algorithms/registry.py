@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import sys
@@ -149,7 +150,21 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
 
 def _spec(name: str, options: type[Options], build: Builder) -> AlgorithmSpec:
     doc = (build.__doc__ or options.__doc__ or "").strip().splitlines()
-    return AlgorithmSpec(name, options, build, doc[0] if doc else "")
+    return AlgorithmSpec(name, options, _carrying_options(build), doc[0] if doc else "")
+
+
+def _carrying_options(build: Builder) -> Builder:
+    """``build`` whose algorithm carries the options it was built with (its ``options`` field,
+    where the builder left it None): what run directories record and a resume compares."""
+
+    @functools.wraps(build)
+    def built(model, options, config):
+        algorithm = build(model, options, config)
+        if getattr(algorithm, "options", False) is None:
+            algorithm = algorithm._replace(options=options)
+        return algorithm
+
+    return built
 
 
 def builtin(name: str, options: type[Options], build: Builder) -> None:

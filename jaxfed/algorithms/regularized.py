@@ -116,6 +116,7 @@ def with_global_model(model, options, *, name: str, loss_for, init_client, keep)
 
     return FederatedAlgorithm(
         name=name,
+        options=options,
         init=init,
         broadcast=broadcast,
         client_update=client_update,

@@ -8,7 +8,12 @@
   when complete, so a run killed mid-save leaves the previous checkpoints intact. Each record
   carries SHA-256 digests of the state's arrays and of the record itself, checked on restore:
   a checkpoint that fails to restore or to verify (truncated, corrupt, bit-flipped, edited) is
-  skipped for the previous one with a one-line warning.
+  skipped for the previous one with a one-line warning. Each record also carries the state's
+  structure (:func:`state_signature`: its arrays' paths, dtypes and shapes), compared before the
+  state is read: a checkpoint of another structure than the one asked for (another algorithm's or
+  model's state) is not damaged but resumed by the wrong simulation, a one-line
+  :class:`StateStructureError`, and nothing is skipped or moved. (Orbax's own metadata cannot
+  tell the two apart: a truncated checkpoint's reads back as a part of its tree.)
 
 Everything random in a run derives from the config's seed and the round counter held in the
 state, so state + config are all a resume needs.
@@ -31,15 +36,73 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxfed.errors import first_line
+from jaxfed.errors import ConfigError, first_line
 
 STATE, RECORD = "state", "run"
 INTEGRITY = "integrity"
+STRUCTURE = "structure"  # the record's entry holding the state's signature
 _WARNED: set[Path] = set()  # unreadable checkpoints already reported in this process
 
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint whose contents differ from the digests recorded when it was saved."""
+
+
+class StateStructureError(ConfigError):
+    """A readable checkpoint whose state has another structure than the one it is restored into
+    (another algorithm's or model's): the wrong simulation resumes it; the checkpoint is fine."""
+
+
+def state_signature(tree) -> dict[str, str]:
+    """``{path: "dtype[shape]"}`` of a state's arrays (a PRNG key array as its key data, as it is
+    saved; concrete arrays, numpy arrays or ``ShapeDtypeStruct`` leaves alike)."""
+
+    def signature(leaf) -> str:
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+            shape, dtype = data.shape, data.dtype
+        return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+
+    return {_path_name(path): signature(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _path_name(path) -> str:
+    """``server.params.fc1.kernel``: a tree path (dict keys, attribute and field names, sequence
+    positions)."""
+    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return ".".join(str(part) for part in parts)
+
+
+def signature_difference(saved: dict[str, str], expected: dict[str, str]) -> str | None:
+    """How the saved state's :func:`state_signature` differs from the expected one (None: alike)."""
+    other = [k for k in expected if k in saved and saved[k] != expected[k]]
+    lacking = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    parts = [f"{k} is {saved[k]} there, {expected[k]} here" for k in other[:1]]
+    if len(other) > 1:
+        parts[0] += f" ({len(other) - 1} more arrays differ)"
+    if lacking:
+        parts.append(f"it lacks {_some(lacking)}")
+    if extra:
+        parts.append(f"it has {_some(extra)}, which this simulation's state lacks")
+    return ", ".join(parts) or None
+
+
+def check_structure(record: dict, like, where) -> None:
+    """A :class:`StateStructureError` when the checkpoint ``where``, of ``record``, holds a state
+    of another structure than ``like`` (a record from before structures were recorded: not checked)."""
+    saved = record.get(STRUCTURE)
+    difference = None if saved is None else signature_difference(saved, state_signature(like))
+    if difference is not None:
+        raise StateStructureError(
+            f"resume: the checkpoint {where} holds a state of another structure: {difference}; "
+            "resume with the simulation that wrote it"
+        )
+
+
+def _some(keys: list[str], most: int = 2) -> str:
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 def tree_digest(tree) -> str:
@@ -173,7 +236,7 @@ class RunCheckpoints:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         # A copy: the write runs in the background while the caller goes on updating its record.
-        record = sealed(json.loads(json.dumps(record)), state)
+        record = sealed({**json.loads(json.dumps(record)), STRUCTURE: state_signature(state)}, state)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)})
         self._manager.save(round_, args=args, force=True)
 
@@ -182,16 +245,20 @@ class RunCheckpoints:
 
     def read_record(self, round_: int) -> dict:
         """The run record of checkpoint ``round_``, verified against its digest."""
+        return self._record(round_)
+
+    def _record(self, round_: int) -> dict:
         args = ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()})
         return verify_record(self._manager.restore(round_, args=args)[RECORD])
 
     def restore(self, round_: int, like) -> tuple[Any, dict]:
-        args = ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(abstract_like(like)), RECORD: ocp.args.JsonRestore()}
-        )
-        restored = self._manager.restore(round_, args=args)
-        record = verify_record(restored[RECORD])
-        return verify_state(restored[STATE], record), record
+        """``(state, record)`` of checkpoint ``round_``, restored into ``like``'s structure and
+        placement, both verified against their digests. The record is read first: a state of
+        another structure than ``like``'s (its record says) is a :class:`StateStructureError`."""
+        record = self._record(round_)
+        check_structure(record, like, self.directory / str(round_))
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_like(like))})
+        return verify_state(self._manager.restore(round_, args=args)[STATE], record), record
 
     def newest(self, load: Callable[[int], Any], warn: Callable[[str], None] | None = None, at_most=None):
         """``(round, load(round))`` for the newest checkpoint (of a round ``<= at_most``, where
@@ -202,6 +269,8 @@ class RunCheckpoints:
             try:
                 with _quiet_abandoned_reads():
                     return round_, load(round_)
+            except StateStructureError:  # a good checkpoint, of another simulation: no older one is its
+                raise
             except Exception as err:  # a truncated or corrupt checkpoint: any reader error
                 where = self.directory / str(round_)
                 if where not in _WARNED:  # one line per checkpoint, however often it is read

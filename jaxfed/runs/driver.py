@@ -6,22 +6,30 @@ directory (:mod:`jaxfed.runs.rundir`) with metrics, checkpoints, ``resume=True``
 ``run(config, out_dir)`` is ``jaxfed run``: :func:`jaxfed.runs.build.build` then the same loop.
 ``jaxfed sweep`` runs its members through :func:`drive` too: the loop sees "members", one for a
 run, S for a sweep, each with its own run directory.
+
+A resume is refused, in one line and before anything is written, when the simulation differs from
+the one that wrote the checkpoint (:mod:`jaxfed.runs.fingerprint`; ``jaxfed run`` compares its
+config first) or its state is of another structure. ``on_evaluation(row)`` receives each
+evaluated metrics row as it is appended to ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from jaxfed.data import describe
+from jaxfed.data import describe as describe_partition
 from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host, split_host_for, to_host
+from jaxfed.runs.fingerprint import check_same_simulation, describe, fingerprint
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -122,9 +130,15 @@ def drive(
     start: float,
     progress: bool = True,
     desc: str = "",
+    on_evaluation: Callable[[dict], Any] | None = None,
 ) -> Any:
-    """Run the rounds still to do; append evaluations to each member's ``metrics.jsonl``, save
+    """Run the rounds still to do; append evaluations to each member's ``metrics.jsonl`` (and
+    pass a copy of each row to ``on_evaluation``, once the call's checkpoint is under way), save
     checkpoints. Returns the final (stacked) state.
+
+    An ``on_evaluation`` that raises stops the loop with its exception once every checkpoint
+    begun is complete: the run directory is as a run stopped there leaves it (``resume`` goes on
+    from the newest checkpoint, and rewrites ``metrics.jsonl`` up to it).
 
     Under ``nonfinite=error`` a member whose client update is non-finite stops the loop after
     every member's last good state is checkpointed: :class:`NonFiniteUpdateError` names the round
@@ -138,6 +152,15 @@ def drive(
         wall = time.perf_counter() - start
         for i, (directory, record) in enumerate(zip(dirs, records)):
             directory.save(members.member(state, i), record, wall, members.num_devices)
+
+    def notify(rows):
+        try:
+            for row in rows:
+                on_evaluation(json.loads(json.dumps(row)))  # a copy: the callback cannot change the record
+        except BaseException:
+            for directory in dirs:
+                directory.checkpoints.wait()
+            raise
 
     done = int(members.member(state, 0).round)
     bar = tqdm(
@@ -174,17 +197,20 @@ def drive(
                 raise err
             done += length
             bar.update(length)
+            rows = []
             if evaluate:
                 wall = time.perf_counter() - start
                 for directory, record, evaluation in zip(dirs, records, members.evaluate(state)):
                     per_client = evaluation.pop("clients", None)
-                    row = record.add_row(done, evaluation, wall)
-                    directory.append_row(row)
+                    rows.append(record.add_row(done, evaluation, wall))
+                    directory.append_row(rows[-1])
                     directory.write_clients(done, per_client)
                 name, value = headline(records[0].rows[-1])
                 bar.set_postfix({name: f"{value:.3f}", "up": human_bytes(records[0].rows[-1]["bytes_up_total"])})
             if checkpoint:
                 save_all(state)
+            if on_evaluation is not None:
+                notify(rows)
         for directory in dirs:
             directory.checkpoints.wait()
         return state
@@ -244,10 +270,12 @@ def run(
     resume: bool | ResumePoint = False,
     progress: bool = True,
     log=None,
+    on_evaluation: Callable[[dict], Any] | None = None,
 ) -> dict:
     """``jaxfed run``: build ``config`` (a :class:`Config`, or a dict of its keys:
     :meth:`Config.of`) and run it into ``out_dir`` (``resume``: continue it, from its newest
     readable checkpoint or the :class:`ResumePoint` given); return the summary.
+    ``on_evaluation(row)`` receives each evaluated metrics row as ``metrics.jsonl`` gets it.
 
     Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
     state; its ``checkpoint`` attribute says where.
@@ -271,19 +299,12 @@ def run(
         else:
             directory.refuse_existing()
         built = build(config)
-        log(f"partition: {describe(built.partition_summary)}")
-        settings = LoopSettings.of(config)
-        return _run_in(
-            directory,
-            built.simulation,
-            settings,
-            config.to_dict(),
-            resume,
-            at_most,
-            progress,
-            log,
-            built.partition_summary,
-        )
+        current = fingerprint(built.simulation)
+        if resume:  # the config is the checkpoint's: the data it reads, or a run_simulation directory, may not be
+            check_same_simulation(point.record.get("fingerprint"), current, directory.path, field="--resume")
+        log(f"partition: {describe_partition(built.partition_summary)}")
+        job = Run(LoopSettings.of(config), config.to_dict(), current, on_evaluation)
+        return _run_in(directory, built.simulation, job, resume, at_most, progress, log, built.partition_summary)
 
 
 def run_simulation(
@@ -296,50 +317,83 @@ def run_simulation(
     progress: bool = True,
     log=None,
     partition: Any = None,
+    on_evaluation: Callable[[dict], Any] | None = None,
 ) -> dict:
     """Run ``sim`` into the run directory ``out_dir`` (or continue it from its newest checkpoint
     with ``resume``): metrics, checkpoints, summary, plots. Returns the summary.
 
-    ``settings`` is a :class:`~jaxfed.runs.rundir.LoopSettings` (or just the number of rounds);
-    ``config`` what ``config.json`` records (default: the loop settings and the algorithm's name).
+    ``settings`` is a :class:`~jaxfed.runs.rundir.LoopSettings` (or just the number of rounds).
+    ``config.json`` records what ``sim`` is (:func:`jaxfed.runs.fingerprint.describe`: the
+    algorithm and its options, model, clients, participation, sampling, seed, data sizes) and the
+    loop settings, with the keys of ``config`` (what research code wants recorded besides, e.g.
+    ``{"dataset": "digits", "alpha": 0.1}``) added over them. ``resume`` refuses, in one line, a
+    simulation that differs from the checkpoint's (:func:`~jaxfed.runs.fingerprint.check_same_simulation`)
+    or whose state is of another structure. ``on_evaluation(row)`` receives each evaluated metrics
+    row as ``metrics.jsonl`` gets it; ``partition`` is what ``summary.json`` records of the partition.
     """
     log = log or _to_stderr
     settings = LoopSettings(settings) if isinstance(settings, int) else settings
-    config = config or {"algorithm": sim.algorithm.name, **settings._asdict()}
+    current = fingerprint(sim)
+    job = Run(settings, recorded_config(sim, settings, config), current, on_evaluation)
     directory = RunDirectory(out_dir, settings.keep_checkpoints)
     with directory.locked():
-        if not resume:
+        at_most = None
+        if resume:
+            point = ResumePoint(*directory.newest_checkpoint_record(log))
+            check_same_simulation(point.record.get("fingerprint"), current, directory.path, log)
+            check_rounds(point.round, settings.rounds)
+            at_most = point.round
+        else:
             directory.refuse_existing()
-        return _run_in(directory, sim, settings, config, resume, None, progress, log, partition)
+        return _run_in(directory, sim, job, resume, at_most, progress, log, partition)
 
 
-def _run_in(
-    directory: RunDirectory, sim, settings: LoopSettings, config: dict, resume, at_most, progress, log, partition
-):
+def recorded_config(sim, settings: LoopSettings, config: dict | None = None) -> dict:
+    """``config.json`` of a simulation built in research code: what it is, the loop settings,
+    then the caller's ``config`` keys (its ``options`` added to the algorithm's)."""
+    recorded = {**describe(sim), **settings._asdict()}
+    config = dict(config or {})
+    if isinstance(config.get("options"), dict) and "options" in recorded:
+        config["options"] = {**recorded["options"], **config["options"]}
+    return {**recorded, **config}
+
+
+class Run(NamedTuple):
+    """What one run records beside its simulation: its loop settings, ``config.json``, the
+    simulation's fingerprint, and who hears of each evaluation."""
+
+    settings: LoopSettings
+    config: dict
+    fingerprint: dict
+    on_evaluation: Callable[[dict], Any] | None = None
+
+
+def _run_in(directory: RunDirectory, sim, job: Run, resume, at_most, progress, log, partition):
     """The loop of one run in its locked ``directory``: from the start, or (``resume``) from its
     newest readable checkpoint of a round ``<= at_most`` (where given)."""
     start = time.perf_counter()
     if not resume:
-        state, record = sim.init(), RunRecord(config)
+        state, record = sim.init(), RunRecord(job.config, fingerprint=job.fingerprint)
     else:
         state, record = directory.restore(sim.init(), log, at_most=at_most)
-        check_rounds(int(state.round), settings.rounds)
+        check_rounds(int(state.round), job.settings.rounds)
         if record.devices is not None and record.devices != sim.num_devices:
             log(
                 f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
                 "results match to float tolerance, not bit for bit"
             )
-        record.config = config
-    directory.start(config, record.rows)
+        record.config, record.fingerprint = job.config, job.fingerprint
+    directory.start(job.config, record.rows)
     drive(
         OneSimulation(sim),
         state,
         [directory],
         [record],
-        settings,
+        job.settings,
         start=start,
         progress=progress,
         desc=sim.algorithm.name,
+        on_evaluation=job.on_evaluation,
     )
     result = summary(sim, record, time.perf_counter() - start, partition=partition)
     directory.finish(result, record.rows, log)

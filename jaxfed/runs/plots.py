@@ -5,8 +5,8 @@ keys in which the runs differ. ``jaxfed plot`` and the end of ``jaxfed run`` cal
 ``plot_client_distribution(dirs, out_file)`` (``jaxfed plot --clients``) draws the per-client
 values: their distribution after the last evaluation, and their spread over the rounds.
 :func:`read_run`, :func:`read_clients` and :func:`read_json` read a run directory's files
-(``jaxfed report`` too): a damaged one, or an ``out_file`` that cannot be written, is a one-line
-ConfigError.
+(``jaxfed report`` and :func:`jaxfed.load_runs` too; :func:`run_dirs_below` finds a sweep's): a
+damaged one, or an ``out_file`` that cannot be written, is a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ def read_clients(run_dir: str | Path) -> dict[int, dict[str, np.ndarray]]:
         except (OSError, ValueError) as err:
             raise ConfigError(f"{path}: damaged ({first_line(err)})") from None
     return out
+
+
+def run_dirs_below(path: str | Path) -> list[Path]:
+    """The run directories (holding a ``config.json``) right below ``path``: a sweep's members."""
+    path = Path(path)
+    return sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
 
 
 def read_json(path: Path) -> dict:

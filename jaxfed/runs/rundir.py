@@ -7,7 +7,9 @@ A run directory holds ``config.json``, ``metrics.jsonl`` (one row per evaluated 
 (orbax: the whole simulation state plus the :class:`RunRecord`). :class:`RunDirectory` writes
 them; ``--resume`` reads the newest readable checkpoint back. Any run writes one: a
 :class:`~jaxfed.Config` run (``jaxfed run``) or a simulation that research code built itself
-(:func:`jaxfed.runs.driver.run_simulation`), whose ``config.json`` then records the loop settings.
+(:func:`jaxfed.runs.driver.run_simulation`), whose ``config.json`` then records what the
+simulation is (:func:`jaxfed.runs.fingerprint.describe`) and the loop settings. Each checkpoint's
+record holds the simulation's fingerprint (:mod:`jaxfed.runs.fingerprint`), which a resume compares.
 
 A process writing a run directory holds an exclusive lock on ``DIR/.lock`` (``fcntl.flock``,
 released when the process ends, however it ends): a second process on the same directory is
@@ -31,8 +33,14 @@ from jaxfed.errors import ConfigError, StorageFullError, clip, is_storage_full
 from jaxfed.runs.checkpoint import RunCheckpoints
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import is_primary
+from jaxfed.runs.fingerprint import model_name
 from jaxfed.runs.keys import NEUTRAL_KEYS, RESUMABLE_KEYS  # noqa: F401  (NEUTRAL_KEYS: re-exported)
-from jaxfed.runs.plots import CLIENTS_DIR, client_files, read_clients  # noqa: F401  (read_clients: re-exported)
+from jaxfed.runs.plots import (  # noqa: F401  (read_clients: re-exported)
+    CLIENTS_DIR,
+    client_files,
+    read_clients,
+    run_dirs_below,
+)
 
 NAME_MAX = 255  # bytes in one file name, on the file systems runs are written to
 TIMING_KEYS = ("round_seconds", "wall_seconds")  # the only fields of a metrics row that vary between runs
@@ -67,12 +75,15 @@ class RunRecord:
 
     ``pending`` holds the per-round metrics since the last evaluation (floats), ``rows`` the
     evaluated metrics rows, ``totals`` the running sums, ``round_times`` each round's seconds;
-    ``config`` is the run's config as a dict (:meth:`Config.to_dict`, or the loop settings).
+    ``config`` is the run's config as a dict (:meth:`Config.to_dict`, or what ``run_simulation``
+    describes); ``fingerprint`` the simulation's (:func:`jaxfed.runs.fingerprint.fingerprint`;
+    None: not recorded, as in records from before fingerprints and sweeps' records).
     """
 
-    def __init__(self, config: dict, record: dict | None = None):
+    def __init__(self, config: dict, record: dict | None = None, fingerprint: dict | None = None):
         record = record or {}
         self.config = config
+        self.fingerprint = fingerprint if fingerprint is not None else record.get("fingerprint")
         self.rows: list[dict] = record.get("rows", [])
         self.pending: dict[str, list[float]] = record.get("pending", {})
         self.totals: dict[str, float] = record.get("totals", {total: 0.0 for total, _ in TOTALS})
@@ -119,8 +130,10 @@ class RunRecord:
         return row
 
     def to_json(self, round_: int, wall: float, devices: int) -> dict:
+        fingerprint = {} if self.fingerprint is None else {"fingerprint": self.fingerprint}
         return {
             "config": self.config,
+            **fingerprint,
             "round": round_,
             "rows": self.rows,
             "pending": self.pending,
@@ -235,11 +248,18 @@ class RunDirectory:
     def restore(self, like, log, at_most: int | None = None):
         """``(state, RunRecord)`` of the newest readable checkpoint (of a round ``<= at_most``,
         where given: the newest found readable under this run's lock, so every newer one is
-        unreadable). The unreadable newer checkpoints are set aside."""
+        unreadable). The unreadable newer checkpoints are set aside. A checkpoint of another
+        structure than ``like`` is a :class:`~jaxfed.runs.checkpoint.StateStructureError`, with
+        every checkpoint left in place."""
         load = lambda r: self.checkpoints.restore(r, like=like)  # noqa: E731
         restored = self.checkpoints.newest(load, warn=log, at_most=at_most)
         if restored is None:
-            self.newest_checkpoint_record(log)  # raises, saying what to do
+            self.newest_checkpoint_record(log)  # raises, saying what to do, when no record reads
+            raise ConfigError(
+                f"--resume: no checkpoint in {self.checkpoints.directory} restores into this simulation's state (see "
+                "the warnings above): resume with the simulation that wrote it; if this is it, the checkpoints are "
+                "damaged: delete the directory or choose another --out to run again"
+            )
         round_, (state, saved) = restored
         for newer in [r for r in self.checkpoints.rounds() if r > round_] if is_primary() else []:
             log(f"moved the unreadable checkpoint to {self.checkpoints.set_aside(newer)}")
@@ -373,12 +393,6 @@ def new_run_dir(stem: str | Path) -> Path:
     raise ConfigError(f"--out: could not create a fresh directory named {base}-N; pass --out")
 
 
-def run_dirs_below(path: str | Path) -> list[Path]:
-    """The run directories (holding a ``config.json``) right below ``path``: a sweep's members."""
-    path = Path(path)
-    return sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
-
-
 def listed(paths: list[Path], most: int = 3) -> str:
     """``"a, b, c and 2 more"``: the names of ``paths``, sorted, the first ``most`` of them."""
     names = sorted(p.name for p in paths)
@@ -485,7 +499,7 @@ def summary(sim, record: RunRecord, wall: float, *, partition: Any = None) -> di
     return {
         "algorithm": config.get("algorithm", sim.algorithm.name),
         "dataset": config.get("dataset"),
-        "model": getattr(sim.model, "name", type(sim.model).__name__),
+        "model": model_name(sim.model),
         "num_clients": sim.num_clients,
         "clients_per_round": sim.num_sampled,
         "rounds": int(final["round"]),

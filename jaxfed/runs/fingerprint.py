@@ -1,0 +1,170 @@
+"""What a simulation is, for its run directory: the fingerprint a resume compares, and the
+description ``config.json`` records.
+
+A run's checkpoints must be continued by the simulation that wrote them: another learning rate,
+seed, participation or partition would go on computing another run from a state that is not its
+own. :func:`fingerprint` is what decides a round's numbers, as JSON: the algorithm and its options
+(where the record carries them: :attr:`~jaxfed.contract.FederatedAlgorithm.options`), the model's
+name, the client count, the participation (clients per round over clients), the clients held out
+of training (new clients), the sampling, the
+evaluation settings, the matmul precision, the seed (the root key), and the data: a cheap digest of
+the examples and one of the per-client index tables (the partition), each over the arrays'
+dtypes, shapes and contents, summed on the device. Each checkpoint's record holds it;
+:func:`check_same_simulation` refuses, in one line naming the differences, a resume by a
+simulation whose fingerprint differs. A record without one (a run directory from before
+fingerprints, a sweep member) is not compared.
+
+:func:`describe` is the fingerprint without the digests, with the data's sizes instead: what
+:func:`~jaxfed.runs.driver.run_simulation` writes to ``config.json`` (under the keys a
+:class:`~jaxfed.Config` uses, so plot labels, ``jaxfed report`` and :func:`jaxfed.load_runs`
+read it as they read a ``jaxfed run`` directory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfed.errors import ConfigError
+from jaxfed.options import Options
+
+EXAMPLES = ("x_train", "y_train", "x_test", "y_test")
+PARTITION = ("train_idx", "train_count", "test_idx", "test_count")
+_MIX = np.uint32(0x9E3779B1)  # the golden-ratio multiplier: position weights of the second sum
+
+
+def model_name(model) -> str:
+    """A model's name (:class:`jaxfed.nn.Model`'s, else its type's)."""
+    return getattr(model, "name", type(model).__name__)
+
+
+def seed_of(root) -> int | list[int]:
+    """The seed of a root key made by ``jax.random.key(seed)`` (threefry: two 32-bit words), else
+    the key's words."""
+    words = [int(w) for w in np.asarray(jax.random.key_data(root)).reshape(-1)]
+    return (words[0] << 32) | words[1] if len(words) == 2 else words
+
+
+def options_dict(options) -> dict | None:
+    """An algorithm's options as JSON (None when the record does not carry them)."""
+    if isinstance(options, Options):
+        return options.to_dict()
+    return dict(options) if isinstance(options, Mapping) else None
+
+
+def simulation_keys(sim) -> dict:
+    """What a simulation runs, as :class:`~jaxfed.Config` keys (``options``: None when unknown)."""
+    return {
+        "algorithm": sim.algorithm.name,
+        "options": options_dict(getattr(sim.algorithm, "options", None)),
+        "model": model_name(sim.model),
+        "num_clients": sim.num_clients,
+        "participation": sim.num_sampled / sim.num_clients,
+        "sampling": sim.sampling_mode,
+        "eval_clients": sim.eval_clients,
+        "eval_batch_size": sim.evaluation.batch_size,
+        "matmul_precision": sim.matmul_precision,
+        "seed": seed_of(sim.root),
+        "new_client_ids": [] if sim.new_clients is None else [int(i) for i in sim.new_clients],
+    }
+
+
+def fingerprint(sim) -> dict:
+    """:func:`simulation_keys` plus the data's digests: what a checkpoint's record holds and a resume compares."""
+    examples = [getattr(sim.data, name) for name in EXAMPLES]
+    train, test = len(sim.data.x_train), len(sim.data.x_test)
+    return {
+        **simulation_keys(sim),
+        "examples": f"{train} train + {test} test #{digest(examples)}",
+        "partition": f"#{digest([getattr(sim.data, name) for name in PARTITION])}",
+    }
+
+
+def describe(sim) -> dict:
+    """:func:`simulation_keys` (``options`` where known) and the data's sizes: ``config.json`` of a
+    simulation built in research code."""
+    described = {key: value for key, value in simulation_keys(sim).items() if value is not None}
+    data = sim.data
+    described["data"] = {
+        "train_examples": len(data.x_train),
+        "test_examples": len(data.x_test),
+        "input_shape": list(data.x_train.shape[1:]),
+        "num_classes": data.num_classes,
+    }
+    return described
+
+
+def digest(arrays) -> str:
+    """12 hex digits over ``arrays``' dtypes, shapes and contents: two position-weighted sums of
+    each array's 32-bit words, computed on the device where the arrays are (exact integer sums, so
+    the same whatever the arrays' sharding), hashed with the shapes."""
+    sums = [_word_sums(a) for a in arrays]
+    sums = np.stack([np.asarray(s.addressable_data(0) if hasattr(s, "addressable_data") else s) for s in sums])
+    shapes = " ".join(f"{a.dtype}{tuple(a.shape)}" for a in arrays)
+    return hashlib.sha256(shapes.encode() + sums.tobytes()).hexdigest()[:12]
+
+
+@jax.jit
+def _word_sums(array):
+    return _sums(_words(array))
+
+
+def _words(x):
+    """``x`` as a flat array of uint32 words (1- and 2-byte values widened, 8-byte ones split)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+
+
+def _sums(words):
+    position = jax.lax.iota(jnp.uint32, words.size)
+    return jnp.stack(
+        [jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (position * _MIX + np.uint32(1)), dtype=jnp.uint32)]
+    )
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """``"key (old -> new)"`` for each key of both fingerprints whose value differs, then each
+    option that differs (options are compared when both are known and the algorithm is the same)."""
+    changed = [
+        f"{key} ({saved[key]!r} -> {current[key]!r})"
+        for key in saved
+        if key != "options" and key in current and saved[key] != current[key]
+    ]
+    old, new = saved.get("options"), current.get("options")
+    if saved.get("algorithm") == current.get("algorithm") and old is not None and new is not None:
+        changed += [
+            f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in {**old, **new} if old.get(key) != new.get(key)
+        ]
+    return changed
+
+
+def check_same_simulation(saved: dict | None, current: dict, where, log=None, field: str = "resume") -> None:
+    """A one-line ConfigError naming what differs when the fingerprint ``saved`` (a checkpoint's
+    record, of the run in ``where``) is not ``current``'s. ``saved`` None (a record from before
+    fingerprints): not compared, a warning through ``log`` (where given); options known on one
+    side only: not compared, a warning too."""
+    if saved is None:
+        if log is not None:
+            log(
+                f"warning: {where} records no simulation fingerprint (written before jaxfed recorded one, or by a "
+                "sweep); resuming without checking that this simulation is the one that wrote it"
+            )
+        return
+    changed = differences(saved, current)
+    if changed:
+        raise ConfigError(
+            f"{field}: the simulation differs from the one that wrote {where} in {', '.join(changed)}; resume "
+            "with the simulation that wrote it (only the loop settings may change), or run into another directory"
+        )
+    known = [side.get("options") is not None for side in (saved, current)]
+    if log is not None and known[0] != known[1]:
+        log(
+            f"warning: the algorithm's options are known for {'the checkpoint' if known[0] else 'this simulation'} "
+            "only (its record carries none), so they are not compared"
+        )

@@ -1,0 +1,237 @@
+"""Run directories from research code: a resume by another simulation (other options, seed,
+participation, data, algorithm) refused in one line with every checkpoint in place, config.json
+describing the simulation, the per-evaluation callback, and load_runs' records."""
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import metrics_rows
+
+import jaxfed
+from jaxfed.algorithms import registry
+from jaxfed.algorithms.fedavg import FedAvgOptions, fedavg
+from jaxfed.errors import ConfigError
+from jaxfed.runs.build import build
+from jaxfed.runs.config import Config
+from jaxfed.runs.driver import recorded_config
+from jaxfed.runs.fingerprint import fingerprint
+from jaxfed.runs.plots import run_labels
+from jaxfed.runs.rundir import LOCK_FILE, LoopSettings, RunDirectory, RunRecord
+
+# jaxfed.run(TINY) and run_simulation(build(TINY).simulation) compile the same programs (one compile).
+TINY = Config().with_overrides(
+    ["num_clients=4", "mlp_hidden=16", "local_epochs=1", "batch_size=32", "lr=0.05", "participation=0.5"]
+)
+SETTINGS = LoopSettings(rounds=2, eval_every=1, checkpoint_every=1)
+LONGER = SETTINGS._replace(rounds=3)
+
+
+def _tiny(*pairs: str):
+    return build(TINY.with_overrides(list(pairs))).simulation
+
+
+def _files(directory) -> dict:
+    """Content of every file of a run directory but its lock."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file() and p.name != LOCK_FILE
+    }
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A run_simulation run of TINY (2 rounds, evaluated and checkpointed each), its callback's rows."""
+    sim, out, heard = _tiny(), tmp_path_factory.mktemp("base") / "run", []
+    jaxfed.run_simulation(
+        sim, out, SETTINGS, config={"dataset": "digits"}, progress=False, log=lambda m: None, on_evaluation=heard.append
+    )
+    return SimpleNamespace(sim=sim, out=out, heard=heard)
+
+
+def test_a_resume_by_another_simulation_is_refused_in_one_line_naming_what_differs(base):
+    before = _files(base.out)
+    cases = [
+        (
+            _tiny("lr=0.2", "seed=3", "participation=1.0"),
+            ["lr (0.05 -> 0.2)", "seed (0 -> 3)", "participation (0.5 -> 1.0)"],
+        ),
+        (_tiny("alpha=0.1"), ["partition ('#", "resume with the simulation that wrote it"]),  # the data's partition
+    ]
+    for sim, named in cases:
+        with pytest.raises(ConfigError) as refused:
+            jaxfed.run_simulation(sim, base.out, LONGER, resume=True, progress=False, log=lambda m: None)
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1 and all(n in message for n in named), message
+        assert "examples (" not in message and "algorithm (" not in message  # only what differs
+    assert "lr (" not in message and "seed (" not in message
+    assert _files(base.out) == before
+
+
+def _written_by(other, path: Path, fingerprinted: bool) -> None:
+    """A run directory of ``other`` with checkpoints of rounds 1 and 2 (its initial state renumbered),
+    its records with ``other``'s fingerprint or (``fingerprinted`` False, as before fingerprints) none."""
+    directory = RunDirectory(path)
+    directory.start({"algorithm": other.algorithm.name}, [])
+    record = RunRecord({"algorithm": other.algorithm.name}, fingerprint=fingerprint(other) if fingerprinted else None)
+    state = other.init()
+    for round_ in (1, 2):
+        directory.save(state.replace(round=state.round + round_), record, 0.0, 1)
+    directory.checkpoints.wait()
+    directory.checkpoints.close()
+
+
+@pytest.fixture(scope="module")
+def local_sim():
+    return _tiny("algorithm=local")
+
+
+@pytest.mark.parametrize(
+    "fingerprinted, expected",
+    [
+        (True, "differs from the one that wrote"),
+        (False, "holds a state of another structure: it lacks server.params.fc1.bias"),
+    ],
+)
+def test_a_checkpoint_of_another_algorithm_is_refused_in_one_line_and_every_checkpoint_kept(
+    base, local_sim, tmp_path, fingerprinted, expected
+):
+    _written_by(local_sim, tmp_path / "local", fingerprinted)
+    before, warnings = _files(tmp_path / "local"), []
+    with pytest.raises(ConfigError) as refused:
+        jaxfed.run_simulation(base.sim, tmp_path / "local", LONGER, resume=True, progress=False, log=warnings.append)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and expected in message, message
+    assert fingerprinted or "resume with the simulation that wrote it" in message
+    assert not fingerprinted or "algorithm ('local' -> 'fedavg')" in message
+    assert sorted(p.name for p in (tmp_path / "local" / "checkpoints").iterdir()) == ["1", "2"]
+    assert _files(tmp_path / "local") == before
+    assert not any("unreadable" in w for w in warnings)
+    assert fingerprinted or any("records no simulation fingerprint" in w for w in warnings)
+
+
+def test_a_run_stopped_by_its_callback_resumes_unchanged(base, tmp_path):
+    """A callback that raises stops the run with its exception, the directory as a stopped run
+    leaves it; the same simulation (built again: the same fingerprint) resumes it to the rows of
+    the run left alone."""
+
+    def stop(row):
+        raise RuntimeError(f"seen round {row['round']}")
+
+    with pytest.raises(RuntimeError, match="seen round 1"):
+        jaxfed.run_simulation(base.sim, tmp_path / "run", SETTINGS, progress=False, on_evaluation=stop)
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["1"]
+    assert fingerprint(_tiny()) == fingerprint(base.sim)  # (resumed with base.sim: not traced again)
+    jaxfed.run_simulation(base.sim, tmp_path / "run", SETTINGS, resume=True, progress=False, log=lambda m: None)
+    assert metrics_rows(tmp_path / "run") == metrics_rows(base.out)
+
+
+def test_a_directory_without_fingerprints_still_resumes_with_a_warning(base, tmp_path):
+    old = RunDirectory(tmp_path / "old")  # as jaxfed wrote it before fingerprints: its record has none
+    old.start(recorded_config(base.sim, SETTINGS), [])
+    old.save(base.sim.init(), RunRecord(recorded_config(base.sim, SETTINGS)), 0.0, 1)
+    old.checkpoints.wait()
+    old.checkpoints.close()
+    warnings = []
+    jaxfed.run_simulation(base.sim, tmp_path / "old", SETTINGS, resume=True, progress=False, log=warnings.append)
+    assert metrics_rows(tmp_path / "old") == metrics_rows(base.out)
+    assert sum("records no simulation fingerprint" in w for w in warnings) == 1
+
+
+def test_config_json_describes_the_simulation_so_two_runs_get_their_own_labels(base):
+    data = base.sim.data
+    expected = {
+        "algorithm": "fedavg",
+        "options": FedAvgOptions(lr=0.05, local_epochs=1, batch_size=32).to_dict(),
+        "model": "mlp",
+        "num_clients": 4,
+        "participation": 0.5,
+        "sampling": "uniform",
+        "eval_clients": "all",
+        "eval_batch_size": 256,
+        "matmul_precision": "default",
+        "seed": 0,
+        "data": {
+            "train_examples": int(data.x_train.shape[0]),
+            "test_examples": int(data.x_test.shape[0]),
+            "input_shape": [8, 8, 1],
+            "num_classes": 10,
+        },
+        "rounds": 2,
+        "eval_every": 1,
+        "rounds_per_call": 5,
+        "checkpoint_every": 1,
+        "keep_checkpoints": 3,
+        "dataset": "digits",  # the caller's config, added
+    }
+    written = json.loads((base.out / "config.json").read_text())
+    assert written == expected
+    other = recorded_config(_tiny("lr=0.2", "seed=1"), SETTINGS)
+    assert run_labels([written, other]) == ["fedavg lr=0.05 seed=0", "fedavg lr=0.2 seed=1"]
+    # a registered builder that leaves the record's options unset: the registry's build sets them
+    jaxfed.register(
+        "fedavg_undescribed", FedAvgOptions, lambda m, o, c: fedavg(m, o)._replace(options=None), replace=True
+    )
+    options = FedAvgOptions(lr=0.3)
+    assert registry.get("fedavg_undescribed").build(base.sim.model, options, None).options is options
+
+
+def test_the_callback_hears_exactly_the_rows_of_metrics_jsonl(base):
+    assert [r["round"] for r in base.heard] == [1, 2]
+    assert base.heard == _lines(base.out / "metrics.jsonl")
+
+
+def _flattened(values: dict, prefix: str = "") -> dict:
+    """The reference flattening: nested dicts to dotted keys, lists to tuples."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def _expected_records(run_dir: Path, per: str) -> list[dict]:
+    config = json.loads((run_dir / "config.json").read_text())
+    flat = {**config.pop("options", {}), **_flattened(config), "run_dir": str(run_dir)}
+    if per == "run":  # the summary's values, but a None over a config key
+        summary = _flattened(json.loads((run_dir / "summary.json").read_text()))
+        return [{**flat, "finished": True, **{k: v for k, v in summary.items() if v is not None or k not in flat}}]
+    return [{**flat, **_flattened(row)} for row in _lines(run_dir / "metrics.jsonl")]
+
+
+def test_jaxfed_run_calls_back_and_load_runs_gives_what_the_files_hold(base, tmp_path):
+    heard = []
+    jaxfed.run(
+        dataclasses.replace(TINY, rounds=2, eval_every=1),
+        tmp_path / "cli",
+        progress=False,
+        log=lambda m: None,
+        on_evaluation=heard.append,
+    )
+    assert heard == _lines(tmp_path / "cli" / "metrics.jsonl") and len(heard) == 2
+    # a directory of run directories (as a sweep's) stands for those below it
+    shutil.copytree(base.out, tmp_path / "sweep" / "a")
+    shutil.copytree(tmp_path / "cli", tmp_path / "sweep" / "b")
+    for per in ("row", "run"):
+        expected = [r for d in ("a", "b") for r in _expected_records(tmp_path / "sweep" / d, per)]
+        assert jaxfed.load_runs(tmp_path / "sweep", per=per) == expected
+        assert jaxfed.load_runs([tmp_path / "sweep" / "a", tmp_path / "sweep" / "b"], per=per) == expected
+    records = jaxfed.load_runs(tmp_path / "sweep")
+    assert len(records) == 4 and {r["lr"] for r in records} == {0.05}
+    assert records[0]["data.input_shape"] == (8, 8, 1) and records[2]["partition"] == "dirichlet"
+    with pytest.raises(ConfigError, match="per: unknown 'cell'; allowed: row, run"):
+        jaxfed.load_runs(tmp_path / "sweep", per="cell")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="empty holds no metrics.jsonl and no run directories"):
+        jaxfed.load_runs(tmp_path / "empty")
