@@ -51,12 +51,13 @@ def test_host_held_client_states_give_the_device_held_numbers(algorithm, options
     # Evaluation runs the host-held clients in blocks: a client's forward pass is vmapped beside
     # other clients there, and the CPU's batched kernels may round its loss in the last bit.
     # Accuracies are counts: equal; the losses agree to float32 rounding.
-    assert device_eval.keys() == host_eval.keys()
-    for key, value in device_eval.items():
+    assert device_eval.keys() == host_eval.keys() and device_eval["clients"].keys() == host_eval["clients"].keys()
+    flat = lambda evaluation: {**evaluation["clients"], **{k: v for k, v in evaluation.items() if k != "clients"}}  # noqa: E731
+    for key, value in flat(device_eval).items():
         if "loss" in key:
-            np.testing.assert_allclose(host_eval[key], value, rtol=1e-6)
+            np.testing.assert_allclose(flat(host_eval)[key], value, rtol=1e-6)
         else:
-            assert host_eval[key] == value, key
+            np.testing.assert_array_equal(flat(host_eval)[key], value, err_msg=key)
 
 
 def test_a_call_holds_only_the_clients_its_rounds_sample(digits, mlp):

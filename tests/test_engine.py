@@ -335,10 +335,10 @@ def test_new_clients_never_train_and_are_evaluated_after_their_own_local_update(
     per_client = evaluation["clients"]
     key, info = sampling.personalization_key(sim.root, state.round), round_info(int(state.round), None)
     adapted_acc, global_acc, untouched = [], [], []
+    update = jax.jit(alg.client_update)
     for k in new:
         client = jax.tree.map(lambda a, k=k: a[k], state.clients)
         rng = jax.random.fold_in(jax.random.fold_in(key, k), 0)
-        update = jax.jit(alg.client_update)
         adapted, _, _ = update(alg.broadcast(state.server, info), client, _client_view(fed, k), rng, info)
         adapted_acc.append(_accuracy(mlp, alg.eval_params(state.server, adapted), fed, k))
         global_acc.append(_accuracy(mlp, alg.global_params(state.server), fed, k))

@@ -160,6 +160,7 @@ def test_config_json_describes_the_simulation_so_two_runs_get_their_own_labels(b
         "eval_batch_size": 256,
         "matmul_precision": "default",
         "seed": 0,
+        "new_client_ids": [],
         "data": {
             "train_examples": int(data.x_train.shape[0]),
             "test_examples": int(data.x_test.shape[0]),
