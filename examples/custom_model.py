@@ -40,6 +40,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default="runs/custom_model")
     parser.add_argument("--clients", type=int, default=10, help="clients (at least 3: FedHM's three tiers)")
+    parser.add_argument("--algorithms", default="fedhm,feddecomp", help="comma-separated: fedhm, feddecomp")
     args = parser.parse_args(argv)
 
     digits = load_dataset("digits")  # embedded: no download
@@ -54,7 +55,8 @@ def main(argv=None) -> dict:
         "feddecomp": feddecomp(model, local_epochs=2, batch_size=32, lr=0.05),
     }
     summaries = {}
-    for name, algorithm in algorithms.items():
+    for name in args.algorithms.split(","):
+        algorithm = algorithms[name]
         sim = Simulation(algorithm, model, data, participation=1.0, seed=0)
         settings = jaxfed.LoopSettings(rounds=args.rounds, eval_every=5, checkpoint_every=5)
         summaries[name] = jaxfed.run_simulation(sim, f"{args.out}/{name}", settings, progress=False)

@@ -96,14 +96,15 @@ def test_scaffold_server_step_is_the_papers_formula(scaffold_module, mlp):
         np.testing.assert_allclose(new.control[key]["kernel"], c, rtol=1e-5, atol=1e-6)
 
 
-def test_the_custom_model_example_runs_two_low_rank_algorithms(tmp_path):
+def test_the_custom_model_example_runs_a_low_rank_algorithm(tmp_path):
     sys.path.insert(0, str(EXAMPLES))
     try:
         import custom_model
     finally:
         sys.path.remove(str(EXAMPLES))
-    summaries = custom_model.main(["--rounds", "1", "--clients", "3", "--out", str(tmp_path)])
-    assert set(summaries) == {"fedhm", "feddecomp"}
+    # one of its two algorithms (test_any_model trains both on a user's conv module)
+    summaries = custom_model.main(["--rounds", "1", "--clients", "3", "--out", str(tmp_path), "--algorithms", "fedhm"])
+    assert set(summaries) == {"fedhm"}
     for name, summary in summaries.items():
         assert summary["rounds"] == 1 and 0.0 < summary["personalized_acc_mean"] <= 1.0
         assert (tmp_path / name / "summary.json").exists() and (tmp_path / name / "checkpoints" / "1").exists()

@@ -259,10 +259,10 @@ def test_a_run_without_checkpoints_is_neither_resumed_nor_overwritten(tmp_path, 
     assert (out / "metrics.jsonl").read_text() == before
 
 
-def test_a_host_devices_run_resumes_without_xla_flags(tmp_path):
+def test_a_host_devices_run_resumes_without_xla_flags(tmp_path, cached_compiles):
     """The resumed process sets the device count from the run's config before JAX starts."""
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **cached_compiles}
     command = [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(out)]
     first = subprocess.run([*command, *TINY, "--set", "host_devices=2"], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
@@ -480,9 +480,9 @@ def left_alone(tmp_path_factory):
 
 
 @pytest.mark.parametrize("point, nth", KILL_POINTS, ids=[f"{p} {n}" for p, n in KILL_POINTS])
-def test_killed_anywhere_the_run_continues_bit_for_bit(point, nth, tmp_path, left_alone):
+def test_killed_anywhere_the_run_continues_bit_for_bit(point, nth, tmp_path, left_alone, cached_compiles):
     out = tmp_path / "run"
-    env = dict(os.environ)  # the suite's XLA_FLAGS, as the in-process run left alone had
+    env = {**os.environ, **cached_compiles}  # the suite's XLA_FLAGS, as the in-process run left alone had
     killed = subprocess.run(
         [sys.executable, "-c", KILLER, point, str(nth), "run", "--out", str(out), *KILL_RUN],
         env=env,

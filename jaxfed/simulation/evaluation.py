@@ -238,7 +238,11 @@ class Evaluation:
         correct, loss = (client_totals(o, test.indices, count) for o in outcomes)
         regression = is_regression(data.y_test)
         metrics = personalized_metrics(correct, loss, count.astype(jnp.float32), regression)
-        metrics["clients"] = per_client(correct, loss, count.astype(jnp.float32), regression)
+        # the per-client arrays from their own copy of the sums: sharing these would let XLA fuse
+        # the summaries' reductions otherwise, moving them by a float32 rounding
+        own_outcomes, own_indices, own_count = jax.lax.optimization_barrier((outcomes, test.indices, count))
+        own_correct, own_loss = (client_totals(o, own_indices, own_count) for o in own_outcomes)
+        metrics["clients"] = per_client(own_correct, own_loss, own_count.astype(jnp.float32), regression)
         return {**metrics, **global_metrics(*outcomes, regression)}
 
     def new_clients(self, algorithm, server, round_, states, new_ids, data, root, pooled) -> dict:
