@@ -70,19 +70,6 @@ def digits_federation(digits):
     return make_federation(digits, num_clients=10, alpha=0.5)
 
 
-@pytest.fixture(scope="session")
-def cached_compiles(tmp_path_factory):
-    """Environment variables for a jaxfed subprocess that share JAX's persistent compilation cache
-    (a folder of this test session) with the other subprocesses of the session: a test that runs,
-    kills and resumes the same program in several processes compiles it once. A cached
-    executable computes what the compiled one does; only the subprocesses' start gets shorter."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compile_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
 def shared_data_dir():
     """``../shared/data`` beside the repository when present (offline MNIST etc.)."""
     return SHARED_DATA if (SHARED_DATA / "mnist.npz").exists() else None

@@ -259,25 +259,21 @@ def test_a_run_without_checkpoints_is_neither_resumed_nor_overwritten(tmp_path, 
     assert (out / "metrics.jsonl").read_text() == before
 
 
-def test_a_host_devices_run_resumes_without_xla_flags(tmp_path, cached_compiles):
-    """The resumed process sets the device count from the run's config before JAX starts."""
-    out = tmp_path / "run"
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **cached_compiles}
-    command = [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(out)]
-    first = subprocess.run([*command, *TINY, "--set", "host_devices=2"], env=env, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
-    again = subprocess.run([*command, "--resume", "--set", "rounds=3"], env=env, capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
-    assert json.loads((out / "summary.json").read_text())["devices"] == 2
-
-
-def test_a_sweep_splits_the_host_before_jax_starts(tmp_path):
-    """`jaxfed sweep --set host_devices=2` from a fresh process (it failed: JAX had started)."""
+def test_host_devices_split_the_host_before_jax_starts_in_a_sweep_and_a_resume(tmp_path):
+    """`jaxfed sweep --set host_devices=2` from a fresh process (it failed: JAX had started), then
+    a member resumed by `jaxfed run --resume` without XLA_FLAGS: the resumed process sets the device
+    count from the run's config before JAX starts."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     command = [sys.executable, "-m", "jaxfed.cli", "sweep", "--quiet", "--seeds", "0,1", "--out", str(tmp_path)]
     done = subprocess.run([*command, *TINY, "--set", "host_devices=2"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert [json.loads((d / "summary.json").read_text())["devices"] for d in sorted(tmp_path.iterdir())] == [2, 2]
+    members = sorted(tmp_path.iterdir())
+    assert [json.loads((d / "summary.json").read_text())["devices"] for d in members] == [2, 2]
+    resume = [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(members[0]), "--resume"]
+    again = subprocess.run([*resume, "--set", "rounds=3"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((members[0] / "summary.json").read_text())
+    assert (summary["devices"], summary["rounds"]) == (2, 3)
 
 
 def test_a_sweep_over_host_devices_is_a_one_line_error(tmp_path, capsys):
@@ -457,12 +453,14 @@ sys.exit(cli.main(sys.argv[3:]))
 """
 
 # One kill of each kind, each a real SIGKILL of the process at that point (a kill at a random moment
-# of a long run, which the suite ran once as well, lands in one of these).
-KILL_POINTS = [
-    ("in a compiled call", 1),
-    ("before an evaluation row", 2),
+# of a long run, which the suite ran once as well, lands in one of these), in one chain: each
+# process is killed at its point, the next continues the run (the first: fresh, so its checkpoint
+# is the run's first) until the last runs it to the end.
+KILL_CHAIN = [
+    ("inside a checkpoint write", 1),  # the first checkpoint half written: the run starts again
     ("inside a metrics write", 3),
-    ("inside a checkpoint write", 1),
+    ("before an evaluation row", 1),
+    ("in a compiled call", 1),
     ("before the last wait", 1),
 ]
 KILL_RUN = ["--quiet", "--set", "num_clients=4", "rounds=8", "eval_every=2", "checkpoint_every=2", "rounds_per_call=1"]
@@ -472,34 +470,22 @@ def _state_digest(run_dir: Path, round_: int) -> str:
     return json.loads((run_dir / "checkpoints" / str(round_) / "run" / "metadata").read_text())["integrity"]["state"]
 
 
-@pytest.fixture(scope="module")
-def left_alone(tmp_path_factory):
-    out = tmp_path_factory.mktemp("alone") / "run"
-    assert main(["run", "--out", str(out), *KILL_RUN]) == 0
-    return out
-
-
-@pytest.mark.parametrize("point, nth", KILL_POINTS, ids=[f"{p} {n}" for p, n in KILL_POINTS])
-def test_killed_anywhere_the_run_continues_bit_for_bit(point, nth, tmp_path, left_alone, cached_compiles):
-    out = tmp_path / "run"
-    env = {**os.environ, **cached_compiles}  # the suite's XLA_FLAGS, as the in-process run left alone had
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLER, point, str(nth), "run", "--out", str(out), *KILL_RUN],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    again = ["--resume"] if RunDirectory(out).checkpoints.rounds() else KILL_RUN  # what the resume error says
-    resumed = subprocess.run(
-        [sys.executable, "-m", "jaxfed.cli", "run", "--quiet", "--out", str(out), *again],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _rows(out) == _rows(left_alone)
-    assert _state_digest(out, 8) == _state_digest(left_alone, 8)
+def test_killed_anywhere_the_run_continues_bit_for_bit(tmp_path):
+    alone, out = tmp_path / "alone", tmp_path / "run"
+    assert main(["run", "--out", str(alone), *KILL_RUN]) == 0
+    env = dict(os.environ)  # the suite's XLA_FLAGS and compilation cache, as the in-process run left alone had
+    for point, nth in [*KILL_CHAIN, (None, 0)]:
+        again = ["--resume"] if RunDirectory(out).checkpoints.rounds() else KILL_RUN  # what the resume error says
+        command = ["-c", KILLER, point, str(nth)] if point else ["-m", "jaxfed.cli"]
+        done = subprocess.run(
+            [sys.executable, *command, "run", "--quiet", "--out", str(out), *again],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == (-9 if point else 0), (point, done.stderr[-2000:])
+    assert _rows(out) == _rows(alone)
+    assert _state_digest(out, 8) == _state_digest(alone, 8)
 
 
 # ----- runs across processes ----------------------------------------------------------------------
