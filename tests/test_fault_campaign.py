@@ -163,7 +163,8 @@ def test_a_huge_value_gives_a_short_line(tmp_path, capsys):
     conf = _conf(tmp_path, "algorithm = " + "x" * 200_000 + "\n")
     assert main(["run", "--quiet", "--config", str(conf), "--out", str(tmp_path / "o")]) == 2
     err = _one_line_error(capsys)
-    assert len(err) < 400 and "(200000 characters)" in err
+    # the value is clipped (the rest of the line lists the registered algorithms, however many)
+    assert err.count("x" * 100) == 0 and "(200000 characters)" in err
 
 
 def test_a_config_file_without_end_is_refused_after_a_mebibyte(tmp_path, capsys):
