@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_federation, round_info
+from conftest import BatchNormNet, make_federation, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.ditto import ClientState as DittoClient
@@ -33,7 +32,6 @@ from jaxfed.cli.commands import main
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn import Model
-from jaxfed.nn.models import Norm
 from jaxfed.options import CLIENT_OPTIMIZERS, client_optimizer
 from jaxfed.runs.config import Config
 from jaxfed.runs.sweep import member_name, shape_groups, sweep_configs, traceable_keys
@@ -106,19 +104,6 @@ def test_the_default_sgd_is_the_optax_construction_of_earlier_releases_bit_for_b
     now = options.optimizer(jnp.int32(3))
     assert jax.tree.structure(now.init(params)) == jax.tree.structure(before.init(params))
     np.testing.assert_array_equal(_steps(now, params, grads)["w"], _steps(before, params, grads)["w"])
-
-
-class SmallNet(nn.Module):
-    """Dense -> BatchNorm -> hidden Dense -> head: BatchNorm for FedBN, an interior layer for the
-    low-rank algorithms, small enough to trace every built-in quickly."""
-
-    num_classes: int
-
-    @nn.compact
-    def __call__(self, x, train=False, mask=None, features=False):
-        h = nn.relu(Norm("batch")(nn.Dense(8)(x.reshape(x.shape[0], -1)), train, mask))
-        h = nn.relu(nn.Dense(8, name="hidden")(h))
-        return h if features else nn.Dense(self.num_classes, name="head")(h)
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +260,7 @@ def test_every_builtin_traces_an_adam_update_and_makes_no_sgd(name, digits, clie
     options = Config(algorithm=name).options
     wanted = {**SETTINGS, "client_optimizer": "adam", **({"local_epochs": 2} if name == "feddecomp" else {})}
     config = Config(algorithm=name).with_overrides([f"{k}={v}" for k, v in wanted.items() if options.field_for(k)])
-    model = Model("small", SmallNet(digits.num_classes), digits.input_shape)
+    model = Model("small", BatchNormNet(digits.num_classes, width=8), digits.input_shape)
     alg = registry.get(name).build(model, config.options, config)
     info = round_info(1, 0)
 

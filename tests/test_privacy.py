@@ -14,33 +14,17 @@ private leaf sent in any form (copied, scaled, mixed into a shared leaf), not on
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import round_info
+from conftest import BatchNormNet, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.core import packs as pk
 from jaxfed.data import ClientData
 from jaxfed.nn import Model
-from jaxfed.nn.models import Norm
 from jaxfed.runs.config import Config
-
-
-class BatchNormNet(nn.Module):
-    """Dense -> BatchNorm -> Dense -> head: BatchNorm statistics are private client state in every
-    algorithm that keeps them, and the middle layer is one every low-rank algorithm adapts."""
-
-    num_classes: int
-
-    @nn.compact
-    def __call__(self, x, train=False, mask=None, features=False):
-        h = nn.relu(Norm("batch")(nn.Dense(16)(x.reshape(x.shape[0], -1)), train, mask))
-        h = nn.relu(nn.Dense(16, name="hidden")(h))
-        return h if features else nn.Dense(self.num_classes, name="head")(h)
-
 
 # name -> (the client state's private fields, options); FROZEN ones train at lr 0 (see above).
 PRIVATE = {
