@@ -42,9 +42,14 @@ def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys)
     assert "s/round" in capsys.readouterr().out
 
 
-def test_bench_refuses_the_torch_baseline_for_other_algorithms(capsys):
+def test_bench_refuses_the_torch_baseline_for_other_algorithms_and_models(capsys, tmp_path):
     assert main(["bench", "w2", "--set", "algorithm=fedprox", "--baseline", "torch", *("--set", TINY_W2[0])]) == 2
     assert "--baseline: torch runs fedavg only" in capsys.readouterr().err
+    net = tmp_path / "net.py"
+    net.write_text("import flax.linen as nn\nclass Net(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n"
+                   "        return nn.Dense(10)(x.reshape(x.shape[0], -1))\n")  # fmt: skip
+    assert main(["bench", "w2", "--set", f"model={net}:Net", "--baseline", "torch"]) == 2  # before any timing
+    assert f"not model '{net}:Net'; use --baseline none" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1))])

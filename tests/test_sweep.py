@@ -16,6 +16,8 @@ from jaxfed.runs.build import build
 from jaxfed.runs.checkpoint import RunCheckpoints
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import run
+from jaxfed.runs.fingerprint import fingerprint
+from jaxfed.runs.rundir import RunDirectory
 from jaxfed.runs.sweep import (
     Sweep,
     check_sweepable,
@@ -236,6 +238,9 @@ def test_a_finished_sweep_resumed_is_skipped_or_extended_and_mistakes_are_one_li
         assert main(command) == 2, command
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, err
+    _, record = RunDirectory(member).newest_checkpoint_record()
+    alone = build(Config.from_dict(json.loads((member / "config.json").read_text()))).simulation
+    assert record["fingerprint"] == fingerprint(alone)  # what `jaxfed run --resume` of the member compares
     assert main([*args, "--resume"]) == 0  # every member finished: nothing runs
     assert "seed1_lr0.05: personalized acc" in capsys.readouterr().out
     finished = (member / "summary.json").read_text()
@@ -298,7 +303,7 @@ def test_a_sweep_of_a_user_built_simulation_runs_each_member_as_it_runs_alone(di
 
     sim = simulation(0, 0.01)  # the template: its lr is not the members'
     sweep = Sweep.of_simulation(sim, seeds=[0, 1], values={"lr": [0.2]}, algorithm=algorithm, data=datas)
-    settings = LoopSettings(rounds=1, eval_every=1, rounds_per_call=1, checkpoint_every=0)
+    settings = LoopSettings(rounds=1, eval_every=1, rounds_per_call=1, checkpoint_every=1)
     outs, summaries = run_simulation_sweep(sweep, tmp_path / "sweep", settings, progress=False, log=lambda m: None)
     assert [o.name for o in outs] == ["seed0_lr0.2", "seed1_lr0.2"] and not sim.strategy.members_as_clients
     for m, seed in enumerate((0, 1)):
@@ -312,6 +317,10 @@ def test_a_sweep_of_a_user_built_simulation_runs_each_member_as_it_runs_alone(di
     config = json.loads((outs[1] / "config.json").read_text())
     assert config["seed"] == 1 and config["options"] == {"lr": 0.2} and config["algorithm"] == "fedavg"
     assert [(v.name, v.seeds) for v in collect({"s": tmp_path / "sweep"})] == [("s", [0, 1])]
+    swapped = Sweep.of_simulation(sim, [0, 1], {"lr": [0.2]}, algorithm, data={0: datas[1], 1: datas[0]})
+    with pytest.raises(ConfigError, match=r"differs from the one that wrote .*seed0_lr0.2 in partition \('#"):
+        run_simulation_sweep(swapped, tmp_path / "sweep", settings._replace(rounds=2), resume=True, progress=False)
+    assert [p.name for p in (outs[0] / "checkpoints").iterdir()] == ["1"]
 
 
 def test_a_sweep_of_a_simulation_says_what_it_needs_in_one_line(digits_federation, mlp):

@@ -30,6 +30,7 @@ from jaxfed.runs.build import build, build_data, build_model
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import resume_point
 from jaxfed.runs.plots import run_labels
+from jaxfed.runs.sweep import member_name, run_grid, sweep_configs
 
 NET = """
 import flax.linen as nn
@@ -327,3 +328,13 @@ def test_two_fields_with_one_key_are_refused_at_registration():
     with pytest.raises(ValueError, match=r"option field\(s\) mu, mu_ are all the key 'mu'; rename"):
         registry.register("twice_test", Twice, lambda model, options, config: None)
     assert "twice_test" not in registry.names()
+
+
+def test_sweep_members_over_model_files_get_one_directory_level_each(tmp_path):
+    files = [_write(tmp_path / sub / "nets.py") for sub in ("a", "b")]
+    configs = sweep_configs(Config(**SMALL), grid={"model": [f"{files[0]}:Net", f"{files[0]}:Fixed"]})
+    names = [member_name(c, ["model"]) for c in configs]
+    assert names == ["seed0_lr0.05_modelnets.py:Net", "seed0_lr0.05_modelnets.py:Fixed"]
+    same_name = sweep_configs(Config(**SMALL), grid={"model": [f"{f}:Net" for f in files]})
+    with pytest.raises(ConfigError, match="share the run directory seed0_lr0.05_modelnets.py:Net"):
+        run_grid(same_name, tmp_path / "sweep", ["model"])

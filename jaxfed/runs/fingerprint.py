@@ -12,7 +12,7 @@ the examples and one of the per-client index tables (the partition), each over t
 dtypes, shapes and contents, summed on the device. Each checkpoint's record holds it;
 :func:`check_same_simulation` refuses, in one line naming the differences, a resume by a
 simulation whose fingerprint differs. A record without one (a run directory from before
-fingerprints, a sweep member) is not compared.
+fingerprints, or a sweep member written before members recorded one) is not compared.
 
 :func:`describe` is the fingerprint without the digests, with the data's sizes instead: what
 :func:`~jaxfed.runs.driver.run_simulation` writes to ``config.json`` (under the keys a
@@ -73,14 +73,17 @@ def simulation_keys(sim) -> dict:
     }
 
 
-def fingerprint(sim) -> dict:
-    """:func:`simulation_keys` plus the data's digests: what a checkpoint's record holds and a resume compares."""
-    examples = [getattr(sim.data, name) for name in EXAMPLES]
-    train, test = len(sim.data.x_train), len(sim.data.x_test)
+def fingerprint(sim, data=None, **keys) -> dict:
+    """:func:`simulation_keys` plus the data's digests: what a checkpoint's record holds and a
+    resume compares. A sweep's member is ``sim`` (its template) on the member's ``data`` with its
+    own ``keys`` (``seed``, ``options``)."""
+    data = sim.data if data is None else data
+    examples = [getattr(data, name) for name in EXAMPLES]
     return {
         **simulation_keys(sim),
-        "examples": f"{train} train + {test} test #{digest(examples)}",
-        "partition": f"#{digest([getattr(sim.data, name) for name in PARTITION])}",
+        **keys,
+        "examples": f"{len(data.x_train)} train + {len(data.x_test)} test #{digest(examples)}",
+        "partition": f"#{digest([getattr(data, name) for name in PARTITION])}",
     }
 
 
@@ -152,8 +155,8 @@ def check_same_simulation(saved: dict | None, current: dict, where, log=None, fi
     if saved is None:
         if log is not None:
             log(
-                f"warning: {where} records no simulation fingerprint (written before jaxfed recorded one, or by a "
-                "sweep); resuming without checking that this simulation is the one that wrote it"
+                f"warning: {where} records no simulation fingerprint (written before jaxfed recorded one); "
+                "resuming without checking that this simulation is the one that wrote it"
             )
         return
     changed = differences(saved, current)

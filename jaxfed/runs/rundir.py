@@ -77,7 +77,7 @@ class RunRecord:
     evaluated metrics rows, ``totals`` the running sums, ``round_times`` each round's seconds;
     ``config`` is the run's config as a dict (:meth:`Config.to_dict`, or what ``run_simulation``
     describes); ``fingerprint`` the simulation's (:func:`jaxfed.runs.fingerprint.fingerprint`;
-    None: not recorded, as in records from before fingerprints and sweeps' records).
+    None: not recorded, as in records from before fingerprints).
     """
 
     def __init__(self, config: dict, record: dict | None = None, fingerprint: dict | None = None):

@@ -48,6 +48,7 @@ from jaxfed.runs.build import build, build_algorithm, build_data, build_model, b
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
+from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, seed_of
 from jaxfed.runs.plots import read_json, show
 from jaxfed.runs.rundir import (
     LoopSettings,
@@ -84,8 +85,13 @@ def member_name(config: Config, keys=()) -> str:
     """A member's run directory name: ``seed<seed>_lr<lr>``, then ``_<key><value>`` for each
     other swept key."""
     values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
-    extra = "".join(f"_{key}{show(values[key])}" for key in keys if key not in ("seed", "lr"))
+    extra = "".join(f"_{key}{path_part(show(values[key], key))}" for key in keys if key not in ("seed", "lr"))
     return f"seed{config.seed}_lr{show(config.options.lr)}{extra}"
+
+
+def path_part(text: str) -> str:
+    """``text`` as part of one directory name: a path's separators become ``-``."""
+    return text.replace("/", "-").replace("\\", "-")
 
 
 def differing_keys(configs: list[Config]) -> list[str]:
@@ -275,6 +281,7 @@ class Sweep:
         its traced values."""
         self.template, self.members, self._algorithm = template, members, algorithm
         self.num_members, self.nonfinite = len(members), template.nonfinite
+        self._member_datas = datas
         self.data, self.data_axes = stack_data(datas)
         self.seeds = jnp.asarray([m["seed"] for m in members], jnp.uint32)
         self.values = {  # option field -> [members]: the traced values
@@ -310,6 +317,22 @@ class Sweep:
             return jax.lax.map(one, (seeds, values, states, own), batch_size=chunk if chunk > 1 else None)
 
         return mapped
+
+    def fingerprints(self) -> list[dict]:
+        """Each member's :func:`~jaxfed.runs.fingerprint.fingerprint`: a config sweep's member's is
+        what ``jaxfed run`` of its config computes (so ``jaxfed run --resume`` continues a member
+        alone); a simulation sweep's member's holds its swept ``values``."""
+        prints, digests = [], {}
+        for i, (member, data) in enumerate(zip(self.members, self._member_datas)):
+            keys = {"seed": seed_of(jax.random.key(member["seed"]))}
+            if self.configs:
+                keys["options"] = self.configs[i].options.to_dict()
+            elif len(member) > 1:
+                keys["values"] = {name: value for name, value in member.items() if name != "seed"}
+            if id(data) not in digests:  # members of one seed share their data
+                digests[id(data)] = fingerprint(self.template, data)
+            prints.append({**digests[id(data)], **keys})
+        return prints
 
     @property
     def num_devices(self) -> int:
@@ -363,7 +386,10 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
     split_host_for(configs)
     outs = [Path(root) / member_name(c, keys) for c in configs]
     if len(set(outs)) < len(outs):
-        raise ConfigError("sweep: two members would share a run directory; give each swept key distinct values")
+        shared = next(out.name for i, out in enumerate(outs) if out in outs[:i])
+        raise ConfigError(
+            f"sweep: two members would share the run directory {shared}; give each swept key distinct values"
+        )
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
         for directory in dirs:
@@ -466,11 +492,11 @@ def _drive_members(sweep, configs: list[dict], dirs, settings, start, progress, 
     """Every member of ``sweep`` through :func:`~jaxfed.runs.driver.drive` into its locked run
     directory (``configs``: what each one's ``config.json`` records), from the start or
     (``resume``) from each one's newest checkpoint; each one's summary."""
-    states = sweep.init()
+    states, prints = sweep.init(), sweep.fingerprints()
     if resume:
-        states, records = restore_members(sweep, states, dirs, configs, log)
+        states, records = restore_members(sweep, states, dirs, configs, prints, log)
     else:
-        records = [RunRecord(c) for c in configs]
+        records = [RunRecord(c, fingerprint=p) for c, p in zip(configs, prints)]
     for c, directory, record in zip(configs, dirs, records):
         directory.start(c, record.rows)
     drive(sweep, states, dirs, records, settings, start=start, progress=progress, desc=f"sweep of {len(configs)}")
@@ -484,18 +510,21 @@ def _drive_members(sweep, configs: list[dict], dirs, settings, start, progress, 
     return summaries
 
 
-def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], configs: list[dict], log):
+def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], configs: list[dict], prints: list[dict], log):
     """``(states, records)``: each member's state and record from its newest readable checkpoint
-    (a member without one keeps its initial state in ``states``; ``configs``: what each records),
-    stacked and placed as ``states`` is. A ConfigError if they come back at different rounds (one
-    compiled sweep runs them together): a checkpoint whose record reads but whose state does not
-    is set aside, so the same command run again plans from the round that reads."""
+    (a member without one keeps its initial state in ``states``; ``configs`` and ``prints``: what
+    each records), stacked and placed as ``states`` is. A one-line ConfigError, before anything
+    runs, if a checkpoint's fingerprint differs from its member's, or if the members come back at
+    different rounds (one compiled sweep runs them together): a checkpoint whose record reads but
+    whose state does not is set aside, so the same command run again plans from the round that
+    reads."""
     members, records = [], []
-    for i, (config, directory) in enumerate(zip(configs, dirs)):
-        state, record = sweep.member(states, i), RunRecord(config)
+    for i, (config, directory, current) in enumerate(zip(configs, dirs, prints)):
+        state, record = sweep.member(states, i), RunRecord(config, fingerprint=current)
         if directory.checkpoints.rounds():
             state, record = directory.restore(state, log)
-            record.config = config
+            check_same_simulation(record.fingerprint, current, directory.path, field="--resume")
+            record.config, record.fingerprint = config, current
         members.append(state)
         records.append(record)
     rounds = [int(member.round) for member in members]
@@ -551,7 +580,8 @@ def check_simulation_sweep(sim, seeds, values: dict, algorithm, data) -> None:
 def simulation_member_name(member: dict) -> str:
     """A :meth:`Sweep.of_simulation` member's run directory name: ``seed<seed>``, then
     ``_<name><value>`` for each swept value (as :func:`member_name` writes a config sweep's)."""
-    return f"seed{member['seed']}" + "".join(f"_{name}{show(v)}" for name, v in member.items() if name != "seed")
+    values = (f"_{name}{path_part(show(v, name))}" for name, v in member.items() if name != "seed")
+    return f"seed{member['seed']}" + "".join(values)
 
 
 def run_simulation_sweep(

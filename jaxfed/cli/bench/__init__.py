@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxfed.cli.bench.flops import local_step_flops
 from jaxfed.cli.bench.measure import matmul_gflops, peak_memory_bytes
+from jaxfed.data.datasets import default_model
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
@@ -174,8 +175,13 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
     if baseline == "torch" and config.algorithm != "fedavg":
         raise ConfigError(f"--baseline: torch runs fedavg only, not '{config.algorithm}'; use --baseline none")
     if baseline == "torch":
-        from jaxfed.cli.bench.torch_loop import require_torch
+        from jaxfed.cli.bench.torch_loop import TWINS, require_torch
 
+        model = config.model or default_model(config.dataset)
+        if model not in TWINS:
+            raise ConfigError(
+                f"--baseline: torch has a twin of {', '.join(TWINS)} only, not model '{model}'; use --baseline none"
+            )
         require_torch()  # before minutes of timing, not after
     engine = time_rounds(config, rounds)
     sim = engine.pop("sim")

@@ -28,6 +28,9 @@ def require_torch():
     return torch
 
 
+TWINS = ("cnn", "mlp")  # the jaxfed models torch_model builds
+
+
 def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
     """The jaxfed model ``name`` (``cnn`` or ``mlp``) in PyTorch, channels first."""
     torch = require_torch()
@@ -46,7 +49,7 @@ def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
         return nn.Sequential(*layers, nn.Linear(width, num_classes))
-    raise SystemExit(f"jaxfed bench: no PyTorch twin of model '{name}' (cnn, mlp)")
+    raise SystemExit(f"jaxfed bench: no PyTorch twin of model '{name}' ({', '.join(TWINS)})")
 
 
 def copy_jax_params(module, params) -> None:
