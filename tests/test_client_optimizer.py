@@ -285,3 +285,22 @@ def test_jaxfed_list_shows_the_key(capsys):
     assert main(["list", "ditto"]) == 0
     out = capsys.readouterr().out
     assert "client_optimizer = sgd" in out and "adamw" in out
+
+
+def test_a_masked_part_stays_put_and_the_rest_trains_as_it_would_alone():
+    """``masked`` with a traced 0 freezes its part (no weight decay, nothing in the clipped norm);
+    the other part follows the optimizer run on it alone."""
+    from jaxfed.algorithms.training import masked
+
+    opt = client_optimizer("momentum", 0.1, momentum=0.9, weight_decay=0.1, clip_norm=0.5)
+    params = {"a": jnp.arange(3.0), "b": {"c": jnp.ones((2, 2))}}
+    grads = [{"a": jnp.asarray([1.0, -2.0, 0.5]) * k, "b": {"c": jnp.full((2, 2), 3.0 * k)}} for k in (1, 2)]
+    update = jax.jit(lambda g, state, p, on: masked(opt, {"a": 1.0, "b": on}).update(g, state, p))
+    alone, alone_state, both, both_state = params["a"], opt.init(params["a"]), params, opt.init(params)
+    for g in grads:
+        updates, alone_state = opt.update(g["a"], alone_state, alone)
+        alone = optax.apply_updates(alone, updates)
+        updates, both_state = update(g, both_state, both, 0.0)
+        both = optax.apply_updates(both, updates)
+    np.testing.assert_allclose(both["a"], alone, rtol=1e-6)
+    np.testing.assert_array_equal(both["b"]["c"], params["b"]["c"])

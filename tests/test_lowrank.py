@@ -237,3 +237,17 @@ def test_loras_start_at_zero_and_add_their_delta(resnet8):
     kernel = lowrank.get_layer(params, key)["kernel"]
     expected = np.asarray(kernel) + 0.5 * np.asarray(lowrank.fold(lora.down @ lora.up, kernel.shape))
     np.testing.assert_allclose(lowrank.get_layer(updated, key)["kernel"], expected, rtol=1e-6)
+
+
+def test_the_factored_frobenius_norm_and_its_gradient_are_those_of_the_product():
+    """``product_norm_sq(u, v)`` against ``W = u v^T`` formed in float64: ``||W||^2``, and its
+    gradient ``(2 W v, 2 W^T u)`` (the custom rule reuses the Gram matrices instead)."""
+    rng = np.random.default_rng(3)
+    u, v = rng.normal(size=(9, 4)), rng.normal(size=(6, 4))
+    value, (grad_u, grad_v) = jax.value_and_grad(lowrank.product_norm_sq, argnums=(0, 1))(
+        jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32)
+    )
+    w = u @ v.T
+    np.testing.assert_allclose(value, np.sum(w**2), rtol=1e-5)
+    np.testing.assert_allclose(grad_u, 2 * w @ v, rtol=1e-5)
+    np.testing.assert_allclose(grad_v, 2 * w.T @ u, rtol=1e-5)

@@ -10,9 +10,16 @@ import pytest
 
 from jaxfed.algorithms.fedara import fedara
 from jaxfed.algorithms.fedhm import fedhm
+from jaxfed.algorithms.fedloru import mfedloru
 from jaxfed.core import lowrank
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.simulation import Simulation
+
+
+def mfedloru_tiers(model, **options):
+    """mFedLoRU with a tier per kind: the rank-r factors (1.0), and nested pairs of two ranks."""
+    return mfedloru(model, tiers=(1.0, 0.5, 0.25, 0.5, 1.0), lora_rank=4, lr=0.05, **options)
+
 
 RANKS = [{}, {"conv2": 6, "conv3": 10}, {"conv2": 3}]  # tier 0 whole, tier 2 keeps conv3 whole
 
@@ -66,7 +73,10 @@ def test_a_padded_layer_without_its_switch_is_one_line(small_cnn, digits):
 
 
 # FedARA's pad_tier pads FedHM's message plus its tier's layer membership: FedHM's case is a subset.
-@pytest.mark.parametrize("algorithm, model_name", [(fedara, "mlp")], ids=["fedara"])
+# mFedLoRU's pads nested pairs and switches which factors train (an optimizer mask).
+@pytest.mark.parametrize(
+    "algorithm, model_name", [(fedara, "mlp"), (mfedloru_tiers, "small_cnn")], ids=["fedara", "mfedloru"]
+)
 def test_every_tier_in_one_group_gives_the_per_tier_groups_numbers(algorithm, model_name, digits_federation, request):
     """Five tiers (the first whole), 5 of 10 clients a round, vmapped: one group of all tiers
     against one group per tier (a padded conv's numbers: the test above). Bytes exactly (each

@@ -168,16 +168,16 @@ def lambda_at(round_: jax.Array, lam: float, warmup_rounds: int) -> jax.Array:
 
 
 def frobenius_penalty(fe_params, layers, weights=None) -> jax.Array:
-    """``sum_q ||U_q V_q^T||_F^2`` over the decomposed layers ``q``: ``sum((U^T U) * (V^T V))`` for
-    a factorized layer, ``||W||_F^2`` for one its tier keeps at full rank (sent as its kernel);
-    ``weights`` (one per layer, 0 or 1) picks the tier's ``Q_k`` out of ``layers``."""
+    """``sum_q ||U_q V_q^T||_F^2`` over the decomposed layers ``q``: ``sum((U^T U) * (V^T V))``
+    (:func:`~jaxfed.core.lowrank.product_norm_sq`) for a factorized layer, ``||W||_F^2`` for one
+    its tier keeps at full rank (sent as its kernel); ``weights`` (one per layer, 0 or 1) picks
+    the tier's ``Q_k`` out of ``layers``."""
     total = jnp.float32(0)
     for i, key in enumerate(layers):
         layer = lowrank.get_layer(fe_params, key)
         term = jnp.float32(0)  # a padded layer has both: a zero kernel or zero factors
         if "u" in layer:
-            u, v = lowrank.layer_factors(layer)
-            term = term + jnp.sum((u.T @ u) * (v.T @ v))
+            term = term + lowrank.product_norm_sq(*lowrank.layer_factors(layer))
         if "kernel" in layer:
             term = term + jnp.sum(jnp.square(layer["kernel"]))
         total = total + (term if weights is None else weights[i] * term)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.algorithms.registry import builtin
-from jaxfed.algorithms.training import train_parameters
+from jaxfed.algorithms.training import masked, train_parameters
 from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import lowrank, mean_of, tree_bytes, tree_select, weighted_share
 from jaxfed.nn import model_template, split_variables
@@ -232,6 +232,7 @@ class Broadcast(NamedTuple):
     loras: Any
     merged: Any = None
     nested: Any = None
+    trains_loras: Any = None  # mFedLoRU's padded tiers: 1.0 where the tier trains the rank-r factors, else 0.0
 
 
 class Upload(NamedTuple):
@@ -540,33 +541,52 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), info.round)
         return message._replace(nested=nested_start(jax.random.fold_in(rng, info.tier + 1), tier_ranks[info.tier]))
 
+    padded_rank = max((r for r in tier_ranks if r < rank), default=0)
+    lora_shapes = _lora_shapes(adapted)
+
+    def pad_tier(message, info):
+        """Every tier's message in one shape: nested pairs at the largest nested rank (zero
+        columns and rows beyond the tier's; all zero for a tier training the rank-r factors) and
+        the switch saying which of the two the client trains."""
+        if message.nested is None:
+            nested = {
+                key: (_zero_pair(s.down, padded_rank), _zero_pair(s.up, padded_rank)) for key, s in lora_shapes.items()
+            }
+        else:
+            nested = {
+                key: (_pad_pair(d, padded_rank), _pad_pair(u, padded_rank)) for key, (d, u) in message.nested.items()
+            }
+        return message._replace(nested=nested, trains_loras=jnp.float32(message.nested is None))
+
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
         free, frozen = adapted.split(message.params)
-        nested = message.nested is not None
-        key = "nested" if nested else "loras"
+        if message.trains_loras is not None:  # a padded tier: both, one of them frozen by the mask
+            trainable = {"free": free, "loras": message.loras, "nested": message.nested}
+            on = message.trains_loras
+            optimizer = masked(optimizer, {"free": 1.0, "loras": on, "nested": 1.0 - on})
+        elif message.nested is not None:
+            trainable = {"free": free, "nested": message.nested}
+        else:
+            trainable = {"free": free, "loras": message.loras}
 
         def to_params(t):
-            loras = with_nested(message.loras, t["nested"]) if nested else t["loras"]
+            loras = t.get("loras", message.loras)
+            loras = with_nested(loras, t["nested"]) if "nested" in t else loras
             return adapted.effective(lowrank.merge_kernels(t["free"], frozen), loras, message.merged)
 
         trained, model_state, metrics = train_parameters(
-            model,
-            optimizer,
-            {"free": free, key: getattr(message, key)},
-            client_state.model_state,
-            data,
-            rng,
-            to_params=to_params,
-            **options.batching(),
+            model, optimizer, trainable, client_state.model_state, data, rng, to_params=to_params, **options.batching()
         )
         return LowRankClient(model_state, info.round), _upload(trained), metrics
 
     def receive(server_state, message, info):
-        """A client's upload as its rank-r factors ``(down + D1 D2, up + U1 U2)``."""
+        """A client's upload as its rank-r factors ``(down + D1 D2, up + U1 U2)``, ``down, up``
+        the server's (a padded tier's upload carries them, unchanged where it trained nested pairs)."""
         if message.nested is None:
             return message
-        return Upload(free=message.free, loras=with_nested(server_state.loras, message.nested))
+        base = server_state.loras if message.loras is None else message.loras
+        return Upload(free=message.free, loras=with_nested(base, message.nested))
 
     return FederatedAlgorithm(
         name="mfedloru",
@@ -580,8 +600,21 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         evaluates_global=not adapted.has_private_stats,
         num_tiers=len(tier_ranks),
         receive=receive,
+        pad_tier=pad_tier if padded_rank else None,
         download_bytes=_download_counter(adapted, options),
     )
+
+
+def _pad_pair(pair: lowrank.LoRA, rank: int) -> lowrank.LoRA:
+    """A nested pair ``(D1 [rows, r_k], D2 [r_k, cols])`` zero-padded to rank ``rank``: the same product."""
+    extra = rank - pair.down.shape[-1]
+    return lowrank.LoRA(jnp.pad(pair.down, ((0, 0), (0, extra))), jnp.pad(pair.up, ((0, extra), (0, 0))))
+
+
+def _zero_pair(shape, rank: int) -> lowrank.LoRA:
+    """A zero nested pair of rank ``rank`` for a factor of ``shape`` (``(rows, cols)``)."""
+    rows, cols = shape
+    return lowrank.LoRA(jnp.zeros((rows, rank), jnp.float32), jnp.zeros((rank, cols), jnp.float32))
 
 
 def _lora_shapes(adapted: _Adapted) -> dict[str, lowrank.LoRA]:

@@ -66,6 +66,23 @@ def gradient_step(loss_fn, optimizer: optax.GradientTransformation):
     return step
 
 
+def masked(optimizer: optax.GradientTransformation, mask) -> optax.GradientTransformation:
+    """``optimizer`` training only the parts of the tree whose ``mask`` entry is 1 (``mask``: a
+    prefix of the trained tree whose leaves are 0/1 scalars, traced or not): a 0 part's gradient is
+    zeroed before the optimizer (it adds nothing to a clipped norm) and its update after (weight
+    decay moves it neither), so it stays as it is. ``optax.masked`` with the mask a value, not a
+    structure: one program trains a different part for each client (mFedLoRU's padded tiers)."""
+
+    def times_mask(tree):
+        return jax.tree.map(lambda m, part: jax.tree.map(lambda x: x * jnp.asarray(m, x.dtype), part), mask, tree)
+
+    def update(grads, state, params=None):
+        updates, state = optimizer.update(times_mask(grads), state, params)
+        return times_mask(updates), state
+
+    return optax.GradientTransformation(optimizer.init, update)
+
+
 def shuffled_positions(rng, count, max_examples: int, length: int):
     """A permutation of positions ``0..count-1`` followed by padding positions (>= count).
 

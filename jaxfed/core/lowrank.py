@@ -124,6 +124,27 @@ def reconstruct(factors: Factors) -> jax.Array:
     return factors.u @ factors.v.T
 
 
+@jax.custom_vjp
+def product_norm_sq(u: jax.Array, v: jax.Array) -> jax.Array:
+    """``||u v^T||_F^2 = sum((u^T u) * (v^T v))`` without forming ``u v^T``. Its gradient,
+    ``(2 u (v^T v), 2 v (u^T u))``, reuses the two Gram matrices of the value: ``4 (rows + cols)
+    r^2`` multiply-adds in all, where differentiating the value's expression costs 1.5 times that."""
+    return jnp.sum((u.T @ u) * (v.T @ v))
+
+
+def _product_norm_sq_fwd(u, v):
+    gram_u, gram_v = u.T @ u, v.T @ v
+    return jnp.sum(gram_u * gram_v), (u, v, gram_u, gram_v)
+
+
+def _product_norm_sq_bwd(residuals, g):
+    u, v, gram_u, gram_v = residuals
+    return 2 * g * (u @ gram_v), 2 * g * (v @ gram_u)
+
+
+product_norm_sq.defvjp(_product_norm_sq_fwd, _product_norm_sq_bwd)
+
+
 def factorize_kernel(kernel: jax.Array, rank: int) -> Factors:
     return factorize(matricize(kernel), rank)
 

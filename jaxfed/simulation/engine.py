@@ -207,8 +207,6 @@ class Simulation:
             raise ValueError(
                 f"{algorithm.name}: evaluates_global evaluates one model for every client; drop personalize"
             )
-        if algorithm.pad_tier is not None and algorithm.download_bytes is not None:
-            raise ValueError(f"{algorithm.name}: pad_tier counts each tier's whole message; give no download_bytes")
         self.client_state = client_state
         self.matmul_precision = matmul_precision
         self.nonfinite = nonfinite
@@ -377,7 +375,11 @@ class Simulation:
             message_down = stack_trees([alg.pad_tier(m, RoundInfo(state.round, t)) for t, m in enumerate(messages)])
             sizes = jnp.asarray([tree_bytes(m) for m in messages], jnp.float32)
             down_sent = jnp.sum(jnp.where(is_real, sizes[tiers], 0.0))
-            down_bytes = sizes[tiers]
+            per_tier = [
+                accounting.download_bytes(alg, m, states, RoundInfo(state.round, t), len(ids))
+                for t, m in enumerate(messages)
+            ]
+            down_bytes = jnp.stack(per_tier)[tiers, jnp.arange(len(ids))]  # each client's by its tier's message
             tier_up_bytes = self._tier_upload_bytes(state, messages, states, client_data, key, ids)
         else:
             tiers = jnp.full(ids.shape, tier or 0, jnp.int32)
