@@ -7,7 +7,8 @@
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
 #
-# Not yet in it: FedDecomp's CIFAR-10 round against a torch loop (no PyTorch ResNet-8 twin yet).
+# FedDecomp's CIFAR-10 setting (w4: ResNet-8, 40 clients, 5 epochs of batch 100): FedAvg against
+# the PyTorch loop, and FedDecomp's own round.
 # Nothing to install beyond the repository (pip install -e .) and torch for the baseline (the
 # torch rows are skipped without it). Each step has its own time limit, so one that hangs or
 # fails leaves the others' results; a failed step is listed in gpu.md.
@@ -20,10 +21,11 @@ mkdir -p "$OUT"
 if [ "${QUICK:-0}" = 1 ]; then
     ROUNDS=2 STRATEGIES=1 SCALING=1000,10000 ALGORITHMS="fedhm" MEMBERS=2 LIMIT=300
     SMALL=(--set num_clients=100) SMALL_KV=(num_clients=100)
+    W4_SMALL=(--set num_clients=4 local_epochs=3 client_train_size=100)
 else
     ROUNDS=10 STRATEGIES=1,5,20 SCALING=10000,100000,1000000 MEMBERS=8 LIMIT=240
     ALGORITHMS="fedhm fedara mfedloru feddecomp fedcspack floral"
-    SMALL=() SMALL_KV=()
+    SMALL=() SMALL_KV=() W4_SMALL=()
 fi
 TORCH=torch
 python -c "import torch" 2>/dev/null || TORCH=none
@@ -46,6 +48,11 @@ for algorithm in $ALGORITHMS; do
     step "w3_$algorithm" jaxfed bench w3 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none \
         --set "algorithm=$algorithm" "${extra[@]}" "${SMALL[@]}" --json "$OUT/w3_$algorithm.json"
 done
+step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \
+    --json "$OUT/w4.json"
+step w4_feddecomp jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none "${W4_SMALL[@]}" \
+    --set algorithm=feddecomp lora_epochs=2 rank_dense=0.6 rank_conv=0.6 aggregation=uniform \
+    --json "$OUT/w4_feddecomp.json"
 step tiers python "$HERE/tier_rounds.py" --data-dir "$DATA" --set client_chunk=0 "${SMALL_KV[@]}" \
     --out "$OUT/tiers.json"
 step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --members "$MEMBERS" \

@@ -55,6 +55,22 @@ def rows(out: Path) -> tuple[dict, list[str]]:
                 f"compile {r['compile_seconds']:.1f} s | {TIER_TARGET}x for fedhm, fedara, mfedloru: "
                 f"{verdict(ratio, TIER_TARGET) if name[3:] in ('fedhm', 'fedara', 'mfedloru') else '-'} |"
             )
+    w4 = results.get("w4")
+    if w4:
+        lines.append(
+            f"| w4 (FedDecomp's CIFAR-10 setting) FedAvg round | {w4['round_seconds_median']:.3f} s, useful steps "
+            f"{100 * w4['useful_step_fraction']:.0f}% | |"
+        )
+        if "torch" in w4:
+            t = w4["torch"]
+            lines.append(
+                f"| w4 PyTorch per-client loop ({t['device']}) | {t['round_seconds_median']:.3f} s: jaxfed "
+                f"{w4['speedup_vs_torch']:.1f}x | |"
+            )
+    w4_feddecomp = results.get("w4_feddecomp")
+    if w4_feddecomp:
+        ratio = f" ({w4_feddecomp['round_seconds_median'] / w4['round_seconds_median']:.2f}x FedAvg's)" if w4 else ""
+        lines.append(f"| w4 FedDecomp round | {w4_feddecomp['round_seconds_median']:.3f} s{ratio} | |")
     tiers = results.get("tiers")
     for key, row in (tiers or {}).items():
         if isinstance(row, dict) and "flops_x_fedavg" in row and not key.startswith("fedavg"):
@@ -80,7 +96,7 @@ def rows(out: Path) -> tuple[dict, list[str]]:
     failed = (out / "failed.txt").read_text().split("\n") if (out / "failed.txt").exists() else []
     for line in filter(None, failed):
         lines.append(f"| failed: {line} | | |")
-    device = (w1 or {}).get("device", "unknown device")
+    device = (w1 or w4 or {}).get("device", "unknown device")
     return results, [f"GPU suite on {device}", "", *lines]
 
 

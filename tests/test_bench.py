@@ -52,7 +52,7 @@ def test_bench_refuses_the_torch_baseline_for_other_algorithms_and_models(capsys
     assert f"not model '{net}:Net'; use --baseline none" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1))])
+@pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1)), ("resnet8", (32, 32, 3))])
 def test_the_torch_twin_from_jaxfed_weights_computes_the_same_outputs(name, shape):
     torch = pytest.importorskip("torch", reason="the PyTorch baseline is a benchmark extra (pip install torch)")
     import jax
@@ -62,6 +62,8 @@ def test_the_torch_twin_from_jaxfed_weights_computes_the_same_outputs(name, shap
 
     model = get_model(name, shape, 10)
     variables = model.init(jax.random.key(0))
+    noise = np.random.default_rng(1)  # every parameter moved off its init (norm scales 1, biases 0)
+    variables = jax.tree.map(lambda a: a + np.float32(0.1) * noise.normal(size=a.shape).astype(np.float32), variables)
     twin = torch_model(name, shape, 10)
     copy_jax_params(twin, variables["params"])
     x = np.random.default_rng(0).normal(size=(3, *shape)).astype(np.float32)

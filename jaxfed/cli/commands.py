@@ -124,9 +124,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE_OR_MODULE",
         help="import a module that registers algorithms first (repeatable)",
     )
-    bench = commands.add_parser("bench", help="throughput of a workload (w1, w2, w3), against a PyTorch loop")
-    bench.add_argument("workload", nargs="?", default="w1", help="w1 (default), w2 or w3; see jaxfed.cli.bench")
-    bench.add_argument("--data-dir", help="directory with mnist.npz (w1, w3)")
+    bench = commands.add_parser("bench", help="throughput of a workload (w1-w4), against a PyTorch loop")
+    bench.add_argument("workload", nargs="?", default="w1", help="w1 (default), w2, w3 or w4; see jaxfed.cli.bench")
+    bench.add_argument("--data-dir", help="directory with mnist.npz (w1, w3) or cifar10.npz (w4)")
     bench.add_argument(
         "--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys"
     )

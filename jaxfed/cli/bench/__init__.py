@@ -19,6 +19,10 @@ Workloads (``--set key=value`` changes any config key):
 - ``w2``: FedAvg, ``mlp`` on digits, 10 000 clients of 64 training / 16 test examples drawn from
   the pool (``partition=resample``), 1000 per round.
 - ``w3``: W1's setting with ``--set algorithm=NAME`` (any algorithm; default floral).
+- ``w4``: FedDecomp's CIFAR-10 setting with FedAvg: ``resnet8`` (GroupNorm), 40 clients of 500
+  training / 100 test examples (``client_dirichlet`` 0.5), all of them every round, 5 local
+  epochs of batch 100, SGD lr 0.1 with momentum 0.9 (``--set algorithm=feddecomp`` for its
+  own round, ``--baseline none``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,21 @@ WORKLOADS = {
         "lr=0.005",
     ],
     "w3": [*W1, "algorithm=floral"],
+    "w4": [
+        "algorithm=fedavg",
+        "dataset=cifar10",
+        "model=resnet8",
+        "partition=client_dirichlet",
+        "alpha=0.5",
+        "num_clients=40",
+        "participation=1.0",
+        "client_train_size=500",
+        "client_test_size=100",
+        "local_epochs=5",
+        "batch_size=100",
+        "lr=0.1",
+        "momentum=0.9",
+    ],
 }
 
 

@@ -28,11 +28,12 @@ def require_torch():
     return torch
 
 
-TWINS = ("cnn", "mlp")  # the jaxfed models torch_model builds
+TWINS = ("cnn", "mlp", "resnet8")  # the jaxfed models torch_model builds
 
 
-def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
-    """The jaxfed model ``name`` (``cnn`` or ``mlp``) in PyTorch, channels first."""
+def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200), norm: str = "group"):
+    """The jaxfed model ``name`` (``cnn``, ``mlp`` or ``resnet8`` with ``norm``) in PyTorch,
+    channels first."""
     torch = require_torch()
     nn = torch.nn
     if name == "cnn":
@@ -49,14 +50,76 @@ def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200)):
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
         return nn.Sequential(*layers, nn.Linear(width, num_classes))
+    if name == "resnet8":
+        return _resnet8(torch, input_shape[-1], num_classes, norm)
     raise SystemExit(f"jaxfed bench: no PyTorch twin of model '{name}' ({', '.join(TWINS)})")
 
 
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """XLA's ``SAME`` padding of one spatial dimension, ``(low, high)``: the extra goes high (a
+    3x3 stride-2 conv over 32 pads (0, 1); torch's ``padding=1`` would pad (1, 1))."""
+    total = max((-(-size // stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def _resnet8(torch, channels: int, num_classes: int, norm: str):
+    """jaxfed's ``resnet8`` (:class:`jaxfed.nn.models.ResNet`, widths 16, 32, 64, one basic block
+    a stage) with its submodules named as its parameters are (``stem``, ``layer2_0.shortcut``, ...)."""
+    nn, functional = torch.nn, torch.nn.functional
+
+    class SameConv(nn.Conv2d):
+        def __init__(self, cin, cout, kernel, stride=1):
+            super().__init__(cin, cout, kernel, stride, padding=0, bias=False)
+
+        def forward(self, x):
+            (top, bottom), (left, right) = (
+                same_padding(x.shape[2 + i], self.kernel_size[i], self.stride[i]) for i in (0, 1)
+            )
+            return super().forward(functional.pad(x, (left, right, top, bottom)))
+
+    def make_norm(width):  # flax's GroupNorm (epsilon 1e-6) / BatchNorm (momentum 0.9 = torch's 0.1)
+        return nn.GroupNorm(min(2, width), width, eps=1e-6) if norm == "group" else nn.BatchNorm2d(width, eps=1e-5)
+
+    class Block(nn.Module):
+        def __init__(self, cin, width, stride):
+            super().__init__()
+            self.conv1, self.norm1 = SameConv(cin, width, 3, stride), make_norm(width)
+            self.conv2, self.norm2 = SameConv(width, width, 3), make_norm(width)
+            self.shortcut = self.shortcut_norm = None
+            if stride != 1 or cin != width:
+                self.shortcut, self.shortcut_norm = SameConv(cin, width, 1, stride), make_norm(width)
+
+        def forward(self, x):
+            h = functional.relu(self.norm1(self.conv1(x)))
+            h = self.norm2(self.conv2(h))
+            if self.shortcut is not None:
+                x = self.shortcut_norm(self.shortcut(x))
+            return functional.relu(h + x)
+
+    class ResNet8(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.stem_norm = SameConv(channels, 16, 3), make_norm(16)
+            self.layer1_0, self.layer2_0, self.layer3_0 = Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2)
+            self.head = nn.Linear(64, num_classes)
+
+        def forward(self, x):
+            h = functional.relu(self.stem_norm(self.stem(x)))
+            h = self.layer3_0(self.layer2_0(self.layer1_0(h)))
+            return self.head(h.mean(dim=(2, 3)))
+
+    return ResNet8()
+
+
 def copy_jax_params(module, params) -> None:
-    """Load a jaxfed ``cnn`` / ``mlp`` parameter tree into its PyTorch twin, so both start from the
-    same weights (kernels HWIO -> OIHW, Dense [in, out] -> [out, in], and the first Dense after
-    the convolutions re-ordered from NHWC to NCHW flattening)."""
+    """Load a jaxfed model's parameter tree into its PyTorch twin, so both start from the same
+    weights (kernels HWIO -> OIHW, Dense [in, out] -> [out, in]; ``cnn`` / ``mlp``: the first
+    Dense after the convolutions re-ordered from NHWC to NCHW flattening; ``resnet8``: by name,
+    norms' ``scale`` to ``weight``)."""
     torch = require_torch()
+    if not isinstance(module, torch.nn.Sequential):
+        _copy_by_name(torch, module, params)
+        return
     weighted = [m for m in module if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     layers = [params[name] for name in sorted(params, key=_layer_order)]
     if len(layers) != len(weighted):
@@ -75,6 +138,26 @@ def copy_jax_params(module, params) -> None:
         with torch.no_grad():
             torch_layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(weight)))
             torch_layer.bias.copy_(torch.from_numpy(np.array(p["bias"], np.float32)))
+
+
+def _copy_by_name(torch, module, params) -> None:
+    """Each torch submodule with weights from the jaxfed layer of the same path."""
+    for path, sub in module.named_modules():
+        if not isinstance(sub, (torch.nn.Conv2d, torch.nn.Linear, torch.nn.GroupNorm, torch.nn.BatchNorm2d)):
+            continue
+        layer = params
+        for part in path.split("."):
+            layer = layer[part]
+        if isinstance(sub, (torch.nn.GroupNorm, torch.nn.BatchNorm2d)):
+            (layer,) = layer.values()  # jaxfed's Norm holds the flax GroupNorm / BatchNorm
+            weight = np.asarray(layer["scale"], np.float32)
+        else:
+            kernel = np.asarray(layer["kernel"], np.float32)
+            weight = kernel.transpose(3, 2, 0, 1) if kernel.ndim == 4 else kernel.T
+        with torch.no_grad():
+            sub.weight.copy_(torch.from_numpy(np.array(weight)))
+            if sub.bias is not None:
+                sub.bias.copy_(torch.from_numpy(np.array(layer["bias"], np.float32)))
 
 
 def _layer_order(name: str):
@@ -123,7 +206,7 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
     y_test = torch.from_numpy(np.array(data.y_test)).long().to(device)
     train_idx, train_count = np.asarray(data.train_idx), np.asarray(data.train_count)
     test_idx, test_count = np.asarray(data.test_idx), np.asarray(data.test_count)
-    global_model = torch_model(sim.model.name, data.x_train.shape[1:], data.num_classes, hidden)
+    global_model = torch_model(sim.model.name, data.x_train.shape[1:], data.num_classes, hidden, config.norm)
     if initial_params is not None:
         copy_jax_params(global_model, initial_params)
     global_model = global_model.to(device)
