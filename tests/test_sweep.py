@@ -53,20 +53,25 @@ def test_member_names_tell_distinct_values_apart_and_keep_the_short_form_where_i
 
 
 def test_members_match_their_sequential_runs(tmp_path):
-    """One after another in one program (member_chunk=1); vmapped members' numbers are checked
+    """One after another in one program (member_chunk=1), fedprox's mu traced as lr is (an option
+    a round takes as a number: one program for the grid); vmapped members' numbers are checked
     bit for bit in test_vmapped_members_match_each_member_alone_bit_for_bit."""
-    base = Config().with_overrides([*TINY, "member_chunk=1"])
-    # the second member differs from the first (the compiled template) in lr and in seed, so in its partition
-    configs = [base.with_overrides(["seed=0", "lr=0.05"]), base.with_overrides(["seed=1", "lr=0.2"])]
-    outs = [tmp_path / "sweep" / member_name(c) for c in configs]
-    summaries = run_sweep(configs, outs, progress=False)
+    base = Config().with_overrides([*TINY, "member_chunk=1", "algorithm=fedprox"])
+    # the second member differs from the first (the compiled template) in lr, mu and seed, so in its partition
+    configs = [
+        base.with_overrides(["seed=0", "lr=0.05", "mu=0.0"]),
+        base.with_overrides(["seed=1", "lr=0.2", "mu=0.5"]),
+    ]
+    assert traceable_keys(configs) == ["lr", "mu"] and shape_groups(configs, ["lr", "mu"]) == [[0, 1]]
+    outs = [tmp_path / "sweep" / member_name(c, ["mu"]) for c in configs]
+    summaries = run_sweep(configs, outs, progress=False, traced=["mu"])
     assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]
     alone = run(configs[1], tmp_path / "alone", progress=False)
     swept, single = rows(outs[1]), rows(tmp_path / "alone")
     assert [r["round"] for r in swept] == [r["round"] for r in single] == [1, 2]
     for a, b in zip(swept, single):
         assert a.keys() == b.keys()
-        for key in a:
+        for key in a:  # lr and mu traced instead of folded into the program: equal to float32 rounding
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
     assert summaries[1]["personalized_acc_mean"] == pytest.approx(alone["personalized_acc_mean"], abs=1e-6)
     assert json.loads((outs[1] / "config.json").read_text()) == configs[1].to_dict()
@@ -125,20 +130,6 @@ def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
     states = jax.eval_shape(sweep.init)
     _, metrics = jax.eval_shape(sweep.members_run(1), sweep.seeds, sweep.values, states, sweep.data)
     assert metrics["train_loss"].shape == (2, 1)
-
-
-def test_a_traceable_option_sweeps_in_one_program_and_members_match_alone(tmp_path):
-    """fedprox's mu is an option a round takes as a number: one compiled program for the grid."""
-    base = Config().with_overrides([*TINY, "algorithm=fedprox"])
-    configs = sweep_configs(base, seeds=[0], grid={"mu": ["0.0", "0.5"]})
-    assert traceable_keys(configs) == ["mu"] and shape_groups(configs, ["mu"]) == [[0, 1]]
-    outs, summaries = run_grid(configs, tmp_path / "grid", ["mu"], progress=False, log=lambda m: None)
-    assert [o.name for o in outs] == ["seed0_lr0.05_mu0", "seed0_lr0.05_mu0.5"]
-    assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]
-    run(configs[1], tmp_path / "alone", progress=False)
-    for a, b in zip(rows(outs[1]), rows(tmp_path / "alone")):
-        for key in a:  # mu traced instead of folded into the program: equal to float32 rounding
-            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_a_key_used_in_python_control_flow_sweeps_as_one_program_per_value(tmp_path):

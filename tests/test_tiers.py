@@ -75,7 +75,7 @@ def test_a_padded_layer_without_its_switch_is_one_line(small_cnn, digits):
 # FedARA's pad_tier pads FedHM's message plus its tier's layer membership: FedHM's case is a subset.
 # mFedLoRU's pads nested pairs and switches which factors train (an optimizer mask).
 @pytest.mark.parametrize(
-    "algorithm, model_name", [(fedara, "mlp"), (mfedloru_tiers, "small_cnn")], ids=["fedara", "mfedloru"]
+    "algorithm, model_name", [(fedara, "mlp"), (mfedloru_tiers, "mlp")], ids=["fedara", "mfedloru"]
 )
 def test_every_tier_in_one_group_gives_the_per_tier_groups_numbers(algorithm, model_name, digits_federation, request):
     """Five tiers (the first whole), 5 of 10 clients a round, vmapped: one group of all tiers
