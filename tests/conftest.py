@@ -7,17 +7,17 @@ import os
 import tempfile
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from small_models import BatchNormNet  # noqa: F401  (re-exported to the tests)
 
 from jaxfed.contract import RoundInfo
 from jaxfed.core import lowrank
 from jaxfed.data import federate, load_dataset, partition
 from jaxfed.nn import get_model
-from jaxfed.nn.models import CNN4, Model, Norm
+from jaxfed.nn.models import CNN4, Model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # The FedLoRU family's mechanism tests were written without gradient clipping and weight decay,
@@ -26,7 +26,8 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 UNCLIPPED = {"clip_norm": 0.0, "weight_decay": 0.0}
 # What an algorithm needs of the model that the digits default (mlp) lacks, as config settings:
 # FedBN keeps the normalization layers local, so it needs a model that has them.
-MODEL_NEEDS = {"fedbn": ["model=vgg8", "norm=batch"]}
+# (A model file named in a config, as a user's would be: small_models.py's BatchNormNet.)
+MODEL_NEEDS = {"fedbn": [f"model={Path(__file__).with_name('small_models.py')}:BatchNormNet"]}
 
 # Many tests compile the same small simulations (and subprocesses inherit the environment):
 # a persistent compilation cache for the session cuts the suite's time without changing results.
@@ -59,21 +60,6 @@ def mlp(digits):
 def small_cnn(digits):
     """A three-conv CNN (8, 16, 16 channels) on digits: conv layers that compile and train fast."""
     return Model("cnn4", CNN4(digits.num_classes, widths=(8, 16, 16)), digits.input_shape)
-
-
-class BatchNormNet(nn.Module):
-    """Dense -> BatchNorm -> hidden Dense -> head: BatchNorm statistics are private client state in
-    every algorithm that keeps them (FedBN's normalization layers), the hidden layer is one every
-    low-rank algorithm adapts; small enough to run every built-in quickly."""
-
-    num_classes: int
-    width: int = 16
-
-    @nn.compact
-    def __call__(self, x, train=False, mask=None, features=False):
-        h = nn.relu(Norm("batch")(nn.Dense(self.width)(x.reshape(x.shape[0], -1)), train, mask))
-        h = nn.relu(nn.Dense(self.width, name="hidden")(h))
-        return h if features else nn.Dense(self.num_classes, name="head")(h)
 
 
 def make_federation(dataset, num_clients=10, name="dirichlet", seed=0, **options):
