@@ -331,3 +331,25 @@ def test_a_sweep_of_a_simulation_says_what_it_needs_in_one_line(digits_federatio
         with pytest.raises(ConfigError) as err:
             Sweep.of_simulation(sim, **arguments)
         assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_vmapped_members_vmapping_every_client_run_chunks_of_their_share_instead(digits_federation, mlp):
+    """An accelerator's default (every sampled client vmapped at once) under vmapped members: each
+    member runs chunks of its share of one member's width (8 sampled, 3 members: chunks of 3), so
+    the members' clients side by side are one member's width; a member's numbers stay its own."""
+    from jaxfed.algorithms.fedavg import fedavg
+    from jaxfed.simulation import ClientStrategy, Simulation
+
+    budget = ClientStrategy(memory_bytes=2**40)  # the chunk chosen to fit: all at once
+    sim = Simulation(fedavg(mlp, lr=0.05, local_epochs=1, batch_size=32), mlp, digits_federation, participation=0.8,
+                     strategy=budget)  # fmt: skip
+    sweep = Sweep.of_simulation(sim, seeds=[0, 1, 2], member_chunk=0)
+    assert (sim.strategy.chunk, sweep.template.strategy.chunk) == (0, 3)
+    given = Simulation(sim.algorithm, mlp, digits_federation, participation=0.8, client_chunk=0)
+    assert Sweep.of_simulation(given, seeds=[0, 1], member_chunk=0).template.strategy.chunk == 0  # given: kept
+    states, metrics = sweep.run_rounds(sweep.init(), 1)
+    alone = sim.variant(jax.random.key(1), sim.algorithm)
+    state, want = alone.run_rounds(alone.init(), 1)
+    for got, expected in zip(jax.tree.leaves(sweep.member(states, 1)), jax.tree.leaves(state), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics[1]["train_loss"], want["train_loss"], rtol=1e-5)
