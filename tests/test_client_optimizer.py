@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,14 +288,17 @@ def test_jaxfed_list_shows_the_key(capsys):
     assert "client_optimizer = sgd" in out and "adamw" in out
 
 
-def test_a_masked_part_stays_put_and_the_rest_trains_as_it_would_alone():
-    """``masked`` with a traced 0 freezes its part (no weight decay, nothing in the clipped norm);
-    the other part follows the optimizer run on it alone."""
+@pytest.mark.parametrize("kind", ["momentum", "adamw"])
+def test_a_masked_part_stays_put_and_the_rest_trains_as_it_would_alone(kind):
+    """``masked`` with a traced 0 freezes its part (no weight decay, nothing in the clipped norm,
+    an inf gradient kept out); the other part follows the optimizer run on it alone; a traced 1
+    everywhere is the optimizer itself."""
     from jaxfed.algorithms.training import masked
 
-    opt = client_optimizer("momentum", 0.1, momentum=0.9, weight_decay=0.1, clip_norm=0.5)
+    opt = client_optimizer(kind, 0.1, momentum=0.9, weight_decay=0.1, clip_norm=0.5)
     params = {"a": jnp.arange(3.0), "b": {"c": jnp.ones((2, 2))}}
     grads = [{"a": jnp.asarray([1.0, -2.0, 0.5]) * k, "b": {"c": jnp.full((2, 2), 3.0 * k)}} for k in (1, 2)]
+    grads[1]["b"]["c"] = grads[1]["b"]["c"].at[0, 0].set(jnp.inf)  # frozen: must not reach the clipped norm
     update = jax.jit(lambda g, state, p, on: masked(opt, {"a": 1.0, "b": on}).update(g, state, p))
     alone, alone_state, both, both_state = params["a"], opt.init(params["a"]), params, opt.init(params)
     for g in grads:
@@ -304,3 +308,6 @@ def test_a_masked_part_stays_put_and_the_rest_trains_as_it_would_alone():
         both = optax.apply_updates(both, updates)
     np.testing.assert_allclose(both["a"], alone, rtol=1e-6)
     np.testing.assert_array_equal(both["b"]["c"], params["b"]["c"])
+    plain, _ = jax.jit(opt.update)(grads[0], opt.init(params), params)
+    ones, _ = update(grads[0], opt.init(params), params, 1.0)
+    chex.assert_trees_all_equal(ones, plain)

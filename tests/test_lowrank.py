@@ -244,10 +244,9 @@ def test_the_factored_frobenius_norm_and_its_gradient_are_those_of_the_product()
     gradient ``(2 W v, 2 W^T u)`` (the custom rule reuses the Gram matrices instead)."""
     rng = np.random.default_rng(3)
     u, v = rng.normal(size=(9, 4)), rng.normal(size=(6, 4))
-    value, (grad_u, grad_v) = jax.value_and_grad(lowrank.product_norm_sq, argnums=(0, 1))(
-        jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32)
-    )
+    value, pullback = jax.vjp(lowrank.product_norm_sq, jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32))
+    grad_u, grad_v = pullback(jnp.float32(3.0))  # a cotangent of 3: the rule scales by it
     w = u @ v.T
     np.testing.assert_allclose(value, np.sum(w**2), rtol=1e-5)
-    np.testing.assert_allclose(grad_u, 2 * w @ v, rtol=1e-5)
-    np.testing.assert_allclose(grad_v, 2 * w.T @ u, rtol=1e-5)
+    np.testing.assert_allclose(grad_u, 3 * 2 * w @ v, rtol=1e-5)
+    np.testing.assert_allclose(grad_v, 3 * 2 * w.T @ u, rtol=1e-5)

@@ -63,8 +63,8 @@ def test_members_match_their_sequential_runs(tmp_path):
         base.with_overrides(["seed=1", "lr=0.2", "mu=0.5"]),
     ]
     assert traceable_keys(configs) == ["lr", "mu"] and shape_groups(configs, ["lr", "mu"]) == [[0, 1]]
-    outs = [tmp_path / "sweep" / member_name(c, ["mu"]) for c in configs]
-    summaries = run_sweep(configs, outs, progress=False, traced=["mu"])
+    outs, summaries = run_grid(configs, tmp_path / "sweep", ["mu"], progress=False, log=lambda m: None)
+    assert [o.name for o in outs] == ["seed0_lr0.05_mu0", "seed1_lr0.2_mu0.5"]  # mu found traceable: one program
     assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]
     alone = run(configs[1], tmp_path / "alone", progress=False)
     swept, single = rows(outs[1]), rows(tmp_path / "alone")
@@ -312,6 +312,9 @@ def test_a_sweep_of_a_user_built_simulation_runs_each_member_as_it_runs_alone(di
     with pytest.raises(ConfigError, match=r"differs from the one that wrote .*seed0_lr0.2 in partition \('#"):
         run_simulation_sweep(swapped, tmp_path / "sweep", settings._replace(rounds=2), resume=True, progress=False)
     assert [p.name for p in (outs[0] / "checkpoints").iterdir()] == ["1"]
+    # a member continues alone as the simulation it is (its options hold its swept lr)
+    run_simulation(simulation(1, 0.2), outs[1], settings._replace(rounds=2), resume=True, progress=False, log=print)
+    assert [r["round"] for r in rows(outs[1])] == [1, 2]
 
 
 def test_a_sweep_of_a_simulation_says_what_it_needs_in_one_line(digits_federation, mlp):

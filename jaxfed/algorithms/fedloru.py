@@ -541,6 +541,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), info.round)
         return message._replace(nested=nested_start(jax.random.fold_in(rng, info.tier + 1), tier_ranks[info.tier]))
 
+    trains_factors = rank in tier_ranks  # some tier trains the rank-r factors themselves
     padded_rank = max((r for r in tier_ranks if r < rank), default=0)
     lora_shapes = _lora_shapes(adapted)
 
@@ -561,10 +562,12 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
         free, frozen = adapted.split(message.params)
-        if message.trains_loras is not None:  # a padded tier: both, one of them frozen by the mask
+        if message.trains_loras is not None and trains_factors:  # padded: both kinds, one frozen by the mask
             trainable = {"free": free, "loras": message.loras, "nested": message.nested}
             on = message.trains_loras
             optimizer = masked(optimizer, {"free": 1.0, "loras": on, "nested": 1.0 - on})
+        elif message.trains_loras is not None:  # padded, every tier nested
+            trainable = {"free": free, "nested": message.nested}
         elif message.nested is not None:
             trainable = {"free": free, "nested": message.nested}
         else:
@@ -600,7 +603,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         evaluates_global=not adapted.has_private_stats,
         num_tiers=len(tier_ranks),
         receive=receive,
-        pad_tier=pad_tier if padded_rank else None,
+        pad_tier=pad_tier if len(set(tier_ranks)) > 1 else None,  # one rank: one shape already
         download_bytes=_download_counter(adapted, options),
     )
 

@@ -73,8 +73,12 @@ def masked(optimizer: optax.GradientTransformation, mask) -> optax.GradientTrans
     decay moves it neither), so it stays as it is. ``optax.masked`` with the mask a value, not a
     structure: one program trains a different part for each client (mFedLoRU's padded tiers)."""
 
-    def times_mask(tree):
-        return jax.tree.map(lambda m, part: jax.tree.map(lambda x: x * jnp.asarray(m, x.dtype), part), mask, tree)
+    def times_mask(tree):  # a select, not a product: a frozen part's inf or NaN gradient stays out
+        return jax.tree.map(
+            lambda m, part: jax.tree.map(lambda x: jnp.where(jnp.asarray(m) > 0, x, jnp.zeros_like(x)), part),
+            mask,
+            tree,
+        )
 
     def update(grads, state, params=None):
         updates, state = optimizer.update(times_mask(grads), state, params)

@@ -127,8 +127,9 @@ def reconstruct(factors: Factors) -> jax.Array:
 @jax.custom_vjp
 def product_norm_sq(u: jax.Array, v: jax.Array) -> jax.Array:
     """``||u v^T||_F^2 = sum((u^T u) * (v^T v))`` without forming ``u v^T``. Its gradient,
-    ``(2 u (v^T v), 2 v (u^T u))``, reuses the two Gram matrices of the value: ``4 (rows + cols)
-    r^2`` multiply-adds in all, where differentiating the value's expression costs 1.5 times that."""
+    ``(2 u (v^T v), 2 v (u^T u))``, reuses the two Gram matrices of the value: ``2 (rows + cols)
+    r^2`` multiply-adds in all, where differentiating the value's expression costs 1.5 times that.
+    Reverse mode only (a ``custom_vjp``: ``jax.grad``, not ``jax.jvp``)."""
     return jnp.sum((u.T @ u) * (v.T @ v))
 
 

@@ -73,15 +73,14 @@ def simulation_keys(sim) -> dict:
     }
 
 
-def fingerprint(sim, data=None, **keys) -> dict:
-    """:func:`simulation_keys` plus the data's digests: what a checkpoint's record holds and a
-    resume compares. A sweep's member is ``sim`` (its template) on the member's ``data`` with its
-    own ``keys`` (``seed``, ``options``)."""
+def fingerprint(sim, data=None) -> dict:
+    """:func:`simulation_keys` plus the digests of ``data`` (default: the simulation's): what a
+    checkpoint's record holds and a resume compares (a sweep's member: its template on the
+    member's data, with the member's own seed and options, :meth:`jaxfed.runs.sweep.Sweep.fingerprints`)."""
     data = sim.data if data is None else data
     examples = [getattr(data, name) for name in EXAMPLES]
     return {
         **simulation_keys(sim),
-        **keys,
         "examples": f"{len(data.x_train)} train + {len(data.x_test)} test #{digest(examples)}",
         "partition": f"#{digest([getattr(data, name) for name in PARTITION])}",
     }

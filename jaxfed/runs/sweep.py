@@ -43,12 +43,12 @@ from jaxfed.algorithms import registry
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
 from jaxfed.errors import ConfigError
-from jaxfed.options import field_types
+from jaxfed.options import field_types, key_of
 from jaxfed.runs.build import build, build_algorithm, build_data, build_model, build_simulation, load_config_dataset
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
-from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, seed_of
+from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, options_dict, seed_of
 from jaxfed.runs.plots import read_json, show
 from jaxfed.runs.rundir import (
     LoopSettings,
@@ -85,13 +85,14 @@ def member_name(config: Config, keys=()) -> str:
     """A member's run directory name: ``seed<seed>_lr<lr>``, then ``_<key><value>`` for each
     other swept key."""
     values = {**config.options.to_dict(), **{k: getattr(config, k) for k in Config.run_keys()}}
-    extra = "".join(f"_{key}{path_part(show(values[key], key))}" for key in keys if key not in ("seed", "lr"))
+    extra = "".join(f"_{key}{name_part(key, values[key])}" for key in keys if key not in ("seed", "lr"))
     return f"seed{config.seed}_lr{show(config.options.lr)}{extra}"
 
 
-def path_part(text: str) -> str:
-    """``text`` as part of one directory name: a path's separators become ``-``."""
-    return text.replace("/", "-").replace("\\", "-")
+def name_part(key: str, value) -> str:
+    """A swept value in a member's directory name: as plot labels show it (a model file by its
+    file name, not its path), a path's separators as ``-``; an empty value empty."""
+    return "" if value == "" else show(value, key).replace("/", "-").replace("\\", "-")
 
 
 def differing_keys(configs: list[Config]) -> list[str]:
@@ -322,14 +323,20 @@ class Sweep:
     def fingerprints(self) -> list[dict]:
         """Each member's :func:`~jaxfed.runs.fingerprint.fingerprint`: a config sweep's member's is
         what ``jaxfed run`` of its config computes (so ``jaxfed run --resume`` continues a member
-        alone); a simulation sweep's member's holds its swept ``values``."""
+        alone); a simulation sweep's member's holds its swept ``values``, and its options with
+        them where they are options of the template's algorithm (unknown otherwise)."""
         prints, digests = [], {}
         for i, (member, data) in enumerate(zip(self.members, self._member_datas)):
             keys = {"seed": seed_of(jax.random.key(member["seed"]))}
+            values = {key_of(name): value for name, value in member.items() if name != "seed"}
             if self.configs:
                 keys["options"] = self.configs[i].options.to_dict()
-            elif len(member) > 1:
-                keys["values"] = {name: value for name, value in member.items() if name != "seed"}
+            elif values:
+                options = options_dict(getattr(self.template.algorithm, "options", None))
+                # the member's values are its options where they name some, else its options are unknown
+                known = options is not None and values.keys() <= options.keys()
+                keys["options"] = {**options, **values} if known else None
+                keys["values"] = values
             if id(data) not in digests:  # members of one seed share their data
                 digests[id(data)] = fingerprint(self.template, data)
             prints.append({**digests[id(data)], **keys})
@@ -389,7 +396,8 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
     if len(set(outs)) < len(outs):
         shared = next(out.name for i, out in enumerate(outs) if out in outs[:i])
         raise ConfigError(
-            f"sweep: two members would share the run directory {shared}; give each swept key distinct values"
+            f"sweep: two members would share the run directory {shared}; give each swept key distinct values "
+            "(model files: distinct file names)"
         )
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
@@ -485,17 +493,19 @@ def _run_members(configs, dirs, start, progress, log, traced, resume=False) -> l
     sweep = Sweep(configs, traced)
     settings, partitions = LoopSettings.of(configs[0]), [part.partition_summary for part in sweep.parts]
     return _drive_members(
-        sweep, [c.to_dict() for c in configs], dirs, settings, start, progress, log, resume, partitions
+        sweep, [c.to_dict() for c in configs], dirs, settings, start, progress, log, resume, partitions, "--resume"
     )
 
 
-def _drive_members(sweep, configs: list[dict], dirs, settings, start, progress, log, resume, partitions) -> list[dict]:
+def _drive_members(
+    sweep, configs: list[dict], dirs, settings, start, progress, log, resume, partitions, field: str = "resume"
+) -> list[dict]:
     """Every member of ``sweep`` through :func:`~jaxfed.runs.driver.drive` into its locked run
     directory (``configs``: what each one's ``config.json`` records), from the start or
     (``resume``) from each one's newest checkpoint; each one's summary."""
     states, prints = sweep.init(), sweep.fingerprints()
     if resume:
-        states, records = restore_members(sweep, states, dirs, configs, prints, log)
+        states, records = restore_members(sweep, states, dirs, configs, prints, log, field)
     else:
         records = [RunRecord(c, fingerprint=p) for c, p in zip(configs, prints)]
     for c, directory, record in zip(configs, dirs, records):
@@ -511,20 +521,25 @@ def _drive_members(sweep, configs: list[dict], dirs, settings, start, progress, 
     return summaries
 
 
-def restore_members(sweep: Sweep, states, dirs: list[RunDirectory], configs: list[dict], prints: list[dict], log):
+def restore_members(
+    sweep: Sweep, states, dirs: list[RunDirectory], configs: list[dict], prints: list[dict], log, field: str = "resume"
+):
     """``(states, records)``: each member's state and record from its newest readable checkpoint
     (a member without one keeps its initial state in ``states``; ``configs`` and ``prints``: what
-    each records), stacked and placed as ``states`` is. A one-line ConfigError, before anything
-    runs, if a checkpoint's fingerprint differs from its member's, or if the members come back at
-    different rounds (one compiled sweep runs them together): a checkpoint whose record reads but
-    whose state does not is set aside, so the same command run again plans from the round that
-    reads."""
+    each records), stacked and placed as ``states`` is. A one-line ConfigError naming ``field``,
+    before any checkpoint is read whole, if a checkpoint's fingerprint differs from its member's,
+    or if the members come back at different rounds (one compiled sweep runs them together): a
+    checkpoint whose record reads but whose state does not is set aside, so the same command run
+    again plans from the round that reads."""
+    for directory, current in zip(dirs, prints):  # every member checked before any checkpoint is touched
+        if directory.checkpoints.rounds():
+            _, record = directory.newest_checkpoint_record(log)
+            check_same_simulation(record.get("fingerprint"), current, directory.path, log, field)
     members, records = [], []
     for i, (config, directory, current) in enumerate(zip(configs, dirs, prints)):
         state, record = sweep.member(states, i), RunRecord(config, fingerprint=current)
         if directory.checkpoints.rounds():
             state, record = directory.restore(state, log)
-            check_same_simulation(record.fingerprint, current, directory.path, field="--resume")
             record.config, record.fingerprint = config, current
         members.append(state)
         records.append(record)
@@ -594,7 +609,7 @@ def check_simulation_sweep(sim, seeds, values: dict, algorithm, data) -> None:
 def simulation_member_name(member: dict) -> str:
     """A :meth:`Sweep.of_simulation` member's run directory name: ``seed<seed>``, then
     ``_<name><value>`` for each swept value (as :func:`member_name` writes a config sweep's)."""
-    values = (f"_{name}{path_part(show(v, name))}" for name, v in member.items() if name != "seed")
+    values = (f"_{name}{name_part(name, v)}" for name, v in member.items() if name != "seed")
     return f"seed{member['seed']}" + "".join(values)
 
 
