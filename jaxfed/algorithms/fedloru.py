@@ -562,16 +562,15 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
         free, frozen = adapted.split(message.params)
-        if message.trains_loras is not None and trains_factors:  # padded: both kinds, one frozen by the mask
-            trainable = {"free": free, "loras": message.loras, "nested": message.nested}
+        both = message.trains_loras is not None and trains_factors  # padded: one kind frozen by the mask
+        trainable = {"free": free}
+        if message.nested is None or both:
+            trainable["loras"] = message.loras
+        if message.nested is not None:
+            trainable["nested"] = message.nested
+        if both:
             on = message.trains_loras
             optimizer = masked(optimizer, {"free": 1.0, "loras": on, "nested": 1.0 - on})
-        elif message.trains_loras is not None:  # padded, every tier nested
-            trainable = {"free": free, "nested": message.nested}
-        elif message.nested is not None:
-            trainable = {"free": free, "nested": message.nested}
-        else:
-            trainable = {"free": free, "loras": message.loras}
 
         def to_params(t):
             loras = t.get("loras", message.loras)

@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 
+import jax
 import numpy as np
 
 
@@ -55,13 +56,6 @@ def torch_model(name: str, input_shape, num_classes: int, hidden=(200, 200), nor
     raise SystemExit(f"jaxfed bench: no PyTorch twin of model '{name}' ({', '.join(TWINS)})")
 
 
-def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
-    """XLA's ``SAME`` padding of one spatial dimension, ``(low, high)``: the extra goes high (a
-    3x3 stride-2 conv over 32 pads (0, 1); torch's ``padding=1`` would pad (1, 1))."""
-    total = max((-(-size // stride) - 1) * stride + kernel - size, 0)
-    return total // 2, total - total // 2
-
-
 def _resnet8(torch, channels: int, num_classes: int, norm: str):
     """jaxfed's ``resnet8`` (:class:`jaxfed.nn.models.ResNet`, widths 16, 32, 64, one basic block
     a stage) with its submodules named as its parameters are (``stem``, ``layer2_0.shortcut``, ...)."""
@@ -71,10 +65,8 @@ def _resnet8(torch, channels: int, num_classes: int, norm: str):
         def __init__(self, cin, cout, kernel, stride=1):
             super().__init__(cin, cout, kernel, stride, padding=0, bias=False)
 
-        def forward(self, x):
-            (top, bottom), (left, right) = (
-                same_padding(x.shape[2 + i], self.kernel_size[i], self.stride[i]) for i in (0, 1)
-            )
+        def forward(self, x):  # XLA's SAME: the odd pad goes high (torch's padding=1 pads both sides)
+            (top, bottom), (left, right) = jax.lax.padtype_to_pads(x.shape[2:], self.kernel_size, self.stride, "SAME")
             return super().forward(functional.pad(x, (left, right, top, bottom)))
 
     def make_norm(width):  # flax's GroupNorm (epsilon 1e-6) / BatchNorm (momentum 0.9 = torch's 0.1)
