@@ -56,12 +56,15 @@ PRIVATE = {
     # it starts from and uploads (theta_hat, trained): by design neither is kept from the server, so
     # only its BatchNorm statistics are private (ALA's loss, like training, normalizes in train mode).
     "fedala": ("model_state",),
+    "fedspu": ("params", "model_state"),  # its own model: the places outside this round's sub-model
     "pfedlora": ("tau", "model_state"),  # the personal LoRA modules
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
 # and FedNTD's teacher run with the client's BatchNorm statistics.
 FROZEN |= {"fedper", "fedrep", "fedbn", "moon", "fedntd"}
+# A FedSPU client's frozen places shape its sub-model's gradients.
+FROZEN |= {"fedspu"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant"}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

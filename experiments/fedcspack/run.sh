@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# FedCSPACK against FedAvg, FedProx, MOON and FedNTD (its Table 1), and its weight ablation
+# FedCSPACK against FedAvg, FedProx, MOON, FedNTD and FedSPU (its Table 1), and its weight ablation
 # (|cos + KL|, |cos|, |KL|).
 # Usage: experiments/fedcspack/run.sh DATA_DIR [reduced|fmnist|fmnist_authors|cifar10] [-- --set key=value ...]
-#   reduced: Fashion-MNIST, 30 rounds of 2 epochs (2 CPU cores: about 7 minutes per run; with SEEDS=0,1,2 about 20 minutes per variant, 4 variants)
+#   reduced: Fashion-MNIST, 30 rounds of 2 epochs (2 CPU cores: about 7 minutes per run; with SEEDS=0,1,2 about 20 minutes per variant, 8 variants)
 #   fmnist, cifar10: the paper's settings (100 rounds of 5 epochs: an accelerator's job)
 #   fmnist_authors: fmnist as the authors' code runs it (fixed cohort, merge=full, all_below, E=3, drop_last)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
@@ -14,7 +14,7 @@ source "$here/../lib.sh"
 read_run_args fedcspack "$@"
 set -- "${extra_args[@]}"
 require_conf
-for variant in fedcspack fedavg fedcspack_cos fedcspack_kl fedprox moon fedntd; do
+for variant in fedcspack fedavg fedcspack_cos fedcspack_kl fedprox moon fedntd fedspu; do
   case $variant in
     fedcspack_cos) args=(fedcspack --set weight=cos) ;;
     fedcspack_kl) args=(fedcspack --set weight=kl) ;;
@@ -25,7 +25,8 @@ done
 # The paper's numbers: Table 1 (Fashion-MNIST Dir 0.3, percent) and Table 3 (the weight ablation,
 # on CIFAR-10 Dir 0.5, round 100).
 report_variants "$runs/$setting" "fedcspack>fedavg" "fedcspack>fedcspack_cos" "fedcspack>fedcspack_kl" \
-  "fedcspack>fedprox" "fedcspack>moon" "fedcspack>fedntd" \
+  "fedcspack>fedprox" "fedcspack>moon" "fedcspack>fedntd" "fedcspack>fedspu" \
   --relative-to=fedavg "--paper=fedcspack=88.13 (Table 1); 0.79 (Table 3)" "--paper=fedavg=84.39 (Table 1)" \
   "--paper=fedprox=84.39 (Table 1)" "--paper=moon=85.44 (Table 1)" "--paper=fedntd=84.35 (Table 1)" \
+  "--paper=fedspu=85.29 (Table 1)" \
   "--paper=fedcspack_cos=0.74 (Table 3)" "--paper=fedcspack_kl=0.69 (Table 3)"
