@@ -21,7 +21,7 @@ from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn import Model, get_model, split_variables
 from jaxfed.runs.config import Config
-from jaxfed.simulation import server_step
+from jaxfed.simulation import Simulation, server_step
 
 
 def _drawn(model, rate, seed=0):
@@ -138,24 +138,28 @@ def _at(tree, path):
     return tree
 
 
-def test_each_client_block_draws_at_its_rate_and_sends_its_submodel(mlp, digits):
-    """Two blocks (rates 0.5 and 1.0), every client a round: each round's upload and download
-    bytes are the blocks' sub-models (values and unit indices, 4 bytes each)."""
-    from jaxfed.simulation import Simulation
-
-    alg = fedspu(mlp, rates=(0.5, 1.0), local_epochs=1)
-    chain = neuron_chain(mlp)
+def test_each_client_block_draws_at_its_rate_and_every_block_runs_in_one_group(mlp, digits):
+    """Two blocks (rates 0.5 and 1.0), every client a round, one client at a time: the blocks'
+    messages share one shape, so they run as one group, with the numbers of one group per block;
+    each round's upload and download bytes are the blocks' sub-models (values and unit indices, 4
+    bytes each)."""
+    built = fedspu(mlp, rates=(0.5, 1.0), local_epochs=1)
     fed = make_federation(digits, num_clients=4, alpha=1.0)
-    sim = Simulation(alg, mlp, fed, participation=1.0)
-    _, metrics = sim.run_rounds(sim.init(), 1)
-    size = sum(x.size for x in jax.tree.leaves(mlp.init(jax.random.key(0))["params"]))
-    half = unit_counts(chain, 0.5)
-    layers = list(chain.units)
+    runs = {}
+    for name, alg in (("one", built), ("per_block", built._replace(pad_tier=None))):
+        sim = Simulation(alg, mlp, fed, participation=1.0, client_chunk=1)
+        assert sim._tiers_in_one_group() == (name == "one")
+        runs[name] = sim.run_rounds(sim.init(), 1)
+    (state, metrics), (want_state, want_metrics) = runs["one"], runs["per_block"]
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    chain = neuron_chain(mlp)
     params = mlp.init(jax.random.key(0))["params"]
-    sub = sum(
-        int(np.sum(m))
-        for m in jax.tree.leaves(submodel_mask(params, chain, draw_units(jax.random.key(3), chain, half)))
-    )
-    per_block = [4 * (sub + sum(half.values())), 4 * (size + sum(chain.units[k] for k in layers))]
-    assert float(metrics["bytes_up"][0]) == 2 * sum(per_block)
-    assert float(metrics["bytes_down_cached"][0]) == 2 * sum(per_block)
+    size = sum(x.size for x in jax.tree.leaves(params))
+    half = unit_counts(chain, 0.5)
+    masked = submodel_mask(params, chain, draw_units(jax.random.key(3), chain, half))
+    sub = sum(int(np.sum(m)) for m in jax.tree.leaves(masked))
+    per_block = [4 * (sub + sum(half.values())), 4 * (size + sum(chain.units.values()))]
+    for key in ("bytes_up", "bytes_down_cached"):
+        assert float(metrics[key][0]) == float(want_metrics[key][0]) == 2 * sum(per_block), key
