@@ -328,8 +328,9 @@ def markdown(
     if "bytes_total_cached" in traffic:
         lines += [
             "",
-            "Total traffic, clients caching: each client keeps what it downloaded (FedLoRU family: the "
-            "frozen W) and downloads only what changed since (summary: bytes_total_cached).",
+            "Total traffic, clients caching: each client downloads only what it lacks (the algorithm's "
+            "download_bytes: a FedLoRU-family client keeps the frozen W and downloads what changed since; a "
+            "FedSPU client downloads its sub-model) (summary: bytes_total_cached).",
         ]
     if claims:
         better = "lower" if kind == "mse" else "higher"
