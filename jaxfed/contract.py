@@ -333,10 +333,11 @@ class FederatedAlgorithm(NamedTuple):
         shapes, its sampled clients padded with weight-0 rows.
       receive: (tiers) :class:`ReceiveFn`; without it every tier's uploads share one shape.
       pad_tier: (tiers) :class:`PadTierFn`; with it, where clients run vmapped together
-        (``client_chunk`` other than 1), the clients of every tier run as one group (one vmapped /
-        chunked program), each client getting its tier's padded broadcast, and
-        ``client_update`` and ``receive`` are called with ``info.tier`` None (what a client
-        needs of its tier travels in its message); the bytes counted are the tier's own.
+        (``client_chunk`` other than 1) or every tier's own broadcast already has one shape, the
+        clients of every tier run as one group (one vmapped / chunked program), each client
+        getting its tier's padded broadcast, and ``client_update`` and ``receive`` are called
+        with ``info.tier`` None (what a client needs of its tier travels in its message); the
+        bytes counted are the tier's own.
       eval_server: (tiers) :class:`EvalServerFn`; default: the server state itself.
       message_bytes: (accounting) :class:`MessageBytesFn`; default: the upload's arrays.
       download_bytes: (accounting) :class:`DownloadBytesFn`; default: all of ``message_down``.

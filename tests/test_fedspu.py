@@ -62,6 +62,9 @@ def test_a_normalization_layer_follows_the_units_of_the_layer_before_it_and_a_sh
     for leaf in mask["Norm_0"]["BatchNorm_0"].values():
         np.testing.assert_array_equal(leaf, drawn["Dense_0"])
 
+    vgg = neuron_chain(get_model("vgg8", (32, 32, 3), 10))  # convs, each with a GroupNorm after it, then Dense layers
+    assert [layer.repeat for layer in vgg.layers] == [1, 1, 1, 1, 1, 4, 1, 1]  # fc1 reads conv5's 2 x 2 map
+    assert all(norm.rsplit(".", 1)[0].replace("norm", "conv") == conv for norm, conv in vgg.norms.items())
     with pytest.raises(ConfigError, match=r"model: fedspu's layer 'layer2_0\.shortcut' takes 16 inputs .* sequential"):
         neuron_chain(get_model("resnet8", (32, 32, 3), 10))
     config = Config(algorithm="fedspu", num_clients=4)
@@ -139,27 +142,31 @@ def _at(tree, path):
 
 
 def test_each_client_block_draws_at_its_rate_and_every_block_runs_in_one_group(mlp, digits):
-    """Two blocks (rates 0.5 and 1.0), every client a round, one client at a time: the blocks'
-    messages share one shape, so they run as one group, with the numbers of one group per block;
-    each round's upload and download bytes are the blocks' sub-models (values and unit indices, 4
-    bytes each)."""
+    """Two blocks (rates 0.5 and 1.0), half the clients a round, one client at a time: the blocks'
+    messages share one shape, so they run as one group, with the numbers of one group per block
+    (padding rows, clients carrying their models over rounds). A client uploads its sub-model's
+    values and, where a layer keeps part of its units, their indices; it needs the sub-model's
+    global values (4 bytes each)."""
     built = fedspu(mlp, rates=(0.5, 1.0), local_epochs=1)
     fed = make_federation(digits, num_clients=4, alpha=1.0)
     runs = {}
     for name, alg in (("one", built), ("per_block", built._replace(pad_tier=None))):
-        sim = Simulation(alg, mlp, fed, participation=1.0, client_chunk=1)
+        sim = Simulation(alg, mlp, fed, participation=0.5, client_chunk=1)
         assert sim._tiers_in_one_group() == (name == "one")
-        runs[name] = sim.run_rounds(sim.init(), 1)
+        runs[name] = sim.run_rounds(sim.init(), 2)
     (state, metrics), (want_state, want_metrics) = runs["one"], runs["per_block"]
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    untiered = fedspu(mlp, rates=(0.5,))._replace(pad_tier=lambda message, info: message)
+    assert not Simulation(untiered, mlp, fed, client_chunk=1)._tiers_in_one_group()
 
     chain = neuron_chain(mlp)
     params = mlp.init(jax.random.key(0))["params"]
-    size = sum(x.size for x in jax.tree.leaves(params))
     half = unit_counts(chain, 0.5)
-    masked = submodel_mask(params, chain, draw_units(jax.random.key(3), chain, half))
-    sub = sum(int(np.sum(m)) for m in jax.tree.leaves(masked))
-    per_block = [4 * (sub + sum(half.values())), 4 * (size + sum(chain.units.values()))]
-    for key in ("bytes_up", "bytes_down_cached"):
-        assert float(metrics[key][0]) == float(want_metrics[key][0]) == 2 * sum(per_block), key
+    sub = submodel_mask(params, chain, draw_units(jax.random.key(3), chain, half))
+    values = [sum(int(np.sum(m)) for m in jax.tree.leaves(sub)), sum(x.size for x in jax.tree.leaves(params))]
+    up = [4 * (values[0] + sum(half.values())), 4 * values[1]]  # a whole layer needs no indices
+    for r in range(2):
+        blocks = [int(i) * 2 // 4 for i in sim.sampled_ids(r)]
+        assert float(metrics["bytes_up"][r]) == float(want_metrics["bytes_up"][r]) == sum(up[b] for b in blocks)
+        assert float(metrics["bytes_down_cached"][r]) == sum(4 * values[b] for b in blocks)

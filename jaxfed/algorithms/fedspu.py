@@ -8,7 +8,7 @@ of the first layer; a flattened conv output counts each position of a drawn chan
 unit of the layer, the drawn units' biases, and a normalization layer's parameters at the drawn
 units of the layer before it. The client puts the global values into its own model at the
 sub-model's places, trains the sub-model alone (the rest of its model stays frozen, its own), and
-uploads the sub-model: its values and the drawn units. The server averages each weight over the
+uploads the sub-model: its values and the drawn units' indices. The server averages each weight over the
 clients that trained it, by sample count; a weight no client of the round trained keeps its value.
 A client is evaluated with its own model; the global model is the server's.
 
@@ -20,8 +20,10 @@ sends them; here each client draws them from its own round key (the same distrib
 numbers on 1 or 8 devices). BatchNorm statistics stay with each client (the authors average the
 drawn units' running statistics). The early-stopping scheme (FedSPU-ES) is not included. The
 chain of layers is the forward pass's call order, so FedSPU is for sequential models (the paper's
-CNNs, jaxfed's cnn and mlp): a layer that takes other inputs than its predecessor's units (a
-ResNet's shortcut) is refused.
+CNNs, jaxfed's cnn, mlp, cnn4 and vgg8): a layer whose inputs are not its predecessor's units (a
+ResNet's projection shortcut) is refused, and a Dense layer after a Conv reads the conv's output
+flattened in NHWC order (channel fastest), as jaxfed's models flatten. An identity shortcut adds no
+layer, so it cannot be seen: a model with one is not refused, and its chain is not FedSPU's.
 """
 
 from __future__ import annotations
@@ -104,20 +106,31 @@ def neuron_chain(model) -> Chain:
     chain, norms, previous = [], {}, None
     for key, is_norm in layers:
         if is_norm:
-            norms[key] = previous if previous in units else None
-            sizes = {leaf.shape[-1] for leaf in lowrank.get_layer(params, key).values()}
-            if norms[key] is not None and sizes != {units[previous]}:
+            sizes = {leaf.shape[-1] for leaf in _own_parameters(params, key).values()}
+            if sizes:  # a normalization layer without scale or bias has nothing to train
+                norms[key] = previous if previous in units else None
+            if norms.get(key) is not None and sizes != {units[previous]}:
                 raise _not_a_chain(key, sizes.pop(), previous, units[previous])
             continue
-        fan_in, repeat = lowrank.get_layer(params, key)["kernel"].shape[-2], 1
+        kernel = lowrank.get_layer(params, key)["kernel"]
+        repeat = 1
         if previous is not None:
-            given = lowrank.get_layer(params, previous)["kernel"].shape[-1]
-            if fan_in % given:
-                raise _not_a_chain(key, fan_in, previous, given)
-            repeat = fan_in // given
+            before = lowrank.get_layer(params, previous)["kernel"]
+            flattened = kernel.ndim == 2 and before.ndim > 2  # a Dense layer reading a conv's output map
+            repeat, left = divmod(kernel.shape[-2], before.shape[-1])
+            if left or (repeat != 1 and not flattened):
+                raise _not_a_chain(key, kernel.shape[-2], previous, before.shape[-1])
         chain.append(Layer(key, previous, repeat, key in units))
         previous = key
     return Chain(units, chain, norms)
+
+
+def _own_parameters(params, key: str) -> dict:
+    """The parameter arrays of layer ``key`` ({} where it has none)."""
+    node = params
+    for part in key.split("."):
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    return node
 
 
 def _not_a_chain(key, takes, previous, gives) -> ConfigError:
@@ -173,11 +186,13 @@ def submodel_mask(params, chain: Chain, drawn: dict):
     return mask
 
 
-def submodel_bytes(params, chain: Chain, drawn: dict) -> jax.Array:
-    """The bytes of a sub-model: its values and the indices of its drawn units."""
-    values = sum(jnp.sum(m) for m in jax.tree.leaves(submodel_mask(params, chain, drawn)))
-    indices = sum(jnp.sum(d) for d in drawn.values())
-    return (values + indices).astype(jnp.float32) * VALUE_BYTES
+def submodel_bytes(params, chain: Chain, drawn: dict, *, indices: bool) -> jax.Array:
+    """The bytes of a sub-model's values and, with ``indices``, of its drawn units' indices where a
+    layer keeps only part of its units (a whole layer needs none)."""
+    count = sum(jnp.sum(m) for m in jax.tree.leaves(submodel_mask(params, chain, drawn)))
+    if indices:
+        count = count + sum(jnp.where(jnp.all(d), 0, jnp.sum(d)) for d in drawn.values())
+    return jnp.asarray(count, jnp.float32) * VALUE_BYTES
 
 
 def fedspu(model, options: FedSPUOptions | None = None, **overrides) -> FederatedAlgorithm:
@@ -215,8 +230,10 @@ def fedspu(model, options: FedSPUOptions | None = None, **overrides) -> Federate
         is_sum = lambda node: isinstance(node, WeightedSum)  # noqa: E731
         return GlobalParams(jax.tree.map(mean_of, total, server_state.params, is_leaf=is_sum))
 
-    def download_bytes(message, client_state, info):  # what a client is sent: its sub-model
-        return submodel_bytes(message.params, chain, draw_units(jax.random.key(0), chain, message.counts))
+    def download_bytes(message, client_state, info):  # a client needs its sub-model's global values
+        # (the client draws its units: any draw of the tier's counts has the sub-model's size)
+        drawn = draw_units(jax.random.key(0), chain, message.counts)
+        return submodel_bytes(message.params, chain, drawn, indices=False)
 
     return FederatedAlgorithm(
         name="fedspu",
@@ -229,7 +246,7 @@ def fedspu(model, options: FedSPUOptions | None = None, **overrides) -> Federate
         global_params=global_model(model),
         num_tiers=len(options.rates) if tiered else None,
         pad_tier=(lambda message, info: message) if tiered else None,  # every tier's message has one shape
-        message_bytes=lambda upload: submodel_bytes(upload.sub, chain, upload.units),
+        message_bytes=lambda upload: submodel_bytes(upload.sub, chain, upload.units, indices=True),
         download_bytes=download_bytes,
     )
 

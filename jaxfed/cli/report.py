@@ -328,7 +328,7 @@ def markdown(
     if "bytes_total_cached" in traffic:
         lines += [
             "",
-            "Total traffic, clients caching: each client downloads only what it lacks (the algorithm's "
+            "Total traffic, clients caching: each client downloads only what it needs (the algorithm's "
             "download_bytes: a FedLoRU-family client keeps the frozen W and downloads what changed since; a "
             "FedSPU client downloads its sub-model) (summary: bytes_total_cached).",
         ]

@@ -16,8 +16,8 @@ weight 0, keeps its previous state and counts it in the metrics.
 A tiered algorithm's clients run per tier (each tier's sampled clients padded to a static size,
 its own broadcast and shapes), or, where the algorithm pads every tier's message to one shape
 (``pad_tier``) and clients run vmapped together (``client_chunk`` other than 1) or the tiers'
-own messages already share one shape, as one group in which each client gets its tier's padded
-message; the server decodes each upload with
+own messages already share one shape (``pad_tier`` is still what allows it), as one group in
+which each client gets its tier's padded message; the server decodes each upload with
 ``receive`` into the shape every tier shares, see :class:`FederatedAlgorithm`.
 Several rounds run inside one compiled call. With more than one device the sampled-client axis
 is sharded over a ``Mesh`` axis named ``clients``; the sampled clients are padded to a multiple
@@ -39,7 +39,6 @@ gives the device-held numbers bit for bit.
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -325,7 +324,6 @@ class Simulation:
         member = copy.copy(self)
         member.root, member.algorithm = root, algorithm
         member._new_compiled_calls()  # the copied ones would run this simulation's algorithm and key
-        member.__dict__.pop("_tier_messages_share_shape", None)  # known of this algorithm's messages only
         return member
 
     def sampled_ids(self, round_index: int) -> np.ndarray:
@@ -359,17 +357,18 @@ class Simulation:
     def _tiers_in_one_group(self) -> bool:
         """Whether a tiered round runs every tier's clients as one group: where the algorithm pads
         its tiers to one shape (``pad_tier``) and either clients run vmapped together or the tiers'
-        own messages already share one shape (padding adds nothing: FedSPU's rates). One client at
-        a time with tiers of other shapes, per-tier groups do less work (a padding row costs nothing
-        there, and each tier runs its own rank)."""
-        if self.algorithm.pad_tier is None:
+        own messages already share one shape (padding adds nothing: FedSPU's rates; FedHM with
+        one ratio repeated). One client at a time with tiers of other shapes, per-tier groups do
+        less work (a padding row costs nothing there, and each tier runs its own rank)."""
+        if self.algorithm.pad_tier is None or not self.tiers:
             return False
-        return self.client_chunk != 1 or self._tier_messages_share_shape
+        return self.client_chunk != 1 or self._tier_messages_share_shape()
 
-    @functools.cached_property
     def _tier_messages_share_shape(self) -> bool:
         """Whether there are several tiers and every tier's ``broadcast`` has one structure, shapes
         and dtypes (traced for shapes only)."""
+        if len(self.tiers) < 2:
+            return False
         server = jax.eval_shape(self.algorithm.init, jax.random.key(0))[0]
 
         def shapes(tier):
@@ -377,7 +376,7 @@ class Simulation:
             return jax.tree.structure(message), [(x.shape, x.dtype) for x in jax.tree.leaves(message)]
 
         first = shapes(0)
-        return len(self.tiers) > 1 and all(shapes(t) == first for t in range(1, len(self.tiers)))
+        return all(shapes(t) == first for t in range(1, len(self.tiers)))
 
     def _update_group(self, state: SimState, data: FederatedData, key, tier: int, ids, slots=None):
         """``client_update`` of the clients ``ids`` (one tier): their rows (new states, metrics,
@@ -400,7 +399,9 @@ class Simulation:
                 for t, m in enumerate(messages)
             ]
             down_bytes = jnp.stack(per_tier)[tiers, jnp.arange(len(ids))]  # each client's by its tier's message
-            tier_up_bytes = self._tier_upload_bytes(state, messages, states, client_data, key, ids)
+            tier_up_bytes = None  # message_bytes counts each upload itself
+            if alg.message_bytes is None:
+                tier_up_bytes = self._tier_upload_bytes(state, messages, states, client_data, key, ids)
         else:
             tiers = jnp.full(ids.shape, tier or 0, jnp.int32)
             message_down = alg.broadcast(state.server, info)
