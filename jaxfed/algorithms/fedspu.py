@@ -41,7 +41,7 @@ from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import WeightedSum, lowrank, mean_of, weighted_share
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
-from jaxfed.nn.layers import dense_conv_and_norm_layers, no_adaptable_layers
+from jaxfed.nn.layers import layers_in_call_order, no_adaptable_layers, norm_layers, parameter_layers
 from jaxfed.options import TrainingOptions, each, option, ratio, resolve
 
 AUTHORS = "the FedSPU authors' code (get_rate: five equal client blocks)"
@@ -98,18 +98,17 @@ def neuron_chain(model) -> Chain:
     """The model's chain of layers in call order; a one-line ConfigError where a layer's inputs
     are not its predecessor's units."""
     params = model_template(model)[0]
-    layers = dense_conv_and_norm_layers(model)
-    dense = [key for key, is_norm in layers if not is_norm]
+    dense, norm = layers_in_call_order(model), set(norm_layers(model))
+    layers = [(key, key in norm) for key in parameter_layers(model) if key in norm or key in dense]
     if not dense:
         raise no_adaptable_layers("fedspu", model)
     units = {key: lowrank.get_layer(params, key)["kernel"].shape[-1] for key in dense[:-1]}
     chain, norms, previous = [], {}, None
     for key, is_norm in layers:
-        if is_norm:
-            sizes = {leaf.shape[-1] for leaf in _own_parameters(params, key).values()}
-            if sizes:  # a normalization layer without scale or bias has nothing to train
-                norms[key] = previous if previous in units else None
-            if norms.get(key) is not None and sizes != {units[previous]}:
+        if is_norm:  # (one with scale or bias: parameter_layers leaves out those with neither)
+            norms[key] = previous if previous in units else None
+            sizes = {leaf.shape[-1] for leaf in lowrank.get_layer(params, key).values()}
+            if norms[key] is not None and sizes != {units[previous]}:
                 raise _not_a_chain(key, sizes.pop(), previous, units[previous])
             continue
         kernel = lowrank.get_layer(params, key)["kernel"]
@@ -123,14 +122,6 @@ def neuron_chain(model) -> Chain:
         chain.append(Layer(key, previous, repeat, key in units))
         previous = key
     return Chain(units, chain, norms)
-
-
-def _own_parameters(params, key: str) -> dict:
-    """The parameter arrays of layer ``key`` ({} where it has none)."""
-    node = params
-    for part in key.split("."):
-        node = node.get(part, {}) if isinstance(node, dict) else {}
-    return node
 
 
 def _not_a_chain(key, takes, previous, gives) -> ConfigError:

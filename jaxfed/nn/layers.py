@@ -68,13 +68,6 @@ def head_layer(model, head: str = "", algorithm: str = "") -> str:
     return head
 
 
-def dense_conv_and_norm_layers(model) -> list[tuple[str, bool]]:
-    """``(key, is_normalization)`` of the model's Dense, Conv and normalization layers in call order
-    (a sequential model's chain of layers: FedSPU's neurons)."""
-    kinds = DENSE_OR_CONV + NORMALIZATION
-    return [(key, isinstance(m, NORMALIZATION)) for key, m in _called_modules(model) if isinstance(m, kinds)]
-
-
 def norm_layers(model) -> list[str]:
     """Keys of the model's normalization layers (``nn.BatchNorm``, ``nn.GroupNorm``,
     ``nn.LayerNorm``) in call order."""
