@@ -6,6 +6,8 @@
 #
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
+#   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps (w1 w3 w4 tiers sweep scaling; default all)
+#   ALGORITHMS="fedhm fedara" ...          # w3's algorithms (default the five papers' tiered and own)
 #
 # FedDecomp's CIFAR-10 setting (w4: ResNet-8, 40 clients, 5 epochs of batch 100): FedAvg against
 # the PyTorch loop, and FedDecomp's own round.
@@ -23,20 +25,24 @@ if [ "${QUICK:-0}" = 1 ]; then
     SMALL=(--set num_clients=100) SMALL_KV=(num_clients=100)
     W4_SMALL=(--set num_clients=4 local_epochs=3 client_train_size=100)
 else
-    ROUNDS=10 STRATEGIES=1,5,20 SCALING=10000,100000,1000000 MEMBERS=8 LIMIT=240
-    ALGORITHMS="fedhm fedara mfedloru feddecomp fedcspack floral"
+    ROUNDS=10 STRATEGIES=${STRATEGIES:-1,5,20} SCALING=10000,100000,1000000 MEMBERS=8 LIMIT=240
+    ALGORITHMS=${ALGORITHMS:-"fedhm fedara mfedloru feddecomp fedcspack floral"}
     SMALL=() SMALL_KV=() W4_SMALL=()
 fi
+python -c "import jax; print(jax.devices()[0].device_kind)" > "$OUT/device.txt" 2>/dev/null
 TORCH=torch
 python -c "import torch" 2>/dev/null || TORCH=none
 
-step() {  # step NAME COMMAND...: run with a time limit, record a failure
+STEPS=" ${STEPS:-w1 w3 w4 tiers sweep scaling} "
+
+step() {  # step NAME COMMAND...: run with a time limit, record a failure; skipped unless in STEPS
     local name=$1
     shift
+    [[ $STEPS == *" ${name%%_*} "* ]] || return 0
     echo "== $name" >&2
-    if ! timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1; then
-        echo "$name (exit $?, see $name.log)" >> "$OUT/failed.txt"
-    fi
+    timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+    local status=$?
+    [ "$status" = 0 ] || echo "$name (exit $status, see $name.log)" >> "$OUT/failed.txt"
     tail -n 4 "$OUT/$name.log" >&2
 }
 

@@ -51,7 +51,8 @@ def rows(out: Path) -> tuple[dict, list[str]]:
             r = results[name]
             ratio = r["round_seconds_median"] / w1["round_seconds_median"]
             lines.append(
-                f"| w3 {name[3:]} round | {1e3 * r['round_seconds_median']:.2f} ms ({ratio:.2f}x FedAvg's), "
+                f"| w3 {name[3:]} round (client_chunk {r['client_chunk']}) | {1e3 * r['round_seconds_median']:.2f} ms "
+                f"({ratio:.2f}x FedAvg's), "
                 f"compile {r['compile_seconds']:.1f} s | {TIER_TARGET}x for fedhm, fedara, mfedloru: "
                 f"{verdict(ratio, TIER_TARGET) if name[3:] in ('fedhm', 'fedara', 'mfedloru') else '-'} |"
             )
@@ -97,6 +98,8 @@ def rows(out: Path) -> tuple[dict, list[str]]:
     for line in filter(None, failed):
         lines.append(f"| failed: {line} | | |")
     device = (w1 or w4 or {}).get("device", "unknown device")
+    if (out / "device.txt").exists():
+        device = f"{(out / 'device.txt').read_text().strip()} ({device})"
     return results, [f"GPU suite on {device}", "", *lines]
 
 

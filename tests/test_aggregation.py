@@ -188,3 +188,83 @@ def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     assert ClientStrategy().chunk == 1 and not ClientStrategy().fits_memory  # CPU: no budget, one at a time
+
+
+def test_a_round_whose_compilation_runs_out_of_memory_is_compiled_narrower(mlp, digits, monkeypatch):
+    """An accelerator's compiler can run out of memory before a memory analysis exists (XLA's GPU
+    autotuner at 1 000 000 W2 clients): the default strategy narrows by the failed allocation
+    against its budget and compiles again; numbers as vmapping them all. A given chunk, or
+    another error, is raised as it is."""
+    train, test = partition(
+        "resample", digits.y_train, digits.y_test, 40, np.random.default_rng(0), client_train_size=8, client_test_size=2
+    )
+    fed = federate(digits, train, test)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=8)
+    budget = 2**30
+    asked = budget  # ROUND_BUFFERS such buffers do not fit: 40 clients / (4 / 0.9) -> 9
+    real_compile = jax.stages.Lowered.compile
+    widths = []
+
+    def compile_on_a_small_device(lowered, *args, **kwargs):
+        widths.append(strategy.chunk)
+        if strategy.chunk == 0:
+            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate {asked}B")
+        return real_compile(lowered, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_on_a_small_device)
+    strategy = ClientStrategy(memory_bytes=budget)
+    narrowed = Simulation(alg, mlp, fed, participation=1.0, strategy=strategy)
+    got, _ = narrowed.run_rounds(narrowed.init(), 1)
+    assert widths == [0, 9] and narrowed.client_chunk == 9
+    assert ClientStrategy(memory_bytes=budget).narrowed(40, ValueError("RESOURCE_EXHAUSTED")) == 4  # no size: 10x
+    assert ClientStrategy(memory_bytes=budget).narrowed(40, RuntimeError("INTERNAL: a compiler bug")) is None
+
+    strategy = ClientStrategy(0)  # a chunk the user gave is not changed
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        Simulation(alg, mlp, fed, participation=1.0, strategy=strategy).run_rounds(narrowed.init(), 1)
+    monkeypatch.undo()
+    want, _ = Simulation(alg, mlp, fed, participation=1.0, client_chunk=0).run_rounds(narrowed.init(), 1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def _modeled_round(sizes, chunk):
+    """The strategy's cost model written out: the clients in size order, split into groups of
+    ``chunk`` (all: one group), each group ``max size x (1 + width / STEP_WIDTH)``."""
+    from jaxfed.simulation.strategy import STEP_WIDTH
+
+    ordered = sorted(sizes, reverse=True)
+    width = chunk or len(ordered)
+    groups = [ordered[i : i + width] for i in range(0, len(ordered), width)]
+    return sum(max(g) * (1 + len(g) / STEP_WIDTH) for g in groups)
+
+
+def test_the_accelerator_default_chunk_is_the_modeled_fastest_for_the_client_sizes(mlp, digits):
+    """On a device with a memory budget the default chunk is the candidate (powers of two, or all
+    at once) whose modeled round over the sampled clients' sizes is least: against the model
+    written out per group; equal sizes run all at once; a chunk given, or CPU, is kept."""
+    from jaxfed.simulation.strategy import fastest_chunk
+
+    rng = np.random.default_rng(3)
+    for n in (3, 40, 100):
+        rounds = [rng.integers(1, 200, size=n) for _ in range(3)]
+        candidates = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < n] + [0]
+        want = min(candidates, key=lambda c: sum(_modeled_round(s, c) for s in rounds))
+        assert fastest_chunk(rounds) == want, n
+    skewed = [np.array([200] + [10] * 99)]  # one large client: all at once runs 99 of them idle
+    assert fastest_chunk(skewed) not in (0, 1) and fastest_chunk([np.full(100, 50)]) == 0
+    assert fastest_chunk([np.arange(1, 9)], num_devices=2) == fastest_chunk([np.arange(2, 9, 2)])
+
+    train, test = partition("dirichlet", digits.y_train, digits.y_test, 40, np.random.default_rng(0), alpha=0.3)
+    fed = federate(digits, train, test)
+    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=8)
+    sized = Simulation(alg, mlp, fed, participation=1.0, strategy=ClientStrategy(memory_bytes=2**40))
+    got, _ = sized.run_rounds(sized.init(), 1)
+    counts = np.asarray(fed.train_count)
+    assert sized.client_chunk == fastest_chunk([counts[sized.sampled_ids(0)]]) not in (0,)
+    want, _ = Simulation(alg, mlp, fed, participation=1.0, client_chunk=0).run_rounds(sized.init(), 1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    given = Simulation(alg, mlp, fed, participation=1.0, strategy=ClientStrategy(0, memory_bytes=2**40))
+    given.run_rounds(given.init(), 1)
+    assert given.client_chunk == 0

@@ -153,8 +153,9 @@ class Simulation:
     How the clients run is the ``strategy``'s job (:class:`~jaxfed.simulation.strategy.ClientStrategy`,
     default built from ``client_chunk`` and ``devices``): ``client_chunk`` 0 vmaps the sampled
     clients all at once; k > 0 runs ``lax.map`` over chunks of k vmapped clients (k = 1: one
-    client at a time, each doing only its own steps); ``None`` picks
-    :func:`~jaxfed.simulation.strategy.default_client_chunk` for the devices. Evaluation is
+    client at a time, each doing only its own steps); ``None`` picks one at a time on CPU and,
+    on an accelerator, the chunk modeled fastest for the sampled clients' sizes, narrowed to fit
+    the device's memory (:class:`~jaxfed.simulation.strategy.ClientStrategy`). Evaluation is
     :class:`~jaxfed.simulation.evaluation.Evaluation`'s, traffic :mod:`~jaxfed.simulation.accounting`'s;
     the round's semantics (sampling, tiers, the non-finite policy, aggregation) are this class's.
 
@@ -547,14 +548,26 @@ class Simulation:
 
     def _compile(self, state: SimState, slots, num_rounds: int):
         """The compiled call of ``num_rounds`` rounds; where the strategy picks its chunk to fit
-        the device's memory and the round does not fit, compiled again with a narrower chunk
-        (every compiled call of this simulation then uses it)."""
+        the device's memory and the round does not fit (its memory analysis says so, or its
+        compilation ran out of memory), compiled again with a narrower chunk (every compiled call
+        of this simulation then uses it)."""
         start = time.perf_counter()
+        widest = -(-self.num_sampled // self.num_devices)
+        if self.strategy.wants_sizes:
+            first, counts = int(state.round), np.asarray(self.data.train_count)
+            self.strategy.fit_sizes([counts[self.sampled_ids(t)] for t in range(first, first + min(num_rounds, 10))])
         while True:
             with self.precision():
                 lowered = jax.jit(self.rounds_pure, static_argnums=2).lower(state, self.data, num_rounds, slots)
-                compiled = lowered.compile()
-            widest = -(-self.num_sampled // self.num_devices)
+                try:
+                    compiled = lowered.compile()
+                except jax.errors.JaxRuntimeError as error:
+                    chunk = self.strategy.narrowed(widest, error)
+                    if chunk is None:
+                        raise
+                    self.strategy.chunk = chunk
+                    self._executables.clear()
+                    continue
             chunk = self.strategy.fitted(compiled.memory_analysis(), widest)
             if chunk is None:
                 break
