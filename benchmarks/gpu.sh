@@ -19,8 +19,8 @@ DATA=${1:?usage: benchmarks/gpu.sh DATA [OUT]}
 OUT=${2:-gpu-results}
 HERE="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$OUT"
-: > "$OUT/failed.txt"
-if [ "${QUICK:-0}" = 1 ]; then
+[ -n "${STEPS:-}" ] || : > "$OUT/failed.txt"  # a call of some steps adds to the earlier calls' list
+if [ "${QUICK:-0}" = 1 ]; then  # its own settings: STRATEGIES and ALGORITHMS are not read
     ROUNDS=2 STRATEGIES=1 SCALING=1000,10000 ALGORITHMS="fedhm" MEMBERS=2 LIMIT=300
     SMALL=(--set num_clients=100) SMALL_KV=(num_clients=100)
     W4_SMALL=(--set num_clients=4 local_epochs=3 client_train_size=100)

@@ -98,8 +98,9 @@ def rows(out: Path) -> tuple[dict, list[str]]:
     for line in filter(None, failed):
         lines.append(f"| failed: {line} | | |")
     device = (w1 or w4 or {}).get("device", "unknown device")
-    if (out / "device.txt").exists():
-        device = f"{(out / 'device.txt').read_text().strip()} ({device})"
+    kind = (out / "device.txt").read_text().strip() if (out / "device.txt").exists() else ""
+    if kind:
+        device = f"{kind} ({device})"
     return results, [f"GPU suite on {device}", "", *lines]
 
 

@@ -346,8 +346,10 @@ def test_vmapped_members_vmapping_every_client_run_chunks_of_their_share_instead
     budget = ClientStrategy(memory_bytes=2**40)  # the chunk chosen to fit: all at once
     sim = Simulation(fedavg(mlp, lr=0.05, local_epochs=1, batch_size=32), mlp, digits_federation, participation=0.8,
                      strategy=budget)  # fmt: skip
+    sim.run_rounds(sim.init(), 1)  # a single run fits its chunk to its client sizes; a sweep starts over
+    sim.strategy.chunk = 2  # (whatever it fit: 2 here, so that keeping it would show)
     sweep = Sweep.of_simulation(sim, seeds=[0, 1, 2], member_chunk=0)
-    assert (sim.strategy.chunk, sweep.template.strategy.chunk) == (0, 3)
+    assert sim.strategy.sized and sweep.template.strategy.chunk == 3
     given = Simulation(sim.algorithm, mlp, digits_federation, participation=0.8, client_chunk=0)
     assert Sweep.of_simulation(given, seeds=[0, 1], member_chunk=0).template.strategy.chunk == 0  # given: kept
     states, metrics = sweep.run_rounds(sweep.init(), 1)

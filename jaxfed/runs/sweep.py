@@ -269,6 +269,8 @@ class Sweep:
         ]
         template = sim.variant(sim.root, sim.algorithm)
         template.strategy = copy.copy(sim.strategy)  # the sweep sets how its members' clients run
+        if template.strategy.fits_memory:  # the default's chunk, as before sim ran (fit to one member)
+            template.strategy.chunk, template.strategy.sized = 0, False
         datas = [sim.data if data is None else data[m["seed"]] for m in members]
         sweep = cls.__new__(cls)
         sweep.configs, sweep.parts = [], []
@@ -555,8 +557,9 @@ def restore_members(
 
 
 def narrow_vmapped_clients(template, member_chunk: int, num_members: int) -> None:
-    """Where vmapped members would each vmap all their sampled clients (the accelerators'
-    default), the members' clients side by side are one vmapped group whose local-step loop runs
+    """Where vmapped members would each start from all their sampled clients at once (the
+    accelerators' default before a single run fits the chunk to its client sizes, which a sweep
+    does not), the members' clients side by side are one vmapped group whose local-step loop runs
     as long as the largest of them: W1, 8 members, 32% of the steps useful against 38% for a
     member alone (``benchmarks/sweep_rounds.py``). Then each member runs chunks of its share of
     one member's width instead (largest clients first, so the members' chunks side by side hold

@@ -553,9 +553,9 @@ class Simulation:
         of this simulation then uses it)."""
         start = time.perf_counter()
         widest = -(-self.num_sampled // self.num_devices)
-        if self.strategy.wants_sizes:
-            first, counts = int(state.round), np.asarray(self.data.train_count)
-            self.strategy.fit_sizes([counts[self.sampled_ids(t)] for t in range(first, first + min(num_rounds, 10))])
+        first = int(state.round)
+        rounds = range(first, first + min(num_rounds, 10))
+        self.strategy.fit_sizes(lambda: [np.asarray(self.data.train_count)[self.sampled_ids(t)] for t in rounds])
         while True:
             with self.precision():
                 lowered = jax.jit(self.rounds_pure, static_argnums=2).lower(state, self.data, num_rounds, slots)

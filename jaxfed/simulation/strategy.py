@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,12 @@ CLIENT_AXIS = "clients"
 
 
 def default_client_chunk(platform: str) -> int:
-    """The documented default strategy before memory is considered: one client at a time (``1``)
-    on CPU, where vmapping clients measured slower for every model tried
+    """The default strategy before client sizes and memory are considered: one client at a time
+    (``1``) on CPU, where vmapping clients measured slower for every model tried
     (benchmarks/fedavg_round.py: MLP on digits and MNIST, CNN on MNIST); all sampled clients
-    vmapped at once (``0``) on accelerators, narrowed to what fits (:meth:`ClientStrategy.fitted`)."""
+    vmapped at once (``0``) on accelerators, then the chunk modeled fastest for the clients'
+    sizes (:meth:`ClientStrategy.fit_sizes`) narrowed to what fits (:meth:`ClientStrategy.fitted`,
+    :meth:`ClientStrategy.narrowed`)."""
     return 1 if platform == "cpu" else 0
 
 
@@ -49,14 +51,16 @@ STEP_WIDTH = 3.0  # on an accelerator a vmapped local step over w clients costs 
 
 
 def fastest_chunk(sizes_per_round: Sequence[np.ndarray], num_devices: int = 1) -> int:
-    """The chunk (0: all at once) whose modeled time over these rounds' sampled client sizes
-    (training examples, or steps: the model is linear in them) is least. In size order, a chunk
+    """The chunk (0: all at once) whose modeled time over these rounds' sampled client sizes is
+    least. The sizes are training examples standing in for local steps (the engine does not know
+    an algorithm's batch size and epochs; steps are examples / batch, rounded, times epochs, so
+    the two agree up to that rounding). In size order, a chunk
     runs as long as its largest client and costs ``1 + width / STEP_WIDTH`` per step; a device
     runs every ``num_devices``-th client of the order. Candidates: the powers of two below the
     widest group, and all at once."""
     shares = [np.sort(np.asarray(s))[::-1][::num_devices] for s in sizes_per_round]
     widest = max(len(s) for s in shares)
-    candidates = [2**k for k in range(max(widest - 1, 1).bit_length()) if 2**k < widest] + [widest]
+    candidates = [2**k for k in range((widest - 1).bit_length())] + [widest]
 
     def cost(chunk: int) -> float:
         total = 0.0
@@ -72,13 +76,14 @@ def fastest_chunk(sizes_per_round: Sequence[np.ndarray], num_devices: int = 1) -
 
 ROUND_BUFFERS = 4  # a training round holds about this many parameter-sized buffers per client
 # (parameters, gradients, optimizer state, the update): see ClientStrategy.narrowed
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def _allocation_bytes(message: str) -> float | None:
     """The size of the allocation an out-of-memory message names (XLA's ``Out of memory while
-    trying to allocate 149.03GiB``), or None."""
-    found = re.search(r"allocate ([0-9.]+)\s*(TiB|GiB|MiB|KiB|B)\b", message)
+    trying to allocate 149.03GiB``, ``... allocate 33762398024 bytes``, ``Failed to allocate
+    request for 1.20GiB``), or None."""
+    found = re.search(r"allocate (?:request for )?([0-9.]+)\s*(TiB|GiB|MiB|KiB|bytes|B)\b", message)
     return float(found[1]) * _UNITS[found[2]] if found else None
 
 
@@ -131,19 +136,15 @@ class ClientStrategy:
             return None  # one client at a time is the narrowest there is
         return max(1, min(width - 1, int(width * max(free, 0) / memory.temp_size_in_bytes)))
 
-    def fit_sizes(self, sizes_per_round: Sequence[np.ndarray]) -> None:
+    def fit_sizes(self, sizes_per_round: Callable[[], Sequence[np.ndarray]]) -> None:
         """Where the chunk is the default's to choose and a device budget exists (an accelerator),
-        the chunk :func:`fastest_chunk` models fastest for these rounds' sampled client sizes
-        (a vmapped group runs as long as its largest client: W1 at 100 clients all at once does
-        40% useful steps). Chosen once; :meth:`fitted` may then narrow it to fit the memory."""
-        if self.wants_sizes:
-            self.chunk = fastest_chunk(sizes_per_round, self.num_devices)
+        the chunk :func:`fastest_chunk` models fastest for the sampled client sizes of some rounds
+        (``sizes_per_round()``, read only then; a vmapped group runs as long as its largest
+        client: W1 at 100 clients all at once does 40% useful steps). Chosen once, in one
+        process; :meth:`fitted` may then narrow it to fit the memory."""
+        if self.fits_memory and self.chunk == 0 and not self.sized and jax.process_count() == 1:
+            self.chunk = fastest_chunk(sizes_per_round(), self.num_devices)
         self.sized = True
-
-    @property
-    def wants_sizes(self) -> bool:
-        """Whether :meth:`fit_sizes` would choose the chunk (the sizes are read from one process)."""
-        return self.fits_memory and self.chunk == 0 and not self.sized and jax.process_count() == 1
 
     def narrowed(self, clients: int, error: Exception) -> int | None:
         """The chunk to compile again with when compiling with this strategy's chunk ran out of
@@ -154,8 +155,8 @@ class ClientStrategy:
         by the failed allocation against the budget, taken as one of
         :data:`ROUND_BUFFERS` such buffers (10x where the error names no size);
         :meth:`fitted` then checks the narrower round's memory analysis."""
-        if not self.fits_memory or "RESOURCE_EXHAUSTED" not in str(error):
-            return None
+        if not self.fits_memory or "RESOURCE_EXHAUSTED" not in str(error) or jax.process_count() > 1:
+            return None  # processes must compile the same program: none narrows alone
         width = self.chunk or clients
         if width <= 1:
             return None
