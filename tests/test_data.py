@@ -16,6 +16,25 @@ def test_digits_is_embedded_and_normalized():
     assert sorted(np.unique(ds.y_test)) == list(range(10))
 
 
+def test_digits_are_scikit_learns_read_from_its_file_or_through_load_digits(monkeypatch):
+    """The digits are read from the file scikit-learn ships (no scikit-learn import at a run's
+    start), equal to ``load_digits``; where the file is not found, through ``load_digits``."""
+    import importlib.util
+
+    from sklearn.datasets import load_digits
+
+    from jaxfed.data import datasets
+
+    bunch = load_digits()
+    images, labels = datasets._digits_images_and_labels()
+    np.testing.assert_array_equal(images, bunch.images)
+    np.testing.assert_array_equal(labels, bunch.target)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no file where it was
+    fallback = datasets._digits_images_and_labels()
+    np.testing.assert_array_equal(fallback[0], bunch.images)
+    np.testing.assert_array_equal(fallback[1], bunch.target)
+
+
 def test_npz_in_data_dir(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(

@@ -9,6 +9,7 @@ the training set's mean and standard deviation, and int32 labels, after
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 
@@ -121,13 +122,25 @@ def _as_nhwc(x: np.ndarray) -> np.ndarray:
     return x[..., None] if x.ndim == 3 else x
 
 
+def _digits_images_and_labels() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits as ``load_digits`` gives them (images ``[1797, 8, 8]``, labels),
+    read from the file scikit-learn ships without importing scikit-learn (about 1 s of a CLI run's
+    start: it imports scipy); through ``load_digits`` where that file is not where it was."""
+    spec = importlib.util.find_spec("sklearn")
+    shipped = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if shipped is None or not shipped.exists():
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    table = np.loadtxt(shipped, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+
+
 def _load_digits():
     """scikit-learn's 8x8 digits (ships with scikit-learn): a fixed stratified 80/20 split."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = bunch.images.astype(np.float32) / 16.0
-    y = bunch.target
+    images, y = _digits_images_and_labels()
+    x = images.astype(np.float32) / 16.0
     rng = np.random.default_rng(0)
     test = np.zeros(len(y), bool)
     for c in np.unique(y):
