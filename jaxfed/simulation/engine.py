@@ -561,14 +561,11 @@ class Simulation:
                 lowered = jax.jit(self.rounds_pure, static_argnums=2).lower(state, self.data, num_rounds, slots)
                 try:
                     compiled = lowered.compile()
+                    chunk = self.strategy.fitted(compiled.memory_analysis(), widest)
                 except jax.errors.JaxRuntimeError as error:
                     chunk = self.strategy.narrowed(widest, error)
                     if chunk is None:
                         raise
-                    self.strategy.chunk = chunk
-                    self._executables.clear()
-                    continue
-            chunk = self.strategy.fitted(compiled.memory_analysis(), widest)
             if chunk is None:
                 break
             self.strategy.chunk = chunk

@@ -120,15 +120,20 @@ class ClientStrategy:
         else:
             self.chunk = 0 if self.fits_memory else default_client_chunk(self.devices[0].platform)
 
+    @property
+    def usable_bytes(self) -> float:
+        """The memory budget a compiled round may fill: a tenth is kept free."""
+        return 0.9 * self.memory_bytes
+
     def fitted(self, memory, clients: int) -> int | None:
         """The chunk to compile again with when the round compiled with this strategy's chunk
         does not fit the memory budget (``memory``: the compiled round's ``memory_analysis()``;
         ``clients``: the widest group of clients a device runs); None when it fits or the chunk
         was given. The temporary memory is taken to grow with the chunk (a round's memory is
-        the chunk's, :mod:`~jaxfed.simulation.server`), with a tenth kept free."""
+        the chunk's, :mod:`~jaxfed.simulation.server`), within :attr:`usable_bytes`."""
         if not self.fits_memory or memory is None:
             return None
-        free = 0.9 * self.memory_bytes - memory.argument_size_in_bytes - memory.output_size_in_bytes
+        free = self.usable_bytes - memory.argument_size_in_bytes - memory.output_size_in_bytes
         if memory.temp_size_in_bytes <= free:
             return None
         width = self.chunk or clients
@@ -161,7 +166,7 @@ class ClientStrategy:
         if width <= 1:
             return None
         asked = _allocation_bytes(str(error))
-        shrink = 10.0 if asked is None else max(2.0, ROUND_BUFFERS * asked / (0.9 * self.memory_bytes))
+        shrink = 10.0 if asked is None else max(2.0, ROUND_BUFFERS * asked / self.usable_bytes)
         return max(1, int(width / shrink))
 
     def replicate(self, tree):
