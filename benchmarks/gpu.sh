@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The one-command GPU suite: W1 (default and client strategies) against the PyTorch per-client
-# loop on the same device, w3 per algorithm (the five papers' methods), tiered rounds against
-# FedAvg's, an 8-member sweep against one member, and the W2 scaling curve to 1 000 000 clients.
-# Writes OUT/*.json, then OUT/gpu.json and OUT/gpu.md (one table) via benchmarks/gpu_table.py.
+# loop on the same device, w3 per algorithm (the five papers' methods), FedDecomp's CIFAR-10
+# setting against the PyTorch loop, an 8-member sweep against one member, and the W2 scaling curve
+# to 1 000 000 clients. Writes OUT/*.json, each step's seconds to OUT/times.txt, then OUT/gpu.json
+# and OUT/gpu.md (one table, with the suite's time) via benchmarks/gpu_table.py.
 #
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
-#   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps (w1 w3 w4 tiers sweep scaling; default all)
+#   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps (w1 w3 w4 sweep scaling, the default, and
+#                                         # tiers: one group against per-tier groups, FLOPs and time)
 #   ALGORITHMS="fedhm fedara" ...          # w3's algorithms (default the five papers' tiered and own)
 #
 # FedDecomp's CIFAR-10 setting (w4: ResNet-8, 40 clients, 5 epochs of batch 100): FedAvg against
-# the PyTorch loop, and FedDecomp's own round.
+# the PyTorch loop (its median of 3 rounds: 8 s each on an H100), and FedDecomp's own round.
 # Nothing to install beyond the repository (pip install -e .) and torch for the baseline (the
 # torch rows are skipped without it). Each step has its own time limit, so one that hangs or
 # fails leaves the others' results; a failed step is listed in gpu.md.
@@ -19,29 +21,34 @@ DATA=${1:?usage: benchmarks/gpu.sh DATA [OUT]}
 OUT=${2:-gpu-results}
 HERE="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$OUT"
-[ -n "${STEPS:-}" ] || : > "$OUT/failed.txt"  # a call of some steps adds to the earlier calls' list
+if [ -z "${STEPS:-}" ]; then  # a call of some steps adds to the earlier calls' lists
+    : > "$OUT/failed.txt"
+    : > "$OUT/times.txt"
+fi
 if [ "${QUICK:-0}" = 1 ]; then  # its own settings: STRATEGIES and ALGORITHMS are not read
     ROUNDS=2 STRATEGIES=1 SCALING=1000,10000 ALGORITHMS="fedhm" MEMBERS=2 LIMIT=300
     SMALL=(--set num_clients=100) SMALL_KV=(num_clients=100)
-    W4_SMALL=(--set num_clients=4 local_epochs=3 client_train_size=100)
+    W4_SMALL=(--set num_clients=4 local_epochs=3 client_train_size=100) TORCH_W4_ROUNDS=1
 else
     ROUNDS=10 STRATEGIES=${STRATEGIES:-1,5,20} SCALING=10000,100000,1000000 MEMBERS=8 LIMIT=240
     ALGORITHMS=${ALGORITHMS:-"fedhm fedara mfedloru feddecomp fedcspack floral"}
-    SMALL=() SMALL_KV=() W4_SMALL=()
+    SMALL=() SMALL_KV=() W4_SMALL=() TORCH_W4_ROUNDS=3
 fi
 python -c "import jax; print(jax.devices()[0].device_kind)" > "$OUT/device.txt" 2>/dev/null
 TORCH=torch
 python -c "import torch" 2>/dev/null || TORCH=none
 
-STEPS=" ${STEPS:-w1 w3 w4 tiers sweep scaling} "
+STEPS=" ${STEPS:-w1 w3 w4 sweep scaling} "
 
-step() {  # step NAME COMMAND...: run with a time limit, record a failure; skipped unless in STEPS
+step() {  # step NAME COMMAND...: run with a time limit, record its seconds and a failure; skipped unless in STEPS
     local name=$1
     shift
     [[ $STEPS == *" ${name%%_*} "* ]] || return 0
     echo "== $name" >&2
+    local start=$SECONDS
     timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
     local status=$?
+    echo "$name $((SECONDS - start)) $status" >> "$OUT/times.txt"
     [ "$status" = 0 ] || echo "$name (exit $status, see $name.log)" >> "$OUT/failed.txt"
     tail -n 4 "$OUT/$name.log" >&2
 }
@@ -55,7 +62,7 @@ for algorithm in $ALGORITHMS; do
         --set "algorithm=$algorithm" "${extra[@]}" "${SMALL[@]}" --json "$OUT/w3_$algorithm.json"
 done
 step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \
-    --json "$OUT/w4.json"
+    --baseline-rounds "$TORCH_W4_ROUNDS" --json "$OUT/w4.json"
 step w4_feddecomp jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none "${W4_SMALL[@]}" \
     --set algorithm=feddecomp lora_epochs=2 rank_dense=0.6 rank_conv=0.6 aggregation=uniform \
     --json "$OUT/w4_feddecomp.json"

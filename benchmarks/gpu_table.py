@@ -13,6 +13,14 @@ from pathlib import Path
 W1_TARGET_MS = 5.0  # W1's round on one H100
 TIER_TARGET = 1.5  # a tiered algorithm's round against FedAvg's
 SWEEP_TARGET = 3.0  # 8 vmapped members' round against one member's
+SUITE_TARGET_S = 600  # the whole suite on one H100
+
+
+def step_times(out: Path) -> dict[str, int]:
+    """``times.txt`` (one ``NAME SECONDS EXIT`` line per step ``gpu.sh`` ran): seconds by step."""
+    path = out / "times.txt"
+    lines = path.read_text().split("\n") if path.exists() else []
+    return {name: int(seconds) for name, seconds, _ in (line.split() for line in lines if line.strip())}
 
 
 def read(path: Path):
@@ -64,8 +72,9 @@ def rows(out: Path) -> tuple[dict, list[str]]:
         )
         if "torch" in w4:
             t = w4["torch"]
+            rounds = f", median of {t['rounds']} rounds" if "rounds" in t else ""
             lines.append(
-                f"| w4 PyTorch per-client loop ({t['device']}) | {t['round_seconds_median']:.3f} s: jaxfed "
+                f"| w4 PyTorch per-client loop ({t['device']}{rounds}) | {t['round_seconds_median']:.3f} s: jaxfed "
                 f"{w4['speedup_vs_torch']:.1f}x | |"
             )
     w4_feddecomp = results.get("w4_feddecomp")
@@ -94,6 +103,15 @@ def rows(out: Path) -> tuple[dict, list[str]]:
             f"| W2, {row['sampled_clients']} clients a round (client_chunk {row['client_chunk']}) | "
             f"{row['round_seconds']:.3f} s, {1e3 * row['ms_per_client']:.2f} us per client | |"
         )
+    times = step_times(out)
+    if times:
+        total = sum(times.values())
+        slowest = ", ".join(f"{name} {seconds} s" for name, seconds in sorted(times.items(), key=lambda x: -x[1])[:4])
+        lines.append(
+            f"| the suite's steps, wall time | {total} s over {len(times)} steps (slowest: {slowest}) | "
+            f"<= {SUITE_TARGET_S} s on one H100 (all steps, one call): {verdict(total, SUITE_TARGET_S)} |"
+        )
+        results["step_seconds"] = times
     failed = (out / "failed.txt").read_text().split("\n") if (out / "failed.txt").exists() else []
     for line in filter(None, failed):
         lines.append(f"| failed: {line} | | |")

@@ -52,6 +52,34 @@ def test_bench_refuses_the_torch_baseline_for_other_algorithms_and_models(capsys
     assert f"not model '{net}:Net'; use --baseline none" in capsys.readouterr().err
 
 
+def test_the_torch_loop_runs_jaxfeds_rounds_or_the_baseline_rounds_asked(monkeypatch, capsys):
+    """The PyTorch loop (a stand-in recording its rounds, so this runs without torch) runs as many
+    rounds as jaxfed did (the warm-up call and the timed ones), or ``--baseline-rounds``; the
+    summary compares global accuracies "after the same rounds" only when they are."""
+    from jaxfed.cli.bench import torch_loop
+
+    asked = []
+
+    def loop(sim, config, rounds, hidden, initial_params=None):
+        asked.append(rounds)
+        return {"device": "cpu", "threads": 1, "round_seconds_median": 1.0, "global_acc": 0.5,
+                "eval_all_clients_seconds": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(torch_loop, "require_torch", lambda: None)
+    monkeypatch.setattr(torch_loop, "fedavg_rounds", loop)
+    tiny = [x for pair in TINY_W2 for x in ("--set", pair)]
+    assert main(["bench", "w2", "--rounds", "2", *tiny]) == 0
+    assert "after the same rounds" in capsys.readouterr().out
+    assert main(["bench", "w2", "--rounds", "2", "--baseline-rounds", "1", *tiny]) == 0
+    assert "torch 0.5000 after 1" in capsys.readouterr().out
+    # --rounds 2 at rounds_per_call 1: one warm-up call, then at least MIN_TIMED_CALLS (5) timed calls
+    assert asked == [6, 1]
+    assert main(["bench", "w2", "--baseline-rounds", "-1", *tiny]) == 2
+    err = capsys.readouterr().err
+    assert "--baseline-rounds: -1; allowed: 0 (as many as jaxfed ran) or more" in err and len(err.splitlines()) == 1
+    assert asked == [6, 1]  # refused before any timing
+
+
 @pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1)), ("resnet8", (32, 32, 3))])
 def test_the_torch_twin_from_jaxfed_weights_computes_the_same_outputs(name, shape):
     torch = pytest.importorskip("torch", reason="the PyTorch baseline is a benchmark extra (pip install torch)")

@@ -132,6 +132,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--rounds", type=int, default=5, help="steady-state rounds timed after a warm-up call")
     bench.add_argument("--baseline", default="torch", help="torch (a PyTorch per-client loop; fedavg only) or none")
+    bench.add_argument(
+        "--baseline-rounds",
+        type=int,
+        default=0,
+        help="rounds the PyTorch loop runs (its median round is timed); 0 = as many as jaxfed ran, so the "
+        "global accuracies compare",
+    )
     bench.add_argument("--strategies", default="", help="comma-separated client_chunk values to time too, e.g. 0,1,10")
     bench.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     return parser
@@ -366,7 +373,14 @@ def _bench(args) -> int:
 
     strategies = _number_list("--strategies", args.strategies, int)
     overrides = ([f"data_dir={args.data_dir}"] if args.data_dir else []) + args.set
-    result = run_benchmark(args.workload, overrides, rounds=args.rounds, baseline=args.baseline, strategies=strategies)
+    result = run_benchmark(
+        args.workload,
+        overrides,
+        rounds=args.rounds,
+        baseline=args.baseline,
+        strategies=strategies,
+        baseline_rounds=args.baseline_rounds,
+    )
     print("\n".join(summary_lines(result)))
     if args.json:
         with open(args.json, "w") as f:

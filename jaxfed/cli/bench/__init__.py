@@ -185,12 +185,17 @@ def step_flops_per_example(sim, config: Config) -> float:
     return flops / config.options.batch_size
 
 
-def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=()) -> dict:
-    """Every measurement of one workload, as a JSON-ready dict."""
+def run_benchmark(
+    workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=(), baseline_rounds: int = 0
+) -> dict:
+    """Every measurement of one workload, as a JSON-ready dict. The PyTorch loop runs
+    ``baseline_rounds`` rounds (0: as many as jaxfed ran, so the global accuracies compare)."""
     config = workload_config(workload, overrides)
     split_host_for([config])  # the process entry of `jaxfed bench`: before anything starts JAX's backend
     if baseline not in ("torch", "none"):
         raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
+    if baseline_rounds < 0:
+        raise ConfigError(f"--baseline-rounds: {baseline_rounds}; allowed: 0 (as many as jaxfed ran) or more")
     if baseline == "torch" and config.algorithm != "fedavg":
         raise ConfigError(f"--baseline: torch runs fedavg only, not '{config.algorithm}'; use --baseline none")
     if baseline == "torch":
@@ -232,11 +237,12 @@ def run_benchmark(workload: str, overrides=(), *, rounds: int = 5, baseline: str
     if baseline == "torch":
         from jaxfed.cli.bench.torch_loop import fedavg_rounds
 
-        rounds_run = engine["rounds_timed"] + max(1, min(config.rounds_per_call, rounds))
+        rounds_run = engine["rounds_timed"] + max(1, min(config.rounds_per_call, rounds))  # warm-up call included
         initial = sim.algorithm.global_params(sim.init().server)["params"]
         hidden = config.hidden_widths() or (200, 200)
-        torch_result = fedavg_rounds(sim, config, rounds_run, hidden, initial_params=initial)
-        result["torch"] = torch_result
+        torch_rounds = baseline_rounds or rounds_run
+        torch_result = fedavg_rounds(sim, config, torch_rounds, hidden, initial_params=initial)
+        result["torch"] = {**torch_result, "rounds": torch_rounds, "jaxfed_rounds": rounds_run}
         result["speedup_vs_torch"] = torch_result["round_seconds_median"] / engine["round_seconds_median"]
         result["eval_speedup_vs_torch"] = torch_result["eval_all_clients_seconds"] / engine["eval_all_clients_seconds"]
     return result
@@ -269,6 +275,11 @@ def summary_lines(result: dict) -> list[str]:
             f"{t['round_seconds_median']:.3f} s/round "
             f"-> jaxfed {r['speedup_vs_torch']:.2f}x; "
             f"evaluation {t['eval_all_clients_seconds']:.2f} s -> {r['eval_speedup_vs_torch']:.1f}x; "
-            f"global acc after the same rounds: jaxfed {r['global_acc']:.4f}, torch {t['global_acc']:.4f}"
+            + (
+                f"global acc after the same rounds: jaxfed {r['global_acc']:.4f}, torch {t['global_acc']:.4f}"
+                if t.get("rounds") == t.get("jaxfed_rounds")  # (both absent in results from before --baseline-rounds)
+                else f"global acc: jaxfed {r['global_acc']:.4f} after {t['jaxfed_rounds']} rounds, "
+                f"torch {t['global_acc']:.4f} after {t['rounds']}"
+            )
         )
     return lines
