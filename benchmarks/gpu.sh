@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one-command GPU suite: W1 (default and client strategies) against the PyTorch per-client
-# loop on the same device, w3 per algorithm (the five papers' methods), FedDecomp's CIFAR-10
+# The one-command GPU suite: W1 (default, client strategies, XLA's convolution) against the
+# PyTorch per-client loop on the same device, w3 per algorithm (the five papers' methods), FedDecomp's CIFAR-10
 # setting against the PyTorch loop, an 8-member sweep against one member, and the W2 scaling curve
 # to 1 000 000 clients. Writes OUT/*.json, each step's seconds to OUT/times.txt, then OUT/gpu.json
 # and OUT/gpu.md (one table, with the suite's time) via benchmarks/gpu_table.py.
@@ -55,6 +55,9 @@ step() {  # step NAME COMMAND...: run with a time limit, record its seconds and 
 
 step w1 jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --strategies "$STRATEGIES" \
     --baseline "$TORCH" --json "$OUT/w1.json" "${SMALL[@]}"
+# XLA's convolution instead of the patches one (cuDNN on a GPU; never measured there before 2026-11-25)
+step w1_xla jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none --set conv=xla "${SMALL[@]}" \
+    --json "$OUT/w1_xla.json"
 for algorithm in $ALGORITHMS; do
     extra=()
     [ "$algorithm" = feddecomp ] && extra=(--set local_epochs=2)  # its auto lora_epochs needs two epochs

@@ -49,6 +49,12 @@ def rows(out: Path) -> tuple[dict, list[str]]:
                 f"| W1 round, client_chunk {chunk} | {1e3 * s['round_seconds_median']:.2f} ms, useful steps "
                 f"{100 * s['useful_step_fraction']:.0f}% | |"
             )
+        w1_xla = results.get("w1_xla")
+        if w1_xla:
+            lines.append(
+                f"| W1 round, conv=xla (client_chunk {w1_xla['client_chunk']}) | "
+                f"{1e3 * w1_xla['round_seconds_median']:.2f} ms, compile {w1_xla['compile_seconds']:.1f} s | |"
+            )
         if "torch" in w1:
             t = w1["torch"]
             lines.append(
