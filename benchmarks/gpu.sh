@@ -2,8 +2,10 @@
 # The one-command GPU suite: W1 (default, client strategies, XLA's convolution) against the
 # PyTorch per-client loop on the same device, w3 per algorithm (the five papers' methods), FedDecomp's CIFAR-10
 # setting against the PyTorch loop, an 8-member sweep against one member, and the W2 scaling curve
-# to 1 000 000 clients. Writes OUT/*.json, each step's seconds to OUT/times.txt, then OUT/gpu.json
-# and OUT/gpu.md (one table, with the suite's time) via benchmarks/gpu_table.py.
+# to 1 000 000 clients. Writes OUT/*.json, each step's seconds to OUT/times.txt, profiler traces of
+# W1's and w3's rounds to OUT/trace_* (summarized in their JSON: kernels a round and per local step,
+# the device's busy fraction), then OUT/gpu.json and OUT/gpu.md (one table, with the suite's time)
+# via benchmarks/gpu_table.py.
 #
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
@@ -54,7 +56,7 @@ step() {  # step NAME COMMAND...: run with a time limit, record its seconds and 
 }
 
 step w1 jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --strategies "$STRATEGIES" \
-    --baseline "$TORCH" --json "$OUT/w1.json" "${SMALL[@]}"
+    --baseline "$TORCH" --profile "$OUT/trace_w1" --json "$OUT/w1.json" "${SMALL[@]}"
 # XLA's convolution instead of the patches one (cuDNN on a GPU; never measured there before 2026-11-25)
 step w1_xla jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none --set conv=xla "${SMALL[@]}" \
     --json "$OUT/w1_xla.json"
@@ -62,7 +64,8 @@ for algorithm in $ALGORITHMS; do
     extra=()
     [ "$algorithm" = feddecomp ] && extra=(--set local_epochs=2)  # its auto lora_epochs needs two epochs
     step "w3_$algorithm" jaxfed bench w3 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none \
-        --set "algorithm=$algorithm" "${extra[@]}" "${SMALL[@]}" --json "$OUT/w3_$algorithm.json"
+        --set "algorithm=$algorithm" "${extra[@]}" "${SMALL[@]}" --profile "$OUT/trace_w3_$algorithm" \
+        --json "$OUT/w3_$algorithm.json"
 done
 step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \
     --baseline-rounds "$TORCH_W4_ROUNDS" --json "$OUT/w4.json"
@@ -75,4 +78,7 @@ step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --mem
     --set "${SMALL_KV[@]}" --out "$OUT/sweep.json"
 step scaling python "$HERE/scaling.py" --clients "$SCALING" --rounds 3 --png "$OUT/scaling.png" \
     --json "$OUT/scaling.json"
+# The traces' Perfetto JSON stays (ui.perfetto.dev); the XPlane and trace-viewer copies, several
+# times larger, only with KEEP_TRACES=1 (TensorBoard reads the XPlane).
+[ "${KEEP_TRACES:-0}" = 1 ] || find "$OUT" -path "*/trace_*" \( -name "*.xplane.pb" -o -name "*.trace.json.gz" \) -delete
 python "$HERE/gpu_table.py" "$OUT"

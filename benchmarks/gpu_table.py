@@ -31,6 +31,20 @@ def verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else "not met"
 
 
+def profile_row(name: str, result: dict) -> list[str]:
+    """A row of ``result``'s device profile (``jaxfed bench --profile``), if it has one."""
+    p = result.get("profile") or {}
+    if not p.get("device_events"):
+        return []
+    per_step = p.get("kernels_per_sequential_step")
+    top = ", ".join(f"{k['name'][:40]} {k['us_per_round']:.0f} us" for k in p["top_kernels"][:3])
+    return [
+        f"| {name} profile | {p['kernels_per_round']:.0f} kernels a round"
+        + (f" ({per_step:.1f} per local step in sequence)" if per_step else "")
+        + f", device busy {100 * p['device_busy_fraction']:.0f}% of the round; most time: {top} | |"
+    ]
+
+
 def rows(out: Path) -> tuple[dict, list[str]]:
     results = {p.stem: read(p) for p in sorted(out.glob("*.json")) if p.name != "gpu.json"}
     lines = ["| measure | value | target |", "|---|---|---|"]
@@ -44,6 +58,7 @@ def rows(out: Path) -> tuple[dict, list[str]]:
             f"{w1['matmul_peak_gflops_default_precision']:.0f} at the default precision) | "
             f"<= {W1_TARGET_MS} ms on an H100: {verdict(ms, W1_TARGET_MS)} |"
         )
+        lines += profile_row("W1", w1)
         for chunk, s in w1.get("strategies", {}).items():
             lines.append(
                 f"| W1 round, client_chunk {chunk} | {1e3 * s['round_seconds_median']:.2f} ms, useful steps "
@@ -70,6 +85,7 @@ def rows(out: Path) -> tuple[dict, list[str]]:
                 f"compile {r['compile_seconds']:.1f} s | {TIER_TARGET}x for fedhm, fedara, mfedloru: "
                 f"{verdict(ratio, TIER_TARGET) if name[3:] in ('fedhm', 'fedara', 'mfedloru') else '-'} |"
             )
+            lines += profile_row(f"w3 {name[3:]}", r)
     w4 = results.get("w4")
     if w4:
         lines.append(

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxfed.cli import main
-from jaxfed.cli.bench import examples_per_round, useful_step_fraction, workload_config
+from jaxfed.cli.bench import examples_per_round, sequential_steps, useful_step_fraction, workload_config
+from jaxfed.cli.bench.profile import summarize
 from jaxfed.runs.build import build
 
 TINY_W2 = ["num_clients=40", "participation=0.25", "client_train_size=40", "rounds_per_call=1"]
@@ -16,7 +17,7 @@ def test_examples_and_useful_steps_follow_the_sampled_clients():
     config = workload_config("w2", [*TINY_W2, "partition=dirichlet", "alpha=0.3", "min_examples=5"])
     sim = build(config).simulation
     counts = np.asarray(sim.data.train_count)
-    examples, real, all_together, in_threes = [], 0, 0, 0
+    examples, real, all_together, in_threes, sequence_of_threes = [], 0, 0, 0, []
     for t in range(3):
         n = counts[sim.sampled_ids(t)]
         examples.append(((n // 32) * 32).sum())  # w2 drops the last partial batch
@@ -24,10 +25,45 @@ def test_examples_and_useful_steps_follow_the_sampled_clients():
         real += steps.sum()
         all_together += steps.max() * len(steps)
         in_threes += sum(steps[i] * len(steps[i : i + 3]) for i in range(0, len(steps), 3))  # as long as their first
+        sequence_of_threes.append(sum(steps[i] for i in range(0, len(steps), 3)))
     assert examples_per_round(sim, config, range(3)) == pytest.approx(np.mean(examples))
     assert useful_step_fraction(sim, config, range(3), 0) == pytest.approx(real / all_together)
     assert useful_step_fraction(sim, config, range(3), 3) == pytest.approx(real / in_threes)
     assert useful_step_fraction(sim, config, range(3), 1) == 1.0
+    assert sequential_steps(sim, config, range(3), 3) == pytest.approx(np.mean(sequence_of_threes))
+    assert sequential_steps(sim, config, range(3), 1) == pytest.approx(real / 3)
+
+
+def _trace(device_threads: dict, events: list) -> list[dict]:
+    """A Perfetto trace's events: a host process (pid 1), a device process (pid 2) with
+    ``device_threads`` ({tid: name}), and ``events`` as (pid, tid, name, microseconds)."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]  # fmt: skip
+    meta += [
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": t, "args": {"name": n}} for t, n in device_threads.items()
+    ]
+    return meta + [{"ph": "X", "pid": p, "tid": t, "name": n, "ts": 0, "dur": d} for p, t, n, d in events]
+
+
+def test_a_profile_counts_the_kernels_on_the_devices_streams_per_round():
+    """Two rounds, 1 ms of wall time, 3 local steps a round in sequence: the kernels are the
+    stream threads' events (a module-level event and host events are not), counted by hand."""
+    streams = {10: "Stream #14(Compute)", 11: "Stream #15(MemcpyH2D)", 12: "XLA Modules"}
+    events = [(2, 10, "gemm", 10.0)] * 4 + [(2, 10, "fusion", 2.0)] * 6 + [(2, 11, "copy", 5.0)] * 2
+    events += [(2, 12, "jit_round", 100.0)] * 2 + [(1, 5, "PjitFunction", 500.0)]
+    got = summarize(_trace(streams, events), rounds=2, wall_seconds=1e-3, sequential_steps=3)
+    assert got["kernels_per_round"] == 6  # (4 + 6 + 2) / 2
+    assert got["kernel_ms_per_round"] == pytest.approx((40 + 12 + 10) / 2 / 1e3)
+    assert got["device_busy_fraction"] == pytest.approx(62e-6 / 1e-3)
+    assert got["kernels_per_sequential_step"] == pytest.approx(6 / 3)
+    assert got["device_events"] == 14  # every device thread's, the module line too
+    assert [k["name"] for k in got["top_kernels"]] == ["gemm", "fusion", "copy"]
+    assert got["top_kernels"][0] == {"name": "gemm", "per_round": 2, "us_per_round": 20, "us_each": 10}
+    assert got["threads"]["/device:GPU:0 / XLA Modules"] == {"events": 2, "ms": 0.2}
+    # a device that names no stream threads: all its threads' events are its kernels
+    unnamed = summarize(_trace({10: "ops"}, events[:4]), rounds=1, wall_seconds=1e-3, sequential_steps=0)
+    assert unnamed["kernels_per_round"] == 4 and unnamed["kernels_per_sequential_step"] is None
+    assert summarize(_trace({}, [(1, 5, "PjitFunction", 500.0)]), 1, 1e-3, 1)["device_events"] == 0
 
 
 def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys):
@@ -40,6 +76,27 @@ def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys)
         assert result[key] > 0, key
     assert result["examples_per_round"] == 10 * 32  # 10 clients of 40 examples, one full batch each
     assert "s/round" in capsys.readouterr().out
+
+
+def test_bench_profile_writes_a_trace_and_says_a_cpu_has_no_device_kernels(tmp_path, capsys):
+    trace = tmp_path / "trace"
+    args = [
+        "bench",
+        "w2",
+        "--rounds",
+        "2",
+        "--baseline",
+        "none",
+        "--profile",
+        str(trace),
+        "--json",
+        str(tmp_path / "r"),
+    ]
+    assert main([*args, *(x for pair in TINY_W2 for x in ("--set", pair))]) == 0
+    profile = json.loads((tmp_path / "r").read_text())["profile"]
+    assert profile["device_events"] == 0 and profile["trace_dir"] == str(trace)
+    assert list(trace.rglob("perfetto_trace.json.gz"))
+    assert "profile: no device events in the trace (on a CPU" in capsys.readouterr().out
 
 
 def test_bench_refuses_the_torch_baseline_for_other_algorithms_and_models(capsys, tmp_path):

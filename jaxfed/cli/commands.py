@@ -139,6 +139,13 @@ def _parser() -> argparse.ArgumentParser:
         help="rounds the PyTorch loop runs (its median round is timed); 0 = as many as jaxfed ran, so the "
         "global accuracies compare",
     )
+    bench.add_argument(
+        "--profile",
+        metavar="DIR",
+        default="",
+        help="also trace as many calls as were timed into DIR and summarize the device's kernels: count, time, "
+        "busy fraction, kernels per local step (accelerators; see jaxfed.cli.bench.profile)",
+    )
     bench.add_argument("--strategies", default="", help="comma-separated client_chunk values to time too, e.g. 0,1,10")
     bench.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     return parser
@@ -380,6 +387,7 @@ def _bench(args) -> int:
         baseline=args.baseline,
         strategies=strategies,
         baseline_rounds=args.baseline_rounds,
+        profile=args.profile,
     )
     print("\n".join(summary_lines(result)))
     if args.json:

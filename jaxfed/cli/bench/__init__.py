@@ -10,7 +10,9 @@ client. ``--strategies`` times the client-parallel strategies (``client_chunk``:
 sampled clients, k runs ``lax.map`` over chunks of k vmapped clients). ``--baseline torch`` runs
 the same rounds as a PyTorch per-client loop on the same accelerator (CUDA where JAX runs on a
 GPU; threads from the CPU affinity) and reports the ratio, with both accuracies to show equal
-work.
+work. ``--profile DIR`` traces the timed calls again under the profiler and summarizes the
+device's kernels (:mod:`jaxfed.cli.bench.profile`: kernels a round and per local step in
+sequence, the device's busy fraction, the costliest kernels).
 
 Workloads (``--set key=value`` changes any config key):
 
@@ -116,17 +118,28 @@ def local_steps(sim, config: Config, round_index: int) -> np.ndarray:
     return np.sort(per_epoch * config.options.local_epochs)[::-1]
 
 
+def step_groups(steps: np.ndarray, chunk: int) -> list[np.ndarray]:
+    """The sampled clients' local ``steps`` (largest first) as the engine runs them with
+    ``client_chunk=chunk``: vmapped groups of ``chunk`` (0: one group of all), each group running
+    as long as its largest client. Sorting by size is the engine's bucketing."""
+    size = chunk or len(steps)
+    return np.array_split(steps, range(size, len(steps), size))
+
+
 def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> float:
-    """Real local steps / executed steps when the sampled clients run as the engine runs them with
-    ``client_chunk=chunk``: sorted by size, in vmapped groups of ``chunk`` (0: one group of all),
-    each group running as long as its largest client. Sorting by size is the engine's bucketing."""
+    """Real local steps / executed steps over ``rounds`` with ``client_chunk=chunk`` (:func:`step_groups`)."""
     real, executed = 0, 0
     for t in rounds:
         steps = local_steps(sim, config, t)
-        size = chunk or len(steps)
         real += steps.sum()
-        executed += sum(group.max() * len(group) for group in np.array_split(steps, range(size, len(steps), size)))
+        executed += sum(group.max() * len(group) for group in step_groups(steps, chunk))
     return float(real / max(executed, 1))
+
+
+def sequential_steps(sim, config: Config, rounds: range, chunk: int = 0) -> float:
+    """Local steps a round runs one after another with ``client_chunk=chunk``, the mean over
+    ``rounds``: each group's largest client's (:func:`step_groups`)."""
+    return float(np.mean([sum(g.max() for g in step_groups(local_steps(sim, config, t), chunk)) for t in rounds]))
 
 
 MIN_TIMED_CALLS = 5
@@ -171,6 +184,7 @@ def time_rounds(config: Config, rounds: int) -> dict:
         "eval_all_clients_seconds": eval_seconds,
         "rounds_timed": len(times) * per_call,
         "timed_calls": len(times),
+        "rounds_per_timed_call": per_call,
         "global_acc": evaluation.get("global_acc"),
         "personalized_acc_mean": evaluation.get("personalized_acc_mean"),
     }
@@ -186,10 +200,19 @@ def step_flops_per_example(sim, config: Config) -> float:
 
 
 def run_benchmark(
-    workload: str, overrides=(), *, rounds: int = 5, baseline: str = "torch", strategies=(), baseline_rounds: int = 0
+    workload: str,
+    overrides=(),
+    *,
+    rounds: int = 5,
+    baseline: str = "torch",
+    strategies=(),
+    baseline_rounds: int = 0,
+    profile: str = "",
 ) -> dict:
     """Every measurement of one workload, as a JSON-ready dict. The PyTorch loop runs
-    ``baseline_rounds`` rounds (0: as many as jaxfed ran, so the global accuracies compare)."""
+    ``baseline_rounds`` rounds (0: as many as jaxfed ran, so the global accuracies compare).
+    ``profile``: a directory to trace as many calls as were timed into, summarized under
+    ``"profile"`` (:mod:`jaxfed.cli.bench.profile`)."""
     config = workload_config(workload, overrides)
     split_host_for([config])  # the process entry of `jaxfed bench`: before anything starts JAX's backend
     if baseline not in ("torch", "none"):
@@ -227,6 +250,8 @@ def run_benchmark(
         "fraction_of_matmul_peak": achieved / peak,
         **peak_memory_bytes(),
     }
+    if profile:
+        result["profile"] = profile_rounds(sim, config, engine["rounds_per_timed_call"], engine["timed_calls"], profile)
     if strategies:
         result["strategies"] = {}
         for chunk in strategies:
@@ -248,6 +273,25 @@ def run_benchmark(
     return result
 
 
+def profile_rounds(sim, config: Config, per_call: int, calls: int, directory: str) -> dict:
+    """Trace ``calls`` calls of ``per_call`` rounds (the timed executable, after a warm-up call)
+    into ``directory`` and summarize their device events."""
+    from jaxfed.cli.bench.profile import summarize, trace_calls
+
+    state, _ = sim.run_rounds(sim.init(), per_call)
+    jax.block_until_ready(state)
+
+    def call():
+        nonlocal state
+        state, metrics = sim.run_rounds(state, per_call)
+        return state, metrics
+
+    events, wall = trace_calls(call, calls, directory)
+    traced = range(per_call, per_call * (calls + 1))
+    steps = sequential_steps(sim, config, traced, sim.client_chunk)
+    return {**summarize(events, per_call * calls, wall, steps), "trace_dir": str(directory)}
+
+
 def summary_lines(result: dict) -> list[str]:
     """A short human-readable account of :func:`run_benchmark`'s result."""
     r = result
@@ -263,6 +307,10 @@ def summary_lines(result: dict) -> list[str]:
         f"  evaluation of all {'clients'}: {r['eval_all_clients_seconds']:.2f} s; "
         f"peak host memory {r['host_peak_rss_bytes'] / 1e9:.2f} GB",
     ]
+    if "profile" in r:
+        from jaxfed.cli.bench.profile import summary_lines as profile_lines
+
+        lines.extend(profile_lines(r["profile"]))
     for chunk, s in r.get("strategies", {}).items():
         lines.append(
             f"  client_chunk={chunk}: {s['round_seconds_median']:.3f} s/round (compile {s['compile_seconds']:.1f} s), "
