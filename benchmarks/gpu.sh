@@ -10,11 +10,13 @@
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
 #   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps (w1 w3 w4 sweep scaling, the default, and
-#                                         # tiers: one group against per-tier groups, FLOPs and time)
+#                                         # tiers: one group against per-tier groups, FLOPs and time);
+#                                         # a step runs its group: w1 with w1_xla, w3 every algorithm,
+#                                         # w4 with w4_feddecomp
 #   ALGORITHMS="fedhm fedara" ...          # w3's algorithms (default the five papers' tiered and own)
 #
 # FedDecomp's CIFAR-10 setting (w4: ResNet-8, 40 clients, 5 epochs of batch 100): FedAvg against
-# the PyTorch loop (its median of 3 rounds: 8 s each on an H100), and FedDecomp's own round.
+# the PyTorch loop (its median of 3 rounds: 7.9 s each on an H100), and FedDecomp's own round.
 # Nothing to install beyond the repository (pip install -e .) and torch for the baseline (the
 # torch rows are skipped without it). Each step has its own time limit, so one that hangs or
 # fails leaves the others' results; a failed step is listed in gpu.md.
@@ -25,7 +27,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$OUT"
 if [ -z "${STEPS:-}" ]; then  # a call of some steps adds to the earlier calls' lists
     : > "$OUT/failed.txt"
-    : > "$OUT/times.txt"
+    echo "# every step, one call" > "$OUT/times.txt"  # gpu_table.py judges the 10 minutes only then
 fi
 if [ "${QUICK:-0}" = 1 ]; then  # its own settings: STRATEGIES and ALGORITHMS are not read
     ROUNDS=2 STRATEGIES=1 SCALING=1000,10000 ALGORITHMS="fedhm" MEMBERS=2 LIMIT=300
@@ -78,7 +80,7 @@ step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --mem
     --set "${SMALL_KV[@]}" --out "$OUT/sweep.json"
 step scaling python "$HERE/scaling.py" --clients "$SCALING" --rounds 3 --png "$OUT/scaling.png" \
     --json "$OUT/scaling.json"
-# The traces' Perfetto JSON stays (ui.perfetto.dev); the XPlane and trace-viewer copies, several
-# times larger, only with KEEP_TRACES=1 (TensorBoard reads the XPlane).
+# The traces' Perfetto JSON stays (ui.perfetto.dev); the XPlane (several times its size) and the
+# trace viewer's copy of it only with KEEP_TRACES=1 (TensorBoard reads the XPlane).
 [ "${KEEP_TRACES:-0}" = 1 ] || find "$OUT" -path "*/trace_*" \( -name "*.xplane.pb" -o -name "*.trace.json.gz" \) -delete
 python "$HERE/gpu_table.py" "$OUT"

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from jaxfed.cli import main
-from jaxfed.cli.bench import examples_per_round, sequential_steps, useful_step_fraction, workload_config
+from jaxfed.cli.bench import (
+    examples_per_round,
+    profile_rounds,
+    sequential_steps,
+    useful_step_fraction,
+    workload_config,
+)
 from jaxfed.cli.bench.profile import summarize
 from jaxfed.runs.build import build
 
@@ -36,34 +42,67 @@ def test_examples_and_useful_steps_follow_the_sampled_clients():
 
 def _trace(device_threads: dict, events: list) -> list[dict]:
     """A Perfetto trace's events: a host process (pid 1), a device process (pid 2) with
-    ``device_threads`` ({tid: name}), and ``events`` as (pid, tid, name, microseconds)."""
+    ``device_threads`` ({tid: name}), and ``events`` as (pid, tid, name, start us, duration us)."""
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]  # fmt: skip
     meta += [
         {"ph": "M", "name": "thread_name", "pid": 2, "tid": t, "args": {"name": n}} for t, n in device_threads.items()
     ]
-    return meta + [{"ph": "X", "pid": p, "tid": t, "name": n, "ts": 0, "dur": d} for p, t, n, d in events]
+    return meta + [{"ph": "X", "pid": p, "tid": t, "name": n, "ts": ts, "dur": d} for p, t, n, ts, d in events]
 
 
 def test_a_profile_counts_the_kernels_on_the_devices_streams_per_round():
-    """Two rounds, 1 ms of wall time, 3 local steps a round in sequence: the kernels are the
-    stream threads' events (a module-level event and host events are not), counted by hand."""
-    streams = {10: "Stream #14(Compute)", 11: "Stream #15(MemcpyH2D)", 12: "XLA Modules"}
-    events = [(2, 10, "gemm", 10.0)] * 4 + [(2, 10, "fusion", 2.0)] * 6 + [(2, 11, "copy", 5.0)] * 2
-    events += [(2, 12, "jit_round", 100.0)] * 2 + [(1, 5, "PjitFunction", 500.0)]
-    got = summarize(_trace(streams, events), rounds=2, wall_seconds=1e-3, sequential_steps=3)
-    assert got["kernels_per_round"] == 6  # (4 + 6 + 2) / 2
-    assert got["kernel_ms_per_round"] == pytest.approx((40 + 12 + 10) / 2 / 1e3)
-    assert got["device_busy_fraction"] == pytest.approx(62e-6 / 1e-3)
-    assert got["kernels_per_sequential_step"] == pytest.approx(6 / 3)
-    assert got["device_events"] == 14  # every device thread's, the module line too
-    assert [k["name"] for k in got["top_kernels"]] == ["gemm", "fusion", "copy"]
+    """Two rounds, 1 ms of wall time, 3 local steps a round in sequence, counted by hand: the
+    kernels are the stream threads' events, less copies (a module-level event and host events are
+    not kernels); the busy time is the union of the kernels' intervals over the two streams."""
+    lines = {10: "Stream #14(Compute)", 11: "Stream #15(MemcpyH2D,Compute)", 12: "XLA Modules"}
+    events = [(2, 10, "gemm", 100 * i, 10.0) for i in range(4)]  # at 0, 100, 200, 300: 40 us
+    events += [(2, 10, "fusion", 100 * i + 50, 2.0) for i in range(6)]  # at 50 .. 550: 12 us
+    events += [(2, 11, "fusion", 5, 10.0), (2, 11, "fusion", 600, 4.0)]  # 5 us past gemm's first, 4 alone
+    events += [(2, 11, "fusion", 102, 3.0)]  # within gemm's second: no busy time of its own
+    events += [(2, 11, "MemcpyH2D", 700, 5.0)] * 2 + [(2, 12, "jit_round", 0, 900.0)] * 2
+    events += [(1, 5, "PjitFunction", 0, 500.0)]
+    got = summarize(_trace(lines, events), rounds=2, wall_seconds=1e-3, sequential_steps=3)
+    assert got["kernels_per_round"] == 6.5  # (4 + 6 + 3) / 2
+    assert got["kernel_ms_per_round"] == pytest.approx((40 + 12 + 17) / 2 / 1e3)
+    assert got["busy_ms_per_round"] == pytest.approx((40 + 12 + 5 + 4) / 2 / 1e3)
+    assert got["device_busy_fraction"] == pytest.approx(61e-6 / 1e-3)
+    assert (got["copies_per_round"], got["copy_ms_per_round"]) == (1, pytest.approx(5 / 1e3))
+    assert got["kernels_per_sequential_step"] == pytest.approx(6.5 / 3)
+    assert got["device_events"] == 17  # every device thread's, the module line's too
+    assert [k["name"] for k in got["top_kernels"]] == ["gemm", "fusion"]
     assert got["top_kernels"][0] == {"name": "gemm", "per_round": 2, "us_per_round": 20, "us_each": 10}
-    assert got["threads"]["/device:GPU:0 / XLA Modules"] == {"events": 2, "ms": 0.2}
-    # a device that names no stream threads: all its threads' events are its kernels
-    unnamed = summarize(_trace({10: "ops"}, events[:4]), rounds=1, wall_seconds=1e-3, sequential_steps=0)
-    assert unnamed["kernels_per_round"] == 4 and unnamed["kernels_per_sequential_step"] is None
-    assert summarize(_trace({}, [(1, 5, "PjitFunction", 500.0)]), 1, 1e-3, 1)["device_events"] == 0
+    assert got["threads"]["/device:GPU:0 / XLA Modules"] == {"events": 2, "ms": 1.8}
+    assert not got["truncated"]
+    # a device that names no streams (a TPU): its op line's events are its kernels, not the module line's
+    ops = summarize(_trace({10: "XLA Ops", 12: "XLA Modules"}, [events[0], events[-2]]), 1, 1e-3, 0)
+    assert ops["kernels_per_round"] == 1 and ops["kernels_per_sequential_step"] is None
+    assert summarize(_trace({}, [(1, 5, "PjitFunction", 0, 500.0)]), 1, 1e-3, 1)["device_events"] == 0
+
+
+def test_a_profile_counts_the_local_steps_of_the_rounds_it_traced(monkeypatch):
+    """``jaxfed bench --profile`` traces the timed calls again from a warm-up call: the local steps
+    in sequence it divides by are those of the traced rounds (here rounds 1-5 of one round a call,
+    clients one at a time: all their steps), each client's written out from its examples (clients
+    of different sizes, so that other rounds would give another count)."""
+    from jaxfed.cli.bench import profile as profiling
+
+    traced = []
+
+    def trace_calls(call, calls, directory):
+        traced.extend(int(call()[0].round) for _ in range(calls))
+        return _trace({10: "Stream #1"}, [(2, 10, "gemm", 0, 10.0)] * 10), 1e-3
+
+    monkeypatch.setattr(profiling, "trace_calls", trace_calls)
+    config = workload_config("w2", [*TINY_W2, "partition=dirichlet", "alpha=0.3", "min_examples=5"])
+    sim = build(config).simulation
+    profile = profile_rounds(sim, config, per_call=1, calls=5, directory="unused")
+    assert traced == [2, 3, 4, 5, 6]  # the round counter after each call: rounds 1-5 ran
+    counts = np.asarray(sim.data.train_count)
+    steps = [(counts[sim.sampled_ids(t)] // 32).sum() for t in range(7)]
+    assert profile["sequential_steps_per_round"] == pytest.approx(np.mean(steps[1:6]))
+    assert np.mean(steps[1:6]) not in (np.mean(steps[0:5]), np.mean(steps[2:7]))
+    assert profile["kernels_per_round"] == 2
 
 
 def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys):
@@ -129,12 +168,18 @@ def test_the_torch_loop_runs_jaxfeds_rounds_or_the_baseline_rounds_asked(monkeyp
     assert "after the same rounds" in capsys.readouterr().out
     assert main(["bench", "w2", "--rounds", "2", "--baseline-rounds", "1", *tiny]) == 0
     assert "torch 0.5000 after 1" in capsys.readouterr().out
-    # --rounds 2 at rounds_per_call 1: one warm-up call, then at least MIN_TIMED_CALLS (5) timed calls
-    assert asked == [6, 1]
-    assert main(["bench", "w2", "--baseline-rounds", "-1", *tiny]) == 2
-    err = capsys.readouterr().err
-    assert "--baseline-rounds: -1; allowed: 0 (as many as jaxfed ran) or more" in err and len(err.splitlines()) == 1
-    assert asked == [6, 1]  # refused before any timing
+    assert main(["bench", "w2", "--rounds", "10", *tiny, "--set", "rounds_per_call=5"]) == 0
+    # --rounds 2 at rounds_per_call 1: a warm-up call of 1 round, then at least MIN_TIMED_CALLS (5) timed calls;
+    # --rounds 10 at rounds_per_call 5: calls of 10 // 5 = 2 rounds, the warm-up one and 5 timed
+    assert asked == [6, 1, 12]
+    for flags, message in [
+        (["--baseline-rounds", "-1"], "--baseline-rounds: -1; allowed: 0 (as many as jaxfed ran) or more"),
+        (["--baseline", "none", "--baseline-rounds", "3"], "--baseline-rounds: 3 rounds of no baseline; it needs"),
+    ]:
+        assert main(["bench", "w2", *flags, *tiny]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.splitlines()) == 1, err
+    assert asked == [6, 1, 12]  # refused before any timing
 
 
 @pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1)), ("resnet8", (32, 32, 3))])

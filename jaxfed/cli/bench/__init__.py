@@ -219,6 +219,8 @@ def run_benchmark(
         raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
     if baseline_rounds < 0:
         raise ConfigError(f"--baseline-rounds: {baseline_rounds}; allowed: 0 (as many as jaxfed ran) or more")
+    if baseline_rounds and baseline != "torch":
+        raise ConfigError(f"--baseline-rounds: {baseline_rounds} rounds of no baseline; it needs --baseline torch")
     if baseline == "torch" and config.algorithm != "fedavg":
         raise ConfigError(f"--baseline: torch runs fedavg only, not '{config.algorithm}'; use --baseline none")
     if baseline == "torch":
@@ -252,6 +254,7 @@ def run_benchmark(
     }
     if profile:
         result["profile"] = profile_rounds(sim, config, engine["rounds_per_timed_call"], engine["timed_calls"], profile)
+        result["profile"]["kernel_share_of_timed_round"] = kernel_share_of_timed_round(result)
     if strategies:
         result["strategies"] = {}
         for chunk in strategies:
@@ -262,7 +265,7 @@ def run_benchmark(
     if baseline == "torch":
         from jaxfed.cli.bench.torch_loop import fedavg_rounds
 
-        rounds_run = engine["rounds_timed"] + max(1, min(config.rounds_per_call, rounds))  # warm-up call included
+        rounds_run = engine["rounds_per_timed_call"] + engine["rounds_timed"]  # the warm-up call's rounds too
         initial = sim.algorithm.global_params(sim.init().server)["params"]
         hidden = config.hidden_widths() or (200, 200)
         torch_rounds = baseline_rounds or rounds_run
@@ -290,6 +293,15 @@ def profile_rounds(sim, config: Config, per_call: int, calls: int, directory: st
     traced = range(per_call, per_call * (calls + 1))
     steps = sequential_steps(sim, config, traced, sim.client_chunk)
     return {**summarize(events, per_call * calls, wall, steps), "trace_dir": str(directory)}
+
+
+def kernel_share_of_timed_round(result: dict) -> float | None:
+    """The profiled kernels' time a round over the timed round's (the profiled round runs slower:
+    see :mod:`jaxfed.cli.bench.profile`), or None without device kernels."""
+    profile = result.get("profile") or {}
+    if not profile.get("device_events"):
+        return None
+    return profile["kernel_ms_per_round"] / (1e3 * result["round_seconds_median"])
 
 
 def summary_lines(result: dict) -> list[str]:

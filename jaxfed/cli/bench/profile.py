@@ -1,11 +1,17 @@
 """Where a round's device time goes (``jaxfed bench --profile DIR``): a profiler trace of a few
 compiled calls, summarized from its device events, the kernels an accelerator ran.
 
-Per round: how many kernels ran and for how long, the device's busy fraction (kernel time over
-the round's wall time: low means the round waits on launches and loop control, not arithmetic),
-the kernels per local step run in sequence, and the kernels that took the most time. The trace
-(Perfetto JSON, readable at ui.perfetto.dev, and XPlane for TensorBoard) stays in ``DIR``. A CPU
-has no device events (XLA runs its thunks on host threads): the summary says so.
+Per round: how many kernels (and copies) ran and for how long, the device's busy time (the union
+of the kernels' intervals over all streams) against the traced round's wall time, the kernels
+per local step run in sequence, and the kernels that took the most time. The trace (Perfetto
+JSON, readable at ui.perfetto.dev) stays in ``DIR``.
+
+A traced round is not the timed one: while the profiler runs, XLA's GPU backend runs a command
+buffer's (CUDA graph's) kernels one launch at a time, and CUPTI adds its own cost, so the traced
+round is slower and more launch-bound; ``jaxfed bench`` also reports the kernels' time against
+the timed round. The trace's JSON export keeps at most about a million events: a summary near
+that count is marked ``truncated``. A CPU has no device events (XLA runs its thunks on host
+threads): the summary says so.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from pathlib import Path
 import jax
 
 TOP_KERNELS = 12
+TRACE_EVENT_LIMIT = 1_000_000  # what the profiler's JSON export keeps at most
+OP_LINES = ("XLA Ops",)  # a device's op-level line, where it names no streams (a TPU's)
+SPAN_LINES = ("XLA Modules", "Steps")  # lines whose events each span many kernels
 
 
 def trace_calls(call, calls: int, directory: str | Path) -> tuple[list[dict], float]:
@@ -35,40 +44,69 @@ def trace_calls(call, calls: int, directory: str | Path) -> tuple[list[dict], fl
     return (trace["traceEvents"] if isinstance(trace, dict) else trace), wall
 
 
-def device_threads(events: list[dict]) -> dict[tuple, str]:
-    """``{(pid, tid): "process / thread"}`` of the threads of device processes (``/device:...``)."""
-    names = {}
+def device_threads(events: list[dict]) -> dict[tuple, tuple[str, str]]:
+    """``{(pid, tid): (process name, thread name)}`` of the threads of device processes (named ``/device:...``)."""
+    processes, threads = {}, {}
     for event in events:
-        if event.get("ph") == "M" and event.get("name") in ("process_name", "thread_name"):
-            key = event["pid"] if event["name"] == "process_name" else (event["pid"], event.get("tid"))
-            names[key] = event.get("args", {}).get("name", "")
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = str(event.get("args", {}).get("name", ""))
+        elif event.get("ph") == "M" and event.get("name") == "thread_name":
+            threads[(event["pid"], event.get("tid"))] = str(event.get("args", {}).get("name", ""))
     return {
-        key: f"{names.get(key[0], '')} / {name}"
-        for key, name in names.items()
-        if isinstance(key, tuple) and str(names.get(key[0], "")).startswith("/device:")
+        key: (processes[key[0]], name)
+        for key, name in threads.items()
+        if processes.get(key[0], "").startswith("/device:")
     }
 
 
-def summarize(events: list[dict], rounds: int, wall_seconds: float, sequential_steps: float) -> dict:
-    """The device events of ``rounds`` traced rounds (``wall_seconds`` in all), per round.
+def kernel_threads(threads: dict[tuple, tuple[str, str]]) -> set[tuple]:
+    """The device threads whose events are single kernels: its streams (``Stream #...``, a GPU's),
+    else its op lines, else every line but those whose events span many kernels."""
+    streams = {key for key, (_, name) in threads.items() if name.startswith("Stream")}
+    ops = {key for key, (_, name) in threads.items() if name in OP_LINES}
+    return streams or ops or {key for key, (_, name) in threads.items() if name not in SPAN_LINES}
 
-    Kernels are the complete events (``ph`` X) on a device's stream threads (``Stream #...``, as
-    a GPU's trace names them), or on all its threads where it names none so.
-    """
+
+def is_copy(name: str) -> bool:
+    """A memory copy or set on a device stream (CUPTI's ``MemcpyH2D``, ``Memset`` ...), not a kernel."""
+    return name.startswith(("Memcpy", "Memset"))
+
+
+def busy_microseconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, duration)`` intervals (kernels on several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for start, duration in sorted(intervals):
+        stop = start + duration
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def summarize(events: list[dict], rounds: int, wall_seconds: float, sequential_steps: float) -> dict:
+    """The device events of ``rounds`` traced rounds (``wall_seconds`` in all), per round."""
     threads = device_threads(events)
-    streams = {key for key, name in threads.items() if name.split(" / ", 1)[1].startswith("Stream")}
-    kernel_threads = streams or set(threads)
+    single = kernel_threads(threads)
     per_thread = defaultdict(lambda: [0, 0.0])
     per_kernel = defaultdict(lambda: [0, 0.0])
+    copies, intervals = [0, 0.0], []
     for event in events:
         key = (event.get("pid"), event.get("tid"))
         if event.get("ph") != "X" or key not in threads:
             continue
-        per_thread[threads[key]][0] += 1
-        per_thread[threads[key]][1] += event.get("dur", 0.0)
-        if key in kernel_threads:
+        duration = event.get("dur", 0.0)
+        line = " / ".join(threads[key])
+        per_thread[line][0] += 1
+        per_thread[line][1] += duration
+        if key not in single:
+            continue
+        if is_copy(event["name"]):
+            copies[0] += 1
+            copies[1] += duration
+        else:
             per_kernel[event["name"]][0] += 1
-            per_kernel[event["name"]][1] += event.get("dur", 0.0)
+            per_kernel[event["name"]][1] += duration
+            intervals.append((event.get("ts", 0.0), duration))
     if not per_kernel:
         return {
             "device_events": 0,
@@ -76,14 +114,18 @@ def summarize(events: list[dict], rounds: int, wall_seconds: float, sequential_s
             "records kernels through CUPTI, which may be missing)",
         }
     count = sum(n for n, _ in per_kernel.values())
-    micros = sum(us for _, us in per_kernel.values())
+    busy = busy_microseconds(intervals)
     top = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     return {
         "device_events": sum(n for n, _ in per_thread.values()),
+        "truncated": len(events) >= 0.99 * TRACE_EVENT_LIMIT,
         "kernels_per_round": count / rounds,
-        "kernel_ms_per_round": micros / rounds / 1e3,
+        "kernel_ms_per_round": sum(us for _, us in per_kernel.values()) / rounds / 1e3,
+        "busy_ms_per_round": busy / rounds / 1e3,
+        "copies_per_round": copies[0] / rounds,
+        "copy_ms_per_round": copies[1] / rounds / 1e3,
         "round_ms_traced": wall_seconds / rounds * 1e3,
-        "device_busy_fraction": micros / 1e6 / wall_seconds,
+        "device_busy_fraction": busy / 1e6 / wall_seconds,
         "sequential_steps_per_round": sequential_steps,
         "kernels_per_sequential_step": count / rounds / sequential_steps if sequential_steps else None,
         "top_kernels": [
@@ -95,21 +137,24 @@ def summarize(events: list[dict], rounds: int, wall_seconds: float, sequential_s
 
 
 def summary_lines(profile: dict) -> list[str]:
-    """A short human-readable account of :func:`summarize`'s result."""
-    if not profile.get("device_events"):
-        return [f"  profile: {profile.get('note', 'no device events')}"]
+    """A short human-readable account of :func:`summarize`'s result (with ``jaxfed bench``'s
+    ``kernel_share_of_timed_round`` where it added one)."""
     p = profile
+    if not p.get("device_events"):
+        return [f"  profile: {p.get('note', 'no device events')}"]
     per_step = p["kernels_per_sequential_step"]
-    lines = [
-        f"  profile: {p['kernels_per_round']:.0f} kernels a round"
-        + (
-            f" ({per_step:.1f} per local step in sequence, {p['sequential_steps_per_round']:.1f} steps)"
-            if per_step
-            else ""
-        )
-        + f", {p['kernel_ms_per_round']:.2f} ms of kernels in a {p['round_ms_traced']:.2f} ms round "
-        f"(device busy {100 * p['device_busy_fraction']:.0f}%); most time:"
-    ]
+    share = p.get("kernel_share_of_timed_round")
+    head = f"  profile{' (TRUNCATED: the trace kept too few events)' if p.get('truncated') else ''}: "
+    head += f"{p['kernels_per_round']:.0f} kernels a round"
+    if per_step:
+        head += f" ({per_step:.1f} per local step in sequence, {p['sequential_steps_per_round']:.1f} steps)"
+    head += (
+        f", busy {p['busy_ms_per_round']:.2f} ms of the traced {p['round_ms_traced']:.2f} ms round "
+        f"({100 * p['device_busy_fraction']:.0f}%)"
+    )
+    if share is not None:
+        head += f"; kernels {100 * share:.0f}% of the timed round"
+    lines = [head + f"; {p['copies_per_round']:.0f} copies a round ({p['copy_ms_per_round']:.2f} ms); most time:"]
     for kernel in p["top_kernels"][:5]:
         lines.append(
             f"    {kernel['us_per_round']:.0f} us/round, {kernel['per_round']:.1f}x of {kernel['us_each']:.1f} us: "
