@@ -96,13 +96,15 @@ def test_a_profile_counts_the_local_steps_of_the_rounds_it_traced(monkeypatch):
     monkeypatch.setattr(profiling, "trace_calls", trace_calls)
     config = workload_config("w2", [*TINY_W2, "partition=dirichlet", "alpha=0.3", "min_examples=5"])
     sim = build(config).simulation
-    profile = profile_rounds(sim, config, per_call=1, calls=5, directory="unused")
+    timed = {"rounds_per_timed_call": 1, "timed_calls": 5, "round_seconds_median": 4e-3}
+    profile = profile_rounds(sim, config, timed, directory="unused")
     assert traced == [2, 3, 4, 5, 6]  # the round counter after each call: rounds 1-5 ran
     counts = np.asarray(sim.data.train_count)
     steps = [(counts[sim.sampled_ids(t)] // 32).sum() for t in range(7)]
     assert profile["sequential_steps_per_round"] == pytest.approx(np.mean(steps[1:6]))
     assert np.mean(steps[1:6]) not in (np.mean(steps[0:5]), np.mean(steps[2:7]))
     assert profile["kernels_per_round"] == 2
+    assert profile["kernel_share_of_timed_round"] == pytest.approx(20e-6 / 4e-3)  # 20 us of kernels a 4 ms round
 
 
 def test_bench_runs_a_small_workload_and_reports_every_measure(tmp_path, capsys):

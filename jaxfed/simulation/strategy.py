@@ -50,6 +50,14 @@ STEP_WIDTH = 3.0  # on an accelerator a vmapped local step over w clients costs 
 # (22.0, 10.8, 9.6, 14.6 ms; 0.118 ms per step in sequence plus 0.040 ms per client-step run)
 
 
+def size_ordered_groups(sizes: np.ndarray, chunk: int) -> list[np.ndarray]:
+    """Clients' ``sizes`` (largest first) as the engine runs them with ``client_chunk=chunk``:
+    vmapped groups of ``chunk`` (0: one group of all), each running as long as its largest
+    client. Sorting by size is the engine's bucketing."""
+    size = chunk or len(sizes)
+    return np.array_split(sizes, range(size, len(sizes), size))
+
+
 def fastest_chunk(sizes_per_round: Sequence[np.ndarray], num_devices: int = 1) -> int:
     """The chunk (0: all at once) whose modeled time over these rounds' sampled client sizes is
     least. The sizes are training examples standing in for local steps (the engine does not know
@@ -63,12 +71,8 @@ def fastest_chunk(sizes_per_round: Sequence[np.ndarray], num_devices: int = 1) -
     candidates = [2**k for k in range((widest - 1).bit_length())] + [widest]
 
     def cost(chunk: int) -> float:
-        total = 0.0
-        for sizes in shares:
-            starts = np.arange(0, len(sizes), chunk)
-            widths = np.minimum(chunk, len(sizes) - starts)
-            total += float(np.sum(sizes[starts] * (1.0 + widths / STEP_WIDTH)))
-        return total
+        groups = [g for sizes in shares for g in size_ordered_groups(sizes, chunk)]
+        return float(sum(g[0] * (1.0 + len(g) / STEP_WIDTH) for g in groups if len(g)))
 
     best = min(candidates, key=cost)
     return 0 if best == widest else best

@@ -41,6 +41,7 @@ from jaxfed.data.datasets import default_model
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
+from jaxfed.simulation.strategy import size_ordered_groups
 
 W1 = [
     "algorithm=fedavg",
@@ -118,28 +119,23 @@ def local_steps(sim, config: Config, round_index: int) -> np.ndarray:
     return np.sort(per_epoch * config.options.local_epochs)[::-1]
 
 
-def step_groups(steps: np.ndarray, chunk: int) -> list[np.ndarray]:
-    """The sampled clients' local ``steps`` (largest first) as the engine runs them with
-    ``client_chunk=chunk``: vmapped groups of ``chunk`` (0: one group of all), each group running
-    as long as its largest client. Sorting by size is the engine's bucketing."""
-    size = chunk or len(steps)
-    return np.array_split(steps, range(size, len(steps), size))
-
-
 def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> float:
-    """Real local steps / executed steps over ``rounds`` with ``client_chunk=chunk`` (:func:`step_groups`)."""
+    """Real local steps / executed steps over ``rounds`` with ``client_chunk=chunk``
+    (:func:`~jaxfed.simulation.strategy.size_ordered_groups`)."""
     real, executed = 0, 0
     for t in rounds:
         steps = local_steps(sim, config, t)
         real += steps.sum()
-        executed += sum(group.max() * len(group) for group in step_groups(steps, chunk))
+        executed += sum(group.max() * len(group) for group in size_ordered_groups(steps, chunk))
     return float(real / max(executed, 1))
 
 
 def sequential_steps(sim, config: Config, rounds: range, chunk: int = 0) -> float:
     """Local steps a round runs one after another with ``client_chunk=chunk``, the mean over
-    ``rounds``: each group's largest client's (:func:`step_groups`)."""
-    return float(np.mean([sum(g.max() for g in step_groups(local_steps(sim, config, t), chunk)) for t in rounds]))
+    ``rounds``: each group's largest client's (:func:`~jaxfed.simulation.strategy.size_ordered_groups`)."""
+    return float(
+        np.mean([sum(g.max() for g in size_ordered_groups(local_steps(sim, config, t), chunk)) for t in rounds])
+    )
 
 
 MIN_TIMED_CALLS = 5
@@ -253,8 +249,7 @@ def run_benchmark(
         **peak_memory_bytes(),
     }
     if profile:
-        result["profile"] = profile_rounds(sim, config, engine["rounds_per_timed_call"], engine["timed_calls"], profile)
-        result["profile"]["kernel_share_of_timed_round"] = kernel_share_of_timed_round(result)
+        result["profile"] = profile_rounds(sim, config, engine, profile)
     if strategies:
         result["strategies"] = {}
         for chunk in strategies:
@@ -276,11 +271,14 @@ def run_benchmark(
     return result
 
 
-def profile_rounds(sim, config: Config, per_call: int, calls: int, directory: str) -> dict:
-    """Trace ``calls`` calls of ``per_call`` rounds (the timed executable, after a warm-up call)
-    into ``directory`` and summarize their device events."""
+def profile_rounds(sim, config: Config, timed: dict, directory: str) -> dict:
+    """Trace as many calls as :func:`time_rounds` timed (``timed``: its result), of as many
+    rounds, after a warm-up call, into ``directory``; their device events summarized, with the
+    kernels' time against the timed round's (the traced round runs slower: see
+    :mod:`jaxfed.cli.bench.profile`)."""
     from jaxfed.cli.bench.profile import summarize, trace_calls
 
+    per_call, calls = timed["rounds_per_timed_call"], timed["timed_calls"]
     state, _ = sim.run_rounds(sim.init(), per_call)
     jax.block_until_ready(state)
 
@@ -291,17 +289,10 @@ def profile_rounds(sim, config: Config, per_call: int, calls: int, directory: st
 
     events, wall = trace_calls(call, calls, directory)
     traced = range(per_call, per_call * (calls + 1))
-    steps = sequential_steps(sim, config, traced, sim.client_chunk)
-    return {**summarize(events, per_call * calls, wall, steps), "trace_dir": str(directory)}
-
-
-def kernel_share_of_timed_round(result: dict) -> float | None:
-    """The profiled kernels' time a round over the timed round's (the profiled round runs slower:
-    see :mod:`jaxfed.cli.bench.profile`), or None without device kernels."""
-    profile = result.get("profile") or {}
-    if not profile.get("device_events"):
-        return None
-    return profile["kernel_ms_per_round"] / (1e3 * result["round_seconds_median"])
+    profile = summarize(events, per_call * calls, wall, sequential_steps(sim, config, traced, sim.client_chunk))
+    if profile["device_events"]:
+        profile["kernel_share_of_timed_round"] = profile["kernel_ms_per_round"] / (1e3 * timed["round_seconds_median"])
+    return {**profile, "trace_dir": str(directory)}
 
 
 def summary_lines(result: dict) -> list[str]:
