@@ -10,9 +10,10 @@
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
 #   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps (w1 w3 w4 sweep scaling, the default, and
-#                                         # tiers: one group against per-tier groups, FLOPs and time);
-#                                         # a step runs its group: w1 with w1_xla, w3 every algorithm,
-#                                         # w4 with w4_feddecomp
+#                                         # tiers: one group against per-tier groups, FLOPs and time;
+#                                         # svd: the server's SVD routes, svd.py, and w3 fedhm and fedara
+#                                         # with factorization=gram); a step runs its group: w1 with
+#                                         # w1_xla, w3 every algorithm, w4 with w4_feddecomp
 #   ALGORITHMS="fedhm fedara" ...          # w3's algorithms (default the five papers' tiered and own)
 #
 # FedDecomp's CIFAR-10 setting (w4: ResNet-8, 40 clients, 5 epochs of batch 100): FedAvg against
@@ -76,6 +77,13 @@ step w4_feddecomp jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseli
     --json "$OUT/w4_feddecomp.json"
 step tiers python "$HERE/tier_rounds.py" --data-dir "$DATA" --set client_chunk=0 "${SMALL_KV[@]}" \
     --out "$OUT/tiers.json"
+# the server's truncated SVDs: every route on FedHM's and FedARA's kernels, and their rounds with the
+# Gram route (their W1 rounds took 4.7x and 5.5x FedAvg's on an H100 at about the same FLOPs)
+step svd python "$HERE/svd.py" --data-dir "$DATA" "${SMALL[@]}" --json "$OUT/svd.json"
+for algorithm in fedhm fedara; do
+    step "svd_w3_$algorithm" jaxfed bench w3 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none \
+        --set "algorithm=$algorithm" factorization=gram "${SMALL_KV[@]}" --json "$OUT/svd_w3_$algorithm.json"
+done
 step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --members "$MEMBERS" \
     --set "${SMALL_KV[@]}" --out "$OUT/sweep.json"
 step scaling python "$HERE/scaling.py" --clients "$SCALING" --rounds 3 --png "$OUT/scaling.png" \

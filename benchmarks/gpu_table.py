@@ -96,6 +96,30 @@ def rows(out: Path) -> tuple[dict, list[str]]:
                 f"{verdict(ratio, TIER_TARGET) if name[3:] in ('fedhm', 'fedara', 'mfedloru') else '-'} |"
             )
             lines += profile_row(f"w3 {name[3:]}", r)
+    for name in sorted(k for k in results if k.startswith("svd_w3_")):
+        r, algorithm = results[name], name[len("svd_w3_") :]
+        ms = 1e3 * r["round_seconds_median"]
+        svd_route = results.get(f"w3_{algorithm}")
+        against = f", {1e3 * svd_route['round_seconds_median']:.2f} ms with factorization=svd" if svd_route else ""
+        if w1:
+            ratio = r["round_seconds_median"] / w1["round_seconds_median"]
+            against += f"; {ratio:.2f}x FedAvg's"
+        lines.append(
+            f"| w3 {algorithm} round, factorization=gram (client_chunk {r['client_chunk']}) | {ms:.2f} ms{against} | "
+            + (f"{TIER_TARGET}x: {verdict(ratio, TIER_TARGET)} |" if w1 else "|")
+        )
+    svd = results.get("svd")
+    for algorithm, row in (svd or {}).get("algorithms", {}).items():
+        broadcast = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in row["broadcast_seconds"].items())
+        routes = []
+        for key, kernel in row["kernels"].items():
+            timed = {route: r["seconds"] for route, r in kernel.items() if isinstance(r, dict) and "seconds" in r}
+            fastest = min(timed, key=timed.get)
+            routes.append(
+                f"{key} {'x'.join(map(str, kernel['shape']))}: svd {1e3 * timed['svd']:.2f} ms, gram "
+                f"{1e3 * timed['gram']:.2f} ms, fastest {fastest} {1e3 * timed[fastest]:.2f} ms"
+            )
+        lines.append(f"| {algorithm}: every tier's factors (svd.py) | {broadcast}; {'; '.join(routes)} | |")
     w4 = results.get("w4")
     if w4:
         lines.append(

@@ -142,6 +142,22 @@ def test_the_authors_rank_rule_is_a_share_of_the_output_channels_and_shortcuts_s
     assert shortcuts <= set(_broadcast_ranks(_fedhm(resnet, tiers=(0.5,), pointwise=True), 0))
 
 
+def test_the_gram_factorization_broadcasts_the_svds_factors(small_cnn):
+    """conv2 (24 x 48 matricized) takes the Gram route, conv3 (48 x 48, ill-conditioned at init)
+    the SVD: either way each tier's factors multiply to the SVD route's."""
+    svd, gram = (_fedhm(small_cnn, tiers=(1.0, 0.5), factorization=m) for m in ("svd", "gram"))
+    server, _ = svd.init(jax.random.key(0))
+    for tier in range(2):
+        exact, routed = (jax.jit(a.broadcast)(server, round_info(0, tier)) for a in (svd, gram))
+        chex.assert_trees_all_close(lowrank.reconstruct_layers(routed), lowrank.reconstruct_layers(exact), atol=2e-5)
+    assert not np.array_equal(routed["conv2"]["u"], exact["conv2"]["u"])  # the option reached the server
+
+
+def test_a_bad_factorization_is_a_one_line_error(mlp):
+    with pytest.raises(ConfigError, match="factorization: unknown 'qr'; allowed: svd, gram"):
+        _fedhm(mlp, factorization="qr")
+
+
 def test_a_bad_rank_rule_is_a_one_line_error(mlp):
     with pytest.raises(ConfigError, match="rank_rule: unknown 'authors'; allowed: min_dim, cout"):
         _fedhm(mlp, rank_rule="authors")

@@ -1,5 +1,6 @@
 """Low-rank primitives against numpy float64 and against the plain computations they replace."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +61,51 @@ def test_factorize_is_jittable_and_vmappable():
     for k in range(3):
         single = lowrank.reconstruct(lowrank.factorize(stack[k], 2))
         np.testing.assert_allclose(lowrank.reconstruct(lowrank.Factors(factors.u[k], factors.v[k])), single, atol=1e-5)
+
+
+def _with_singular_values(rows, cols, singular, seed):
+    """A float32 ``rows x cols`` matrix of these singular values, random singular vectors."""
+    rng = np.random.default_rng(seed)
+    k = min(rows, cols)
+    left, _ = np.linalg.qr(rng.normal(size=(rows, k)))
+    right, _ = np.linalg.qr(rng.normal(size=(cols, k)))
+    return ((left * singular) @ right.T).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows, cols", [(40, 20), (20, 40)])
+@pytest.mark.parametrize("rank", [20, 7, 1])
+def test_the_gram_route_is_the_truncated_svd_of_a_well_conditioned_matrix(rows, cols, rank):
+    singular = np.linspace(3.0, 0.5, 20)  # condition number 6, a trained kernel's (W1's fc1 and conv2)
+    matrix = _with_singular_values(rows, cols, singular, seed=4)
+    left, exact, right_t = np.linalg.svd(matrix.astype(np.float64), full_matrices=False)
+    best = (left[:, :rank] * exact[:rank]) @ right_t[:rank]
+    factorize = jax.jit(lowrank.factorize, static_argnums=(1, 2))
+    factors = factorize(jnp.asarray(matrix), rank, "gram")
+    u, v = np.asarray(factors.u, np.float64), np.asarray(factors.v, np.float64)
+    np.testing.assert_allclose(u @ v.T, best, atol=1e-5)
+    np.testing.assert_allclose(u.T @ u, np.diag(exact[:rank]), atol=1e-5)  # S split evenly, as the SVD's
+    np.testing.assert_allclose(v.T @ v, np.diag(exact[:rank]), atol=1e-5)
+    parts = lowrank.decompose(jnp.asarray(matrix), "gram")
+    np.testing.assert_allclose(parts.singular, exact, rtol=1e-5)
+    assert not np.array_equal(
+        factors.u, factorize(jnp.asarray(matrix), rank, "svd").u
+    )  # computed by the eigendecomposition, not the fallback
+
+
+def test_the_gram_route_gives_an_ill_conditioned_matrix_to_the_svd():
+    matrix = jnp.asarray(_with_singular_values(30, 12, np.logspace(0, -4, 12), seed=5))  # condition 1e4
+    route = jax.jit(lowrank.decompose, static_argnums=1)
+    chex.assert_trees_all_equal(route(matrix, "gram"), route(matrix, "svd"))
+    # vmapped (a sweep's server step), the cond is a select: each matrix still gets its own route
+    well = jnp.asarray(_with_singular_values(30, 12, np.linspace(2.0, 1.0, 12), seed=6))
+    stacked = jax.jit(jax.vmap(lambda m: lowrank.decompose(m, "gram")))(jnp.stack([matrix, well]))
+    for k, single in enumerate([route(matrix, "gram"), route(well, "gram")]):
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[k], stacked), single, atol=1e-6)
+
+
+def test_an_unknown_factorization_is_a_one_line_error():
+    with pytest.raises(ValueError, match="factorization: unknown 'qr'; allowed: svd, gram"):
+        lowrank.factorize(jnp.ones((3, 2)), 1, "qr")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from jaxfed.errors import ConfigError
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import recorded_config
-from jaxfed.runs.fingerprint import fingerprint
+from jaxfed.runs.fingerprint import differences, fingerprint
 from jaxfed.runs.plots import run_labels
 from jaxfed.runs.rundir import LOCK_FILE, LoopSettings, RunDirectory, RunRecord
 
@@ -75,6 +75,17 @@ def test_a_resume_by_another_simulation_is_refused_in_one_line_naming_what_diffe
         assert "examples (" not in message and "algorithm (" not in message  # only what differs
     assert "lr (" not in message and "seed (" not in message
     assert _files(base.out) == before
+
+
+def test_an_option_added_since_a_checkpoint_resumes_at_its_default_only():
+    """A FedHM run recorded before ``factorization`` existed: its options lack the key."""
+    current = {"algorithm": "fedhm", "options": registry.get("fedhm").options().to_dict()}
+    saved = {**current, "options": {k: v for k, v in current["options"].items() if k != "factorization"}}
+    assert differences(saved, current) == []
+    gram = {**current, "options": {**current["options"], "factorization": "gram"}}
+    assert differences(saved, gram) == ["factorization ('svd' -> 'gram')"]
+    renamed = {**current, "options": {**current["options"], "tiers": [1.0]}}
+    assert differences(saved, renamed) == [f"tiers ({saved['options']['tiers']!r} -> [1.0])"]
 
 
 def _written_by(other, path: Path, fingerprinted: bool) -> None:

@@ -226,7 +226,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         return ServerState(extractor), ClientState(head_params, model_state)
 
     def broadcast(server_state, info):
-        fe = lowrank.factorize_layers(server_state.fe, ranks[info.tier])
+        fe = lowrank.factorize_layers(server_state.fe, ranks[info.tier], options.factorization)
         return Broadcast(fe, server_state.fe if options.anchor_model == "global" else None)
 
     union = lowrank.union_ranks(ranks)
@@ -253,7 +253,8 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
 
     def eval_server(server_state, info):
         """The global FE truncated to the tier's rank (as the tier's clients run it), once per tier."""
-        truncated = lowrank.reconstruct_layers(lowrank.factorize_layers(server_state.fe, ranks[info.tier]))
+        factors = lowrank.factorize_layers(server_state.fe, ranks[info.tier], options.factorization)
+        truncated = lowrank.reconstruct_layers(factors)
         return server_state._replace(fe=truncated)
 
     def eval_params(server_view, client_state):

@@ -54,6 +54,13 @@ class TieredOptions(TrainingOptions):
         source="FedARA paper §5 (five heterogeneous tiers of decreasing rank)",
         check=each(rank_ratio),
     )
+    factorization: str = option(
+        "svd",
+        "how the server computes each round's truncated SVD: svd (jnp.linalg.svd: LAPACK on CPU, cuSOLVER on GPU) "
+        "or gram (the eigendecomposition of the smaller Gram matrix, 2-3x faster on CPU; jnp.linalg.svd for a kernel "
+        "whose condition number exceeds 30); the two agree to float32 rounding",
+        check=one_of(*lowrank.FACTORIZATIONS),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +136,7 @@ def fedhm(model, options: FedHMOptions | None = None, *, name: str = "fedhm", **
         return GlobalParams(params), ClientStats(model_state)
 
     def broadcast(server_state, info):
-        return lowrank.factorize_layers(server_state.params, ranks[info.tier])
+        return lowrank.factorize_layers(server_state.params, ranks[info.tier], options.factorization)
 
     union = lowrank.union_ranks(ranks)
 

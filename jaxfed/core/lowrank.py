@@ -112,12 +112,65 @@ def check_rank(
 # ----- factorization ----------------------------------------------------------------------------
 
 
-def factorize(matrix: jax.Array, rank: int) -> Factors:
-    """Truncated SVD: ``u = U_r sqrt(S_r)``, ``v = V_r sqrt(S_r)`` so ``u @ v.T`` is the best
-    rank-``rank`` approximation (Eckart-Young)."""
+FACTORIZATIONS = ("svd", "gram")
+GRAM_MAX_CONDITION = 30.0  # above it the Gram route's small singular directions lose accuracy
+
+
+class Decomposition(NamedTuple):
+    """``M = left @ diag(singular) @ right.T`` in full: ``left = U`` ``[rows, n]``, ``singular``
+    ``[n]`` in descending order, ``right = V`` ``[cols, n]``, with ``n = min(rows, cols)``."""
+
+    left: jax.Array
+    singular: jax.Array
+    right: jax.Array
+
+
+def _svd_decomposition(matrix: jax.Array) -> Decomposition:
     left, singular, right_t = jnp.linalg.svd(matrix, full_matrices=False)
-    root = jnp.sqrt(singular[:rank])
-    return Factors(u=left[:, :rank] * root, v=right_t[:rank].T * root)
+    return Decomposition(left, singular, right_t.T)
+
+
+def _gram_decomposition(matrix: jax.Array) -> Decomposition:
+    """The SVD from the symmetric eigendecomposition of the smaller Gram matrix (``A^T A`` with
+    ``A`` the matrix or its transpose, whichever is tall): ``V`` its eigenvectors, ``U S = A V``,
+    each singular value the norm of its column of ``A V`` (accurate to float32 rounding of
+    ``||A||``, unlike the square root of an eigenvalue), so ``A V V^T = A`` in full for any
+    orthonormal ``V``. The eigenvectors of small singular values are only as accurate as their
+    eigenvalues' gaps against ``||A||^2`` allow: a matrix whose condition number exceeds
+    :data:`GRAM_MAX_CONDITION` is decomposed by ``jnp.linalg.svd`` instead (a ``lax.cond``, one
+    branch runs)."""
+    tall = matrix.shape[0] >= matrix.shape[1]
+    a = matrix if tall else matrix.T
+    highest = jax.lax.Precision.HIGHEST  # float32 products even where the default is TF32
+    _, right = jnp.linalg.eigh(jnp.matmul(a.T, a, precision=highest))
+    scaled = jnp.matmul(a, right, precision=highest)
+    singular = jnp.linalg.norm(scaled, axis=0)
+    order = jnp.argsort(-singular)
+    singular, scaled, right = singular[order], scaled[:, order], right[:, order]
+    left = scaled / jnp.where(singular > 0, singular, 1.0)
+    gram = Decomposition(left, singular, right) if tall else Decomposition(right, singular, left)
+    well_conditioned = singular[0] <= GRAM_MAX_CONDITION * singular[-1]
+    return jax.lax.cond(well_conditioned, lambda: gram, lambda: _svd_decomposition(matrix))
+
+
+def decompose(matrix: jax.Array, method: str = "svd") -> Decomposition:
+    """The thin SVD of ``matrix`` (:class:`Decomposition`), computed by ``method``: ``svd``
+    (``jnp.linalg.svd``: LAPACK on CPU, cuSOLVER on GPU) or ``gram`` (the Gram matrix's
+    symmetric eigendecomposition, :func:`_gram_decomposition`). The two agree to float32
+    rounding, up to the signs of singular-vector pairs."""
+    if method == "svd":
+        return _svd_decomposition(matrix)
+    if method == "gram":
+        return _gram_decomposition(matrix)
+    raise ValueError(f"factorization: unknown '{method}'; allowed: {', '.join(FACTORIZATIONS)}")
+
+
+def factorize(matrix: jax.Array, rank: int, method: str = "svd") -> Factors:
+    """Truncated SVD: ``u = U_r sqrt(S_r)``, ``v = V_r sqrt(S_r)`` so ``u @ v.T`` is the best
+    rank-``rank`` approximation (Eckart-Young); ``method`` as :func:`decompose`."""
+    parts = decompose(matrix, method)
+    root = jnp.sqrt(parts.singular[:rank])
+    return Factors(u=parts.left[:, :rank] * root, v=parts.right[:, :rank] * root)
 
 
 def reconstruct(factors: Factors) -> jax.Array:
@@ -146,8 +199,8 @@ def _product_norm_sq_bwd(residuals, g):
 product_norm_sq.defvjp(_product_norm_sq_fwd, _product_norm_sq_bwd)
 
 
-def factorize_kernel(kernel: jax.Array, rank: int) -> Factors:
-    return factorize(matricize(kernel), rank)
+def factorize_kernel(kernel: jax.Array, rank: int, method: str = "svd") -> Factors:
+    return factorize(matricize(kernel), rank, method)
 
 
 def reconstruct_kernel(factors: Factors, kernel_shape: Sequence[int]) -> jax.Array:
@@ -264,13 +317,14 @@ def layer_factors(layer: dict) -> Factors:
     return Factors(u=u.reshape(-1, u.shape[-1]), v=v.reshape(-1, v.shape[-1]))
 
 
-def factorize_layers(params, ranks: dict[str, int]):
-    """``params`` with each layer in ``ranks`` replaced by its truncated-SVD factors ``u, v``."""
+def factorize_layers(params, ranks: dict[str, int], method: str = "svd"):
+    """``params`` with each layer in ``ranks`` replaced by its truncated-SVD factors ``u, v``
+    (``method`` as :func:`decompose`)."""
     for key, rank in ranks.items():
         layer = get_layer(params, key)
         shape = tuple(layer["kernel"].shape)
         check_rank(shape, rank, name=key)
-        factors = factorize_kernel(layer["kernel"], rank)
+        factors = factorize_kernel(layer["kernel"], rank, method)
         if len(shape) == 4:
             kh, kw, cin, cout = shape
             factors = Factors(u=factors.u.reshape(kh, cin, rank), v=factors.v.reshape(kw, cout, rank))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.algorithms import registry
 from jaxfed.errors import ConfigError
 from jaxfed.options import Options
 
@@ -130,9 +131,21 @@ def _sums(words):
     )
 
 
+def with_added_options(options: dict, algorithm: str) -> dict:
+    """A checkpoint's recorded ``options`` with each option the algorithm gained since (absent
+    from the record) at its default: an option is added with a default that computes what the
+    algorithm computed without it (FedHM's ``factorization=svd``), so a run written before it
+    resumes. ``options`` as it is for an algorithm the registry does not know."""
+    if algorithm not in registry.names():
+        return options
+    defaults = registry.get(algorithm).options().to_dict()
+    return {**{key: value for key, value in defaults.items() if key not in options}, **options}
+
+
 def differences(saved: dict, current: dict) -> list[str]:
     """``"key (old -> new)"`` for each key of both fingerprints whose value differs, then each
-    option that differs (options are compared when both are known and the algorithm is the same)."""
+    option that differs (options are compared when both are known and the algorithm is the same;
+    an option newer than the saved record is taken at its default, :func:`with_added_options`)."""
     changed = [
         f"{key} ({saved[key]!r} -> {current[key]!r})"
         for key in saved
@@ -140,6 +153,7 @@ def differences(saved: dict, current: dict) -> list[str]:
     ]
     old, new = saved.get("options"), current.get("options")
     if saved.get("algorithm") == current.get("algorithm") and old is not None and new is not None:
+        old = with_added_options(old, saved.get("algorithm"))
         changed += [
             f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in {**old, **new} if old.get(key) != new.get(key)
         ]
