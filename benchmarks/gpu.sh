@@ -63,13 +63,19 @@ step w1 jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --strategies "$STR
 # XLA's convolution instead of the patches one (cuDNN on a GPU; never measured there before 2026-11-25)
 step w1_xla jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none --set conv=xla "${SMALL[@]}" \
     --json "$OUT/w1_xla.json"
-for algorithm in $ALGORITHMS; do
-    extra=()
-    [ "$algorithm" = feddecomp ] && extra=(--set local_epochs=2)  # its auto lora_epochs needs two epochs
-    step "w3_$algorithm" jaxfed bench w3 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none \
-        --set "algorithm=$algorithm" "${extra[@]}" "${SMALL[@]}" --profile "$OUT/trace_w3_$algorithm" \
-        --json "$OUT/w3_$algorithm.json"
-done
+# w3's algorithms in one process (bench_each.py: the device starts once, XLA's autotuning carries
+# over), but feddecomp, whose auto lora_epochs needs two local epochs
+together=() && for algorithm in $ALGORITHMS; do [ "$algorithm" = feddecomp ] || together+=("$algorithm"); done
+if [ ${#together[@]} -gt 0 ]; then
+    LIMIT=$((LIMIT * ${#together[@]})) step w3 python "$HERE/bench_each.py" w3 --data-dir "$DATA" \
+        --rounds "$ROUNDS" --each "algorithm=$(IFS=,; echo "${together[*]}")" --set "${SMALL_KV[@]}" \
+        --profile "$OUT/trace_w3_{}" --json "$OUT/w3_{}.json"
+fi
+if [[ " $ALGORITHMS " == *" feddecomp "* ]]; then
+    step w3_feddecomp jaxfed bench w3 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none \
+        --set algorithm=feddecomp local_epochs=2 "${SMALL_KV[@]}" --profile "$OUT/trace_w3_feddecomp" \
+        --json "$OUT/w3_feddecomp.json"
+fi
 step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \
     --baseline-rounds "$TORCH_W4_ROUNDS" --json "$OUT/w4.json"
 step w4_feddecomp jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none "${W4_SMALL[@]}" \
@@ -80,10 +86,8 @@ step tiers python "$HERE/tier_rounds.py" --data-dir "$DATA" --set client_chunk=0
 # the server's truncated SVDs: every route on FedHM's and FedARA's kernels, and their rounds with the
 # Gram route (their W1 rounds took 4.7x and 5.5x FedAvg's on an H100 at about the same FLOPs)
 step svd python "$HERE/svd.py" --data-dir "$DATA" "${SMALL[@]}" --json "$OUT/svd.json"
-for algorithm in fedhm fedara; do
-    step "svd_w3_$algorithm" jaxfed bench w3 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none \
-        --set "algorithm=$algorithm" factorization=gram "${SMALL_KV[@]}" --json "$OUT/svd_w3_$algorithm.json"
-done
+LIMIT=$((LIMIT * 2)) step svd_w3 python "$HERE/bench_each.py" w3 --data-dir "$DATA" --rounds "$ROUNDS" \
+    --each algorithm=fedhm,fedara --set factorization=gram "${SMALL_KV[@]}" --json "$OUT/svd_w3_{}.json"
 step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --members "$MEMBERS" \
     --set "${SMALL_KV[@]}" --out "$OUT/sweep.json"
 step scaling python "$HERE/scaling.py" --clients "$SCALING" --rounds 3 --png "$OUT/scaling.png" \

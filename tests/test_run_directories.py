@@ -17,6 +17,7 @@ from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import FedAvgOptions, fedavg
 from jaxfed.errors import ConfigError
 from jaxfed.runs.build import build
+from jaxfed.runs.checkpoint import INTEGRITY, record_digest
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import recorded_config
 from jaxfed.runs.fingerprint import differences, fingerprint
@@ -77,15 +78,27 @@ def test_a_resume_by_another_simulation_is_refused_in_one_line_naming_what_diffe
     assert _files(base.out) == before
 
 
-def test_an_option_added_since_a_checkpoint_resumes_at_its_default_only():
-    """A FedHM run recorded before ``factorization`` existed: its options lack the key."""
-    current = {"algorithm": "fedhm", "options": registry.get("fedhm").options().to_dict()}
-    saved = {**current, "options": {k: v for k, v in current["options"].items() if k != "factorization"}}
-    assert differences(saved, current) == []
-    gram = {**current, "options": {**current["options"], "factorization": "gram"}}
-    assert differences(saved, gram) == ["factorization ('svd' -> 'gram')"]
-    renamed = {**current, "options": {**current["options"], "tiers": [1.0]}}
-    assert differences(saved, renamed) == [f"tiers ({saved['options']['tiers']!r} -> [1.0])"]
+def test_an_option_added_since_a_checkpoint_is_compared_at_its_default(base, tmp_path):
+    """A checkpoint recorded before fedavg had ``client_optimizer`` (its record lacks the key)
+    resumes with the option at its default, and is refused with another value."""
+    out = tmp_path / "run"
+    shutil.copytree(base.out, out)
+    records = sorted((out / "checkpoints").glob("*/run/metadata"))
+    assert records
+    for path in records:  # each checkpoint's record as an older jaxfed wrote it, its digest renewed
+        record = json.loads(path.read_text())
+        del record["fingerprint"]["options"]["client_optimizer"]
+        record[INTEGRITY]["record"] = record_digest(record)
+        path.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=r"client_optimizer \('sgd' -> 'adam'\)"):
+        jaxfed.run_simulation(_tiny("client_optimizer=adam"), out, LONGER, resume=True, progress=False)
+    jaxfed.run_simulation(base.sim, out, LONGER, resume=True, progress=False, log=lambda m: None)
+    options = fingerprint(base.sim)["options"]
+    saved = {"algorithm": "fedavg", "options": {k: v for k, v in options.items() if k != "lr"}}
+    current = {"algorithm": "fedavg", "options": options}
+    assert differences(saved, current) == ["lr (None -> 0.05)"]  # no defaults given: compared as absent
+    assert differences(saved, current, {"lr": 0.05}) == []
+    assert differences(saved, current, {"lr": 0.01}) == ["lr (0.01 -> 0.05)"]
 
 
 def _written_by(other, path: Path, fingerprinted: bool) -> None:

@@ -29,7 +29,7 @@ from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host, split_host_for, to_host
-from jaxfed.runs.fingerprint import check_same_simulation, describe, fingerprint
+from jaxfed.runs.fingerprint import check_same_simulation, describe, fingerprint, option_defaults
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -301,7 +301,13 @@ def run(
         built = build(config)
         current = fingerprint(built.simulation)
         if resume:  # the config is the checkpoint's: the data it reads, or a run_simulation directory, may not be
-            check_same_simulation(point.record.get("fingerprint"), current, directory.path, field="--resume")
+            check_same_simulation(
+                point.record.get("fingerprint"),
+                current,
+                directory.path,
+                field="--resume",
+                defaults=option_defaults(built.simulation.algorithm.options),
+            )
         log(f"partition: {describe_partition(built.partition_summary)}")
         job = Run(LoopSettings.of(config), config.to_dict(), current, on_evaluation)
         return _run_in(directory, built.simulation, job, resume, at_most, progress, log, built.partition_summary)
@@ -340,7 +346,8 @@ def run_simulation(
         at_most = None
         if resume:
             point = ResumePoint(*directory.newest_checkpoint_record(log))
-            check_same_simulation(point.record.get("fingerprint"), current, directory.path, log)
+            defaults = option_defaults(sim.algorithm.options)
+            check_same_simulation(point.record.get("fingerprint"), current, directory.path, log, defaults=defaults)
             check_rounds(point.round, settings.rounds)
             at_most = point.round
         else:

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.algorithms import registry
 from jaxfed.errors import ConfigError
 from jaxfed.options import Options
 
@@ -131,21 +130,19 @@ def _sums(words):
     )
 
 
-def with_added_options(options: dict, algorithm: str) -> dict:
-    """A checkpoint's recorded ``options`` with each option the algorithm gained since (absent
-    from the record) at its default: an option is added with a default that computes what the
-    algorithm computed without it (FedHM's ``factorization=svd``), so a run written before it
-    resumes. ``options`` as it is for an algorithm the registry does not know."""
-    if algorithm not in registry.names():
-        return options
-    defaults = registry.get(algorithm).options().to_dict()
-    return {**{key: value for key, value in defaults.items() if key not in options}, **options}
+def option_defaults(options) -> dict | None:
+    """The defaults of ``options``' class, as :meth:`~jaxfed.options.Options.to_dict` writes
+    them (None for options that are not an :class:`~jaxfed.options.Options`)."""
+    return type(options)().to_dict() if isinstance(options, Options) else None
 
 
-def differences(saved: dict, current: dict) -> list[str]:
+def differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
     """``"key (old -> new)"`` for each key of both fingerprints whose value differs, then each
-    option that differs (options are compared when both are known and the algorithm is the same;
-    an option newer than the saved record is taken at its default, :func:`with_added_options`)."""
+    option that differs (options are compared when both are known and the algorithm is the same).
+    An option of ``current`` that ``saved`` does not record, one the algorithm gained since, is
+    taken at its default in ``defaults`` (the current options' class's, :func:`option_defaults`):
+    an option is added with a default that computes what the algorithm computed without it, so a
+    run recorded before it resumes, and one resumed with another value is refused."""
     changed = [
         f"{key} ({saved[key]!r} -> {current[key]!r})"
         for key in saved
@@ -153,18 +150,22 @@ def differences(saved: dict, current: dict) -> list[str]:
     ]
     old, new = saved.get("options"), current.get("options")
     if saved.get("algorithm") == current.get("algorithm") and old is not None and new is not None:
-        old = with_added_options(old, saved.get("algorithm"))
+        added = {key: defaults[key] for key in new.keys() - old.keys() if key in (defaults or {})}
+        old = {**added, **old}
         changed += [
             f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in {**old, **new} if old.get(key) != new.get(key)
         ]
     return changed
 
 
-def check_same_simulation(saved: dict | None, current: dict, where, log=None, field: str = "resume") -> None:
+def check_same_simulation(
+    saved: dict | None, current: dict, where, log=None, field: str = "resume", defaults: dict | None = None
+) -> None:
     """A one-line ConfigError naming what differs when the fingerprint ``saved`` (a checkpoint's
-    record, of the run in ``where``) is not ``current``'s. ``saved`` None (a record from before
-    fingerprints): not compared, a warning through ``log`` (where given); options known on one
-    side only: not compared, a warning too."""
+    record, of the run in ``where``) is not ``current``'s (``defaults``: of the options an older
+    record lacks, :func:`differences`). ``saved`` None (a record from before fingerprints): not
+    compared, a warning through ``log`` (where given); options known on one side only: not
+    compared, a warning too."""
     if saved is None:
         if log is not None:
             log(
@@ -172,7 +173,7 @@ def check_same_simulation(saved: dict | None, current: dict, where, log=None, fi
                 "resuming without checking that this simulation is the one that wrote it"
             )
         return
-    changed = differences(saved, current)
+    changed = differences(saved, current, defaults)
     if changed:
         raise ConfigError(
             f"{field}: the simulation differs from the one that wrote {where} in {', '.join(changed)}; resume "

@@ -48,7 +48,7 @@ from jaxfed.runs.build import build, build_algorithm, build_data, build_model, b
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
-from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, options_dict, seed_of
+from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, option_defaults, options_dict, seed_of
 from jaxfed.runs.plots import read_json, show
 from jaxfed.runs.rundir import (
     LoopSettings,
@@ -533,10 +533,11 @@ def restore_members(
     or if the members come back at different rounds (one compiled sweep runs them together): a
     checkpoint whose record reads but whose state does not is set aside, so the same command run
     again plans from the round that reads."""
+    defaults = option_defaults(sweep.template.algorithm.options)  # the members' algorithm is the template's
     for directory, current in zip(dirs, prints):  # every member checked before any checkpoint is touched
         if directory.checkpoints.rounds():
             _, record = directory.newest_checkpoint_record(log)
-            check_same_simulation(record.get("fingerprint"), current, directory.path, log, field)
+            check_same_simulation(record.get("fingerprint"), current, directory.path, log, field, defaults)
     members, records = [], []
     for i, (config, directory, current) in enumerate(zip(configs, dirs, prints)):
         state, record = sweep.member(states, i), RunRecord(config, fingerprint=current)
