@@ -6,7 +6,9 @@ w3 step: the algorithms' rounds share FedAvg's CNN layers). One JSON per value, 
     python benchmarks/bench_each.py w3 --each algorithm=fedhm,fedara,mfedloru --data-dir DATA \\
         --rounds 10 --baseline none --json "OUT/w3_{}.json" [--profile "OUT/trace_w3_{}"] [--set KEY=VALUE ...]
 
-``{}`` in ``--json`` and ``--profile`` is the value.
+``{}`` in ``--json`` and ``--profile`` is the value. The peak memory a JSON reports is the
+process's: for every value after the first it is the peak over that value and the ones before it
+(``peak_memory_scope`` says so).
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default="", metavar="DIR_WITH_{}")
     args = parser.parse_args(argv)
     key, values = parse_each(args.each)
+    for flag, path in (("--json", args.json), ("--profile", args.profile)):
+        if path and len(values) > 1 and "{}" not in path:
+            raise SystemExit(f"{flag}: '{path}' has no {{}} for the value: each value would overwrite the last")
     base = ([f"data_dir={args.data_dir}"] if args.data_dir else []) + args.overrides
     failed = []
-    for value in values:
+    for i, value in enumerate(values):
         start = time.perf_counter()
         try:
             result = run_benchmark(
@@ -56,6 +61,8 @@ def main(argv=None) -> int:
             failed.append(value)
             continue
         result["process_seconds"] = time.perf_counter() - start
+        if i > 0:
+            result["peak_memory_scope"] = f"this process's: {key}={','.join(values[: i + 1])}, not {value} alone"
         with open(args.json.replace("{}", value), "w") as f:
             json.dump(result, f, indent=2)
         print(f"== {key}={value} ({result['process_seconds']:.1f} s)\n" + "\n".join(summary_lines(result)), flush=True)

@@ -20,7 +20,9 @@
 # the PyTorch loop (its median of 3 rounds: 7.9 s each on an H100), and FedDecomp's own round.
 # Nothing to install beyond the repository (pip install -e .) and torch for the baseline (the
 # torch rows are skipped without it). Each step has its own time limit, so one that hangs or
-# fails leaves the others' results; a failed step is listed in gpu.md.
+# fails leaves the others' results; a failed step is listed in gpu.md. (w3's algorithms, but
+# feddecomp, run as one step, svd_w3's two likewise: one that hangs there takes the rest of that
+# step's limit, its share times their count.)
 set -uo pipefail
 DATA=${1:?usage: benchmarks/gpu.sh DATA [OUT]}
 OUT=${2:-gpu-results}

@@ -231,6 +231,18 @@ class Options:
         return {key_of(f.name): _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
+    def defaults_dict(cls) -> dict[str, Any]:
+        """:meth:`to_dict` of the class's defaults, for the fields that have one (a research
+        code's options class may declare a field without a default)."""
+        defaults = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                defaults[key_of(f.name)] = _jsonable(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults[key_of(f.name)] = _jsonable(f.default_factory())
+        return defaults
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]):
         """The inverse of :meth:`to_dict` (unknown keys are an error)."""
         return cls().with_values(values)

@@ -103,6 +103,14 @@ def test_the_gram_route_gives_an_ill_conditioned_matrix_to_the_svd():
         chex.assert_trees_all_close(jax.tree.map(lambda x: x[k], stacked), single, atol=1e-6)
 
 
+def test_the_gram_route_gives_a_zero_matrix_to_the_svd():
+    """Its condition number is undefined: the SVD's orthonormal ``U`` and ``V``, not zero columns."""
+    route = jax.jit(lowrank.decompose, static_argnums=1)
+    zero = jnp.zeros((6, 4))
+    chex.assert_trees_all_equal(route(zero, "gram"), route(zero, "svd"))
+    np.testing.assert_allclose(route(zero, "gram").left.T @ route(zero, "gram").left, np.eye(4), atol=1e-6)
+
+
 def test_an_unknown_factorization_is_a_one_line_error():
     with pytest.raises(ValueError, match="factorization: unknown 'qr'; allowed: svd, gram"):
         lowrank.factorize(jnp.ones((3, 2)), 1, "qr")

@@ -229,3 +229,18 @@ def test_jaxfed_list_groups_every_builtin_once_with_its_line(capsys):
         assert f"  {group}:" in out
         for name, line in entries:
             assert f"    {name:<14}{line}" in out
+
+
+def test_defaults_dict_is_the_default_instances_dict_and_skips_a_field_without_default():
+    for name in registry.names():
+        options = registry.get(name).options
+        assert options.defaults_dict() == options().to_dict(), name
+
+    @dataclasses.dataclass(frozen=True)
+    class Required(TrainingOptions):  # research code may declare a field with no default
+        width: int = dataclasses.field(default_factory=lambda: 7)
+        depth: int = dataclasses.field(kw_only=True)
+
+    defaults = Required.defaults_dict()
+    assert "depth" not in defaults and defaults["width"] == 7
+    assert defaults["lr"] == TrainingOptions().lr

@@ -137,8 +137,9 @@ def _gram_decomposition(matrix: jax.Array) -> Decomposition:
     ``||A||``, unlike the square root of an eigenvalue), so ``A V V^T = A`` in full for any
     orthonormal ``V``. The eigenvectors of small singular values are only as accurate as their
     eigenvalues' gaps against ``||A||^2`` allow: a matrix whose condition number exceeds
-    :data:`GRAM_MAX_CONDITION` is decomposed by ``jnp.linalg.svd`` instead (a ``lax.cond``, one
-    branch runs)."""
+    :data:`GRAM_MAX_CONDITION` (or is singular) is decomposed by ``jnp.linalg.svd`` instead, after
+    the eigendecomposition that measured it (a ``lax.cond``, one branch runs; vmapped, as in a
+    sweep's server step, the cond is a select and both run)."""
     tall = matrix.shape[0] >= matrix.shape[1]
     a = matrix if tall else matrix.T
     highest = jax.lax.Precision.HIGHEST  # float32 products even where the default is TF32
@@ -149,7 +150,7 @@ def _gram_decomposition(matrix: jax.Array) -> Decomposition:
     singular, scaled, right = singular[order], scaled[:, order], right[:, order]
     left = scaled / jnp.where(singular > 0, singular, 1.0)
     gram = Decomposition(left, singular, right) if tall else Decomposition(right, singular, left)
-    well_conditioned = singular[0] <= GRAM_MAX_CONDITION * singular[-1]
+    well_conditioned = (singular[-1] > 0) & (singular[0] <= GRAM_MAX_CONDITION * singular[-1])
     return jax.lax.cond(well_conditioned, lambda: gram, lambda: _svd_decomposition(matrix))
 
 

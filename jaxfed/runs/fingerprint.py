@@ -132,8 +132,9 @@ def _sums(words):
 
 def option_defaults(options) -> dict | None:
     """The defaults of ``options``' class, as :meth:`~jaxfed.options.Options.to_dict` writes
-    them (None for options that are not an :class:`~jaxfed.options.Options`)."""
-    return type(options)().to_dict() if isinstance(options, Options) else None
+    them (:meth:`~jaxfed.options.Options.defaults_dict`; None for options that are not an
+    :class:`~jaxfed.options.Options`)."""
+    return options.defaults_dict() if isinstance(options, Options) else None
 
 
 def differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
