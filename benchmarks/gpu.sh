@@ -20,7 +20,13 @@
 # the PyTorch loop (its median of 3 rounds: 7.9 s each on an H100), and FedDecomp's own round.
 # Nothing to install beyond the repository (pip install -e .) and torch for the baseline (the
 # torch rows are skipped without it). Each step has its own time limit, so one that hangs or
-# fails leaves the others' results; a failed step is listed in gpu.md. (w3's algorithms, but
+# fails leaves the others' results; a failed step is listed in gpu.md.
+#
+# The call keeps within BUDGET seconds (default 570, under a device call's 600 s): a step gets at
+# most what is left of it, and a step reached after it is spent is skipped and listed, so the
+# table is always written. The steps run in order of what is still open: W1 (the 5 ms target and
+# its profile), w3 (the tiered 1.5x), the sweep (3x), the opt-in SVD and tier steps, then what
+# has been measured before (w4, scaling) and W1 with XLA's convolution. (w3's algorithms, but
 # feddecomp, run as one step, svd_w3's two likewise: one that hangs there takes the rest of that
 # step's limit, its share times their count.)
 set -uo pipefail
@@ -42,29 +48,37 @@ else
     SMALL=() SMALL_KV=() W4_SMALL=() TORCH_W4_ROUNDS=3
 fi
 python -c "import jax; print(jax.devices()[0].device_kind)" > "$OUT/device.txt" 2>/dev/null
-TORCH=torch
-python -c "import torch" 2>/dev/null || TORCH=none
+TORCH=torch TORCH_ROUNDS=(--baseline-rounds "$TORCH_W4_ROUNDS")
+python -c "import torch" 2>/dev/null || TORCH=none TORCH_ROUNDS=()
 
 STEPS=" ${STEPS:-w1 w3 w4 sweep scaling} "
+[ "${QUICK:-0}" = 1 ] && BUDGET=${BUDGET:-1800}  # a wiring check on a CPU is no device call
+BUDGET=${BUDGET:-570}
 
 step() {  # step NAME COMMAND...: run with a time limit, record its seconds and a failure; skipped unless in STEPS
     local name=$1
     shift
     [[ $STEPS == *" ${name%%_*} "* ]] || return 0
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -le 0 ]; then
+        echo "$name (skipped: the call's budget of $BUDGET s was spent)" >> "$OUT/failed.txt"
+        return 0
+    fi
     echo "== $name" >&2
-    local start=$SECONDS
-    timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+    local start=$SECONDS limit=$((left < LIMIT ? left : LIMIT))
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local status=$?
     echo "$name $((SECONDS - start)) $status" >> "$OUT/times.txt"
-    [ "$status" = 0 ] || echo "$name (exit $status, see $name.log)" >> "$OUT/failed.txt"
+    if [ "$status" = 124 ] && [ "$limit" -lt "$LIMIT" ]; then
+        echo "$name (stopped: the call's budget of $BUDGET s was spent, see $name.log)" >> "$OUT/failed.txt"
+    elif [ "$status" != 0 ]; then
+        echo "$name (exit $status, see $name.log)" >> "$OUT/failed.txt"
+    fi
     tail -n 4 "$OUT/$name.log" >&2
 }
 
 step w1 jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --strategies "$STRATEGIES" \
     --baseline "$TORCH" --profile "$OUT/trace_w1" --json "$OUT/w1.json" "${SMALL[@]}"
-# XLA's convolution instead of the patches one (cuDNN on a GPU; never measured there before 2026-11-25)
-step w1_xla jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none --set conv=xla "${SMALL[@]}" \
-    --json "$OUT/w1_xla.json"
 # w3's algorithms in one process (bench_each.py: the device starts once, XLA's autotuning carries
 # over), but feddecomp, whose auto lora_epochs needs two local epochs
 together=() && for algorithm in $ALGORITHMS; do [ "$algorithm" = feddecomp ] || together+=("$algorithm"); done
@@ -78,11 +92,8 @@ if [[ " $ALGORITHMS " == *" feddecomp "* ]]; then
         --set algorithm=feddecomp local_epochs=2 "${SMALL_KV[@]}" --profile "$OUT/trace_w3_feddecomp" \
         --json "$OUT/w3_feddecomp.json"
 fi
-step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \
-    --baseline-rounds "$TORCH_W4_ROUNDS" --json "$OUT/w4.json"
-step w4_feddecomp jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none "${W4_SMALL[@]}" \
-    --set algorithm=feddecomp lora_epochs=2 rank_dense=0.6 rank_conv=0.6 aggregation=uniform \
-    --json "$OUT/w4_feddecomp.json"
+step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --members "$MEMBERS" \
+    --set "${SMALL_KV[@]}" --out "$OUT/sweep.json"
 step tiers python "$HERE/tier_rounds.py" --data-dir "$DATA" --set client_chunk=0 "${SMALL_KV[@]}" \
     --out "$OUT/tiers.json"
 # the server's truncated SVDs: every route on FedHM's and FedARA's kernels, and their rounds with the
@@ -90,10 +101,16 @@ step tiers python "$HERE/tier_rounds.py" --data-dir "$DATA" --set client_chunk=0
 step svd python "$HERE/svd.py" --data-dir "$DATA" "${SMALL[@]}" --json "$OUT/svd.json"
 LIMIT=$((LIMIT * 2)) step svd_w3 python "$HERE/bench_each.py" w3 --data-dir "$DATA" --rounds "$ROUNDS" \
     --each algorithm=fedhm,fedara --set factorization=gram "${SMALL_KV[@]}" --json "$OUT/svd_w3_{}.json"
-step sweep python "$HERE/sweep_rounds.py" --workload w1 --data-dir "$DATA" --members "$MEMBERS" \
-    --set "${SMALL_KV[@]}" --out "$OUT/sweep.json"
+step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \
+    "${TORCH_ROUNDS[@]}" --json "$OUT/w4.json"
+step w4_feddecomp jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none "${W4_SMALL[@]}" \
+    --set algorithm=feddecomp lora_epochs=2 rank_dense=0.6 rank_conv=0.6 aggregation=uniform \
+    --json "$OUT/w4_feddecomp.json"
 step scaling python "$HERE/scaling.py" --clients "$SCALING" --rounds 3 --png "$OUT/scaling.png" \
     --json "$OUT/scaling.json"
+# XLA's convolution instead of the patches one (cuDNN on a GPU; never measured there before 2026-11-25)
+step w1_xla jaxfed bench w1 --data-dir "$DATA" --rounds "$ROUNDS" --baseline none --set conv=xla "${SMALL[@]}" \
+    --json "$OUT/w1_xla.json"
 # The traces' Perfetto JSON stays (ui.perfetto.dev); the XPlane (several times its size) and the
 # trace viewer's copy of it only with KEEP_TRACES=1 (TensorBoard reads the XPlane).
 [ "${KEEP_TRACES:-0}" = 1 ] || find "$OUT" -path "*/trace_*" \( -name "*.xplane.pb" -o -name "*.trace.json.gz" \) -delete

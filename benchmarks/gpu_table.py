@@ -17,6 +17,7 @@ SUITE_TARGET_S = 600  # the whole suite on one H100
 
 
 FULL_RUN_MARK = "# every step, one call"  # gpu.sh's first line of times.txt when it ran every step
+BUDGET_MARK = "the call's budget"  # in failed.txt: a step gpu.sh stopped or skipped at its BUDGET
 
 
 def step_times(out: Path) -> tuple[dict[str, int], bool]:
@@ -160,16 +161,20 @@ def rows(out: Path) -> tuple[dict, list[str]]:
             f"{row['round_seconds']:.3f} s, {1e3 * row['ms_per_client']:.2f} us per client | |"
         )
     times, full_run = step_times(out)
+    failed = (out / "failed.txt").read_text().split("\n") if (out / "failed.txt").exists() else []
+    over_budget = [line.split()[0] for line in failed if BUDGET_MARK in line]
     if times:
         total = sum(times.values())
         slowest = ", ".join(f"{name} {seconds} s" for name, seconds in sorted(times.items(), key=lambda x: -x[1])[:4])
-        judged = verdict(total, SUITE_TARGET_S) if full_run else "- (not every step in one call)"
+        if over_budget:
+            judged = f"not met ({', '.join(over_budget)} stopped or skipped at the call's budget)"
+        else:
+            judged = verdict(total, SUITE_TARGET_S) if full_run else "- (not every step in one call)"
         lines.append(
             f"| the suite's steps, wall time | {total} s over {len(times)} steps (slowest: {slowest}) | "
             f"<= {SUITE_TARGET_S} s on one H100 (every step, one call): {judged} |"
         )
         results["step_seconds"] = times
-    failed = (out / "failed.txt").read_text().split("\n") if (out / "failed.txt").exists() else []
     for line in filter(None, failed):
         lines.append(f"| failed: {line} | | |")
     device = (w1 or w4 or {}).get("device", "unknown device")
