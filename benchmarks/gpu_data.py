@@ -63,7 +63,7 @@ def decode(source, split: str) -> np.ndarray:
         np.asarray(Image.open(io.BytesIO(blob[offsets[i] : offsets[i + 1]].tobytes())).convert("RGB"))
         for i in range(len(offsets) - 1)
     ]
-    return np.stack(images).astype(np.uint8)
+    return np.stack(images)  # uint8, as Pillow decodes RGB
 
 
 def unpack(packed: Path, out: Path) -> None:
