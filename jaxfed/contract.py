@@ -29,8 +29,8 @@ class RoundInfo:
         before it). At evaluation: the rounds completed. A traced array inside the round.
       tier: the tier of the clients this call serves, a static Python int (0 for an algorithm
         without tiers); None in ``server_update``, which aggregates every tier at once, and
-        (an algorithm with ``pad_tier``) in ``client_update`` and ``receive``, which then serve
-        every tier's clients in one program.
+        (an algorithm with ``pad_tier``) in ``client_update``, ``receive`` and ``contribute``,
+        which then serve every tier's clients in one program.
 
     A pytree whose only leaf is ``round``: ``tier`` is static (pytree metadata), so it can index
     Python lists and pick shapes inside ``jit`` and ``vmap``. Outside the engine (tests,
@@ -99,7 +99,8 @@ class ContributeFn(Protocol):
           message_up: one client's upload (decoded by ``receive`` where there is one).
           weight: float32 scalar, the client's training-set size. A row of weight 0 (padding, a
             skipped client) counts as contributing zero, whatever this returns.
-          info: the round being run and the client's tier.
+          info: the round being run and the client's tier (None where every tier's clients run
+            as one group: an algorithm with ``pad_tier``).
 
         Returns:
           a pytree of arrays of one structure and shape for every client of every tier (e.g.
@@ -335,8 +336,8 @@ class FederatedAlgorithm(NamedTuple):
       pad_tier: (tiers) :class:`PadTierFn`; with it, where clients run vmapped together
         (``client_chunk`` other than 1) or every tier's own broadcast already has one shape, the
         clients of every tier run as one group (one vmapped / chunked program), each client
-        getting its tier's padded broadcast, and ``client_update`` and ``receive`` are called
-        with ``info.tier`` None (what a client needs of its tier travels in its message); the
+        getting its tier's padded broadcast, and ``client_update``, ``receive`` and
+        ``contribute`` are called with ``info.tier`` None (what a client needs of its tier travels in its message); the
         bytes counted are the tier's own.
       eval_server: (tiers) :class:`EvalServerFn`; default: the server state itself.
       message_bytes: (accounting) :class:`MessageBytesFn`; default: the upload's arrays.

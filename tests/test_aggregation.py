@@ -139,6 +139,50 @@ def test_weighted_share_and_mean_of_are_the_weighted_mean_in_float64():
     assert isinstance(Aggregation(lambda *a: (), lambda s, t, i: s), tuple)
 
 
+def test_weighted_mean_of_integer_and_bool_rows_is_their_float_mean():
+    """A mean of counts is not a count: integer and bool leaves average in float32 (the weights
+    were cast to the leaf's integer dtype, every one of them to 0); float leaves keep their dtype."""
+    rows = {"count": jnp.array([3, 10, 4], jnp.int32), "flag": jnp.array([True, False, True])}
+    rows["half"] = jnp.array([1.0, 2.0, 4.0], jnp.bfloat16)
+    weights = np.array([2.0, 1.0, 1.0])
+    got = weighted_mean(rows, weights)
+    assert got["count"].dtype == jnp.float32 and got["half"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(got["count"], (2 * 3 + 10 + 4) / 4, rtol=1e-6)
+    np.testing.assert_allclose(got["flag"], 3 / 4, rtol=1e-6)
+
+
+def _share_of_each_dtype(shared, x):
+    """An item's row and share in dtypes ``jnp.sum`` widens (bool counts as 0/1, int8 and uint8
+    sum into a wider integer) and ones it keeps (int32, float32)."""
+    share = {
+        "flag": x % 2 == 1,
+        "int8": (x * 10).astype(jnp.int8),
+        "uint8": (x * 30).astype(jnp.uint8),
+        "int32": x,
+        "float32": x.astype(jnp.float32) / 3,
+    }
+    return x, share
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 8])
+def test_the_summed_shares_do_not_depend_on_the_chunk_in_any_dtype(chunk):
+    """Any chunk, dividing the items or not, sums every share as vmapping them all at once does
+    (``chunk=0``: ``jnp.sum``), small integer and bool shares too: the running total was kept in
+    the share's dtype (a bool total an OR, an int8 one wrapping; a scan of chunks failed on it)."""
+    items = jnp.arange(7, dtype=jnp.int32)
+
+    def run(c):
+        return jax.jit(lambda xs: ClientStrategy(c).map_clients(_share_of_each_dtype, (), xs))(items)
+
+    want_rows, want = run(0)
+    rows, got = run(chunk)
+    np.testing.assert_array_equal(rows, want_rows)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=key)
+    assert (int(want["flag"]), int(want["int8"]), int(want["uint8"])) == (3, 210, 630)  # sums, not an OR or wrapped
+
+
 @pytest.mark.parametrize("uniform", [False, True])
 def test_a_row_of_weight_0_contributes_nothing_even_nan(uniform, mlp):
     """Padding and skipped rows weigh 0: the engine drops their share (a uniform mean would count

@@ -99,6 +99,24 @@ def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation
         np.testing.assert_allclose(leaf_new, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_an_integer_client_metric_is_reported_as_its_sample_weighted_mean(mlp, digits_federation):
+    """docs/contract.md: the engine reports the sample-weighted mean of each client metric. An
+    int32 metric (here the client's example count) averages as its float copy does: it was
+    reported as 0.0 (the weights were cast to int32)."""
+    base = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
+
+    def client_update(message, client_state, data, rng, info):
+        state, upload, metrics = base.client_update(message, client_state, data, rng, info)
+        return state, upload, {**metrics, "examples": data.count, "examples_float": data.count.astype(jnp.float32)}
+
+    sim = Simulation(base._replace(client_update=client_update), mlp, digits_federation, participation=0.3, seed=0)
+    _, metrics = sim.run_rounds(sim.init(), 1)
+    counts = np.asarray(digits_federation.train_count)[sim.sampled_ids(0)].astype(np.float64)
+    want = float(np.sum(counts * counts) / np.sum(counts))
+    assert float(metrics["examples_float"][0]) == pytest.approx(want, rel=1e-6)
+    assert float(metrics["examples"][0]) == pytest.approx(want, rel=1e-6)
+
+
 def test_sampling_without_replacement_and_fixed_cohort():
     root = jax.random.key(0)
     seen = set()

@@ -9,7 +9,9 @@ A round (the paper's model-averaging option: local epochs on the chosen model):
 2. it trains model ``k*`` with the normal local training and uploads it, with the one-hot of
    ``k*``: the cluster identity is what IFCA sends, it is not private;
 3. the server sets each cluster's model to the sample-weighted mean of the uploads that chose it;
-   a cluster that no kept client chose keeps its model.
+   a cluster that no kept client chose keeps its model. (The paper's machines each hold the same
+   number of examples, so its plain mean over the cluster's machines is this mean; with clients
+   of unequal size jaxfed weighs by examples, as FedAvg does.)
 
 A client is evaluated on the model of the cluster with the lowest loss on its training data under
 the current cluster models (``personalize``: the choice step again, whether or not it trained

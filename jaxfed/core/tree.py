@@ -37,15 +37,17 @@ def scatter_clients(stacked, ids, rows):
 def weighted_mean(stacked, weights):
     """``sum_k w_k x_k / sum_k w_k`` over the client axis of every leaf.
 
-    Weights need not be normalized; a zero weight removes a client. With all weights zero the
-    result is zero (the engine keeps the previous server state in a round where every weight is 0).
+    Weights need not be normalized; a zero weight removes a client. An integer or bool leaf is
+    averaged in float32 (float leaves keep their dtype). With all weights zero the result is zero
+    (the engine keeps the previous server state in a round where every weight is 0).
     """
     weights = jnp.asarray(weights, jnp.float32)
     total = jnp.sum(weights)
     scale = weights / jnp.where(total > 0, total, 1.0)
 
     def reduce(x):
-        return jnp.tensordot(scale.astype(x.dtype), x, axes=(0, 0))
+        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32  # a mean of counts is not a count
+        return jnp.tensordot(scale.astype(dtype), x.astype(dtype), axes=(0, 0))
 
     return jax.tree.map(reduce, stacked)
 

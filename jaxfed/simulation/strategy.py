@@ -286,12 +286,18 @@ def _sum_rows(shares):
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), shares)
 
 
+def _summed_dtype(dtype):
+    """The dtype of a share of ``dtype`` summed over items, as :func:`_sum_rows` (all at once)
+    sums it: ``jnp.sum`` widens bool and small integers (a bool flag sums to a count)."""
+    return jax.eval_shape(lambda x: jnp.sum(x, axis=0), jax.ShapeDtypeStruct((1,), dtype)).dtype
+
+
 def _add_one(total, share, num_segments: int | None = None):
     """One item's share added to the running total (to its segment's row, with ``num_segments``)."""
     if num_segments is None:
-        return jax.tree.map(jnp.add, total, share)
+        return jax.tree.map(lambda t, s: t + s.astype(t.dtype), total, share)
     segment, share = share
-    return jax.tree.map(lambda t, s: t.at[segment].add(s), total, share)
+    return jax.tree.map(lambda t, s: t.at[segment].add(s.astype(t.dtype)), total, share)
 
 
 def _scan_chunks(one, xs, chunk: int, num_segments: int | None = None):
@@ -303,7 +309,8 @@ def _scan_chunks(one, xs, chunk: int, num_segments: int | None = None):
     share_shape = jax.eval_shape(one, first)[1]
     if num_segments is not None:
         share_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_segments, *s.shape), s.dtype), share_shape[1])
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), share_shape)
+    # the total in the dtype summing every share at once gives (chunk 0), whatever the chunk
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, _summed_dtype(s.dtype)), share_shape)
     if chunk == 1:
 
         def alone(total, x):
