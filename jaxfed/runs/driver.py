@@ -108,16 +108,12 @@ def chunk_schedule(start: int, rounds: int, eval_every: int, rounds_per_call: in
         done = end
 
 
-def _first_failure(nonfinite: str, metrics: list[dict]):
-    """``(member, round within the call, client ids)`` of the first non-finite update under
-    ``nonfinite=error``, or None."""
+def _failures(nonfinite: str, metrics: list[dict]) -> list:
+    """Each member's ``(round within the call, client ids)`` of its first non-finite update under
+    ``nonfinite=error`` (None for a member without one); all None under another policy."""
     if nonfinite != "error":
-        return None
-    for member, m in enumerate(metrics):
-        found = first_nonfinite(m)
-        if found is not None:
-            return member, *found
-    return None
+        return [None] * len(metrics)
+    return [first_nonfinite(m) for m in metrics]
 
 
 def drive(
@@ -162,6 +158,18 @@ def drive(
                 directory.checkpoints.wait()
             raise
 
+    def evaluate_members(state, round_, which=None):
+        """Append the evaluation after ``round_`` rounds of the members ``which`` (default: all)
+        to their records and run directories; their rows."""
+        rows, wall = [], time.perf_counter() - start
+        for i, (directory, record, evaluation) in enumerate(zip(dirs, records, members.evaluate(state))):
+            if which is None or which[i]:
+                per_client = evaluation.pop("clients", None)
+                rows.append(record.add_row(round_, evaluation, wall))
+                directory.append_row(rows[-1])
+                directory.write_clients(round_, per_client)
+        return rows
+
     done = int(members.member(state, 0).round)
     bar = tqdm(
         total=settings.rounds,
@@ -176,21 +184,31 @@ def drive(
     )
 
     def run_calls(state, done):
+        unevaluated = [not r.rows or r.rows[-1]["round"] != done for r in records]
+        if done >= settings.rounds and any(unevaluated):
+            # a resume that stops at its checkpoint's round, which was not an evaluation round: the run
+            # left alone with these rounds evaluates its last one
+            rows = evaluate_members(state, done, unevaluated)
+            if on_evaluation is not None:
+                notify(rows)
         for call, (length, evaluate, checkpoint) in enumerate(schedule):
             compiling = " (compiling first)" if call == 0 else ""
             bar.set_description(f"{desc}: rounds {done + 1}-{done + length}{compiling}")  # what runs now
             compile_before, tick = members.compile_seconds, time.perf_counter()
             state, metrics = members.run_rounds(state, length)
             seconds = (time.perf_counter() - tick - (members.compile_seconds - compile_before)) / length
-            failure = _first_failure(members.nonfinite, metrics)
-            for i, (record, m) in enumerate(zip(records, metrics)):
-                good = length if failure is None or failure[0] != i else failure[1]
+            failures = _failures(members.nonfinite, metrics)
+            for record, m, failed in zip(records, metrics, failures):  # the rounds each member's state did
+                good = length if failed is None else failed[0]
                 record.add_rounds(jax.tree.map(lambda a: a[:good], m), seconds)
-            if failure is not None:
+            if any(f is not None for f in failures):
+                if evaluate:  # the members that did the whole call stand at an evaluation round: log it first
+                    evaluate_members(state, done + length, [f is None for f in failures])
                 save_all(state)
                 for directory in dirs:
                     directory.checkpoints.wait()
-                i, first, ids = failure
+                i = next(i for i, f in enumerate(failures) if f is not None)
+                first, ids = failures[i]
                 good_metrics = jax.tree.map(lambda a: a[:first], metrics[i])
                 err = NonFiniteUpdateError(done + first + 1, ids, members.member(state, i), good_metrics)
                 err.checkpoint = dirs[i].checkpoints.directory / str(done + first)
@@ -199,12 +217,7 @@ def drive(
             bar.update(length)
             rows = []
             if evaluate:
-                wall = time.perf_counter() - start
-                for directory, record, evaluation in zip(dirs, records, members.evaluate(state)):
-                    per_client = evaluation.pop("clients", None)
-                    rows.append(record.add_row(done, evaluation, wall))
-                    directory.append_row(rows[-1])
-                    directory.write_clients(done, per_client)
+                rows = evaluate_members(state, done)
                 name, value = headline(records[0].rows[-1])
                 bar.set_postfix({name: f"{value:.3f}", "up": human_bytes(records[0].rows[-1]["bytes_up_total"])})
             if checkpoint:

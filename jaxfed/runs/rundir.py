@@ -276,6 +276,9 @@ class RunDirectory:
             (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             write_rows(self.metrics_path, rows)
             self.drop_clients_after(rows[-1]["round"] if rows else -1)
+            # a resumed run is unfinished until finish() writes its summary again: an earlier end's
+            # summary.json beside the new config.json would pass for the result of rounds not done
+            (self.path / "summary.json").unlink(missing_ok=True)
         except OSError as err:
             raise _unwritable(self.path, err) from None
 
