@@ -65,3 +65,16 @@ def test_a_run_config_builds_the_clustered_federation(digits):
     np.testing.assert_array_equal(np.asarray(data.y_train)[idx], (digits.y_train[idx] + 1) % 10)
     with pytest.raises(ConfigError, match="cluster_task: unknown 'mirror'"):
         Config(cluster_task="mirror").validate()
+
+
+@pytest.mark.parametrize(("task", "distinct"), [("rotation", 4), ("label_shift", 10)])
+def test_a_clustered_task_builds_as_many_clusters_as_it_has_distinct_transforms_and_no_more(digits, task, distinct):
+    """Cluster c rotates by c x 90 degrees / shifts labels by c mod classes: cluster ``distinct``
+    would repeat cluster 0's task (IFCA, FLoRAL's oracle router and cluster recovery would be
+    scored against clusters no model can tell apart), so one more is refused, naming the key."""
+    train, test = _parts(digits, distinct + 1)
+    assert apply_cluster_task(digits, train[:distinct], test[:distinct], task, distinct).x_train.shape == (
+        digits.x_train.shape
+    )
+    with pytest.raises(ConfigError, match=f"num_clusters: {task} has {distinct} distinct"):
+        apply_cluster_task(digits, train, test, task, distinct + 1)

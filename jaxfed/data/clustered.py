@@ -15,6 +15,7 @@ import numpy as np
 from jaxfed.errors import ConfigError
 
 CLUSTER_TASKS = ("none", "rotation", "label_shift")
+ROTATIONS = 4  # rotation: cluster c turns by c x 90 degrees, so 4 distinct clusters at most
 
 
 def client_clusters(num_clients: int, num_clusters: int) -> np.ndarray:
@@ -39,6 +40,12 @@ def apply_cluster_task(dataset, train_parts, test_parts, task: str, num_clusters
     if task == "none":
         return dataset
     clusters = client_clusters(len(train_parts), num_clusters)
+    distinct = ROTATIONS if task == "rotation" else dataset.num_classes
+    if num_clusters > distinct:  # cluster c and c + distinct would share one transform
+        raise ConfigError(
+            f"num_clusters: {task} has {distinct} distinct cluster transforms, got {num_clusters} clusters "
+            f"(cluster {distinct} would repeat cluster 0's); use at most {distinct}"
+        )
     if task == "rotation" and (dataset.x_train.ndim < 3 or dataset.x_train.shape[1] != dataset.x_train.shape[2]):
         raise ConfigError(f"cluster_task: rotation needs square images, got inputs of shape {dataset.input_shape}")
     arrays = {}

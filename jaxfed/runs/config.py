@@ -114,7 +114,9 @@ class Config(Options):
         check=unit_interval,
     )
     cluster_task: str = option(
-        "none", "clustered task: none, rotation (cluster c rotates images by c*90 degrees) or label_shift"
+        "none",
+        "clustered task: none, rotation (cluster c rotates images by c*90 degrees: at most 4 clusters) or "
+        "label_shift (labels shifted by c: at most the class count)",
     )
     num_clusters: int = option(
         4, "ground-truth clusters C of a clustered task, label_groups or a synthetic dataset; client k is in k mod C"
