@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -288,3 +289,27 @@ def test_a_rank_a_layer_cannot_hold_is_refused(mlp, small_cnn):
     assert ad.adaptor_plan(template, 2, rank=2).kernels["conv1"].rank == 2
     with pytest.raises(ConfigError, match=r"for conv1 \(kernel \(3, 3, 1, 8\), matricized \(1, 72\)\): allowed 1..1$"):
         ad.adaptor_plan(template, 2, rank=2, conv_adaptor="out_layer")
+
+
+class _RMSNormNet(nn.Module):
+    """A Dense, a scale-only norm (RMSNorm: no offset), a Dense head."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(8)(x.reshape(x.shape[0], -1))
+        x = nn.RMSNorm()(x)
+        return nn.Dense(3)(x)
+
+
+def test_norm_adaptors_on_a_norm_layer_without_an_offset():
+    """FLoRAL's norm adaptors (norm_adaptors=true) on a scale-only norm layer (RMSNorm,
+    LayerNorm(use_bias=False)): ``mix`` adapts only the parameters the layer has, so the plan
+    must build adaptors only for those; it raised KeyError: 'bias' in ``init_adaptors``."""
+    params = _RMSNormNet().init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
+    plan = ad.adaptor_plan(params, 2, rank=1, norm=True)
+    assert plan.norms == ("RMSNorm_0",)
+    adaptors = ad.init_adaptors(jax.random.key(1), params, plan)
+    assert set(adaptors["norms"]["RMSNorm_0"]) == {"scale"}
+    mixed = ad.mix(params, adaptors, mixture_weights(jnp.array([0.3, -1.0])), plan)
+    for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)  # zero deltas at init

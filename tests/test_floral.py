@@ -4,10 +4,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import make_federation, round_info
 
-from jaxfed.algorithms.floral import Upload, floral, local_adaptor
+from jaxfed.algorithms.floral import FLoRALOptions, Upload, _local_optimizer, _plan, floral, local_adaptor
 from jaxfed.cli import main
 from jaxfed.core import adaptors as ad
 from jaxfed.core import mean_of
@@ -238,3 +239,24 @@ def test_conv_precondition_reaches_the_conv_adaptors(small_cnn, digits_federatio
     for key, kind in kinds.items():
         if kind != "dense":
             assert not np.allclose(per_tap[key]["up"], matricized[key]["up"], rtol=1e-4, atol=0)
+
+
+def test_floral_clips_the_local_gradient_to_one_global_norm(mlp):
+    """``clip_norm`` clips each local gradient to that global norm (options help, docs: "clip each
+    local gradient to this global norm before the optimizer's step"). FLoRAL's local gradient is
+    that of the base and the adaptors together; ``per_key`` clipped each of the two to the norm
+    on its own, so one SGD step moved the pair by up to sqrt(2) times the clipped norm."""
+    options = FLoRALOptions(lr=1.0, clip_norm=1.0, precondition=False, momentum=0.0, weight_decay=0.0)
+    _, plan = _plan(mlp, options, options.num_adaptors)
+    params = {"base": {"w": jnp.zeros((3, 5))}, "adaptors": {"down": jnp.zeros((4, 3, 2))}, "router": jnp.zeros(4)}
+    grads = {"base": {"w": jnp.full((3, 5), 10.0)}, "adaptors": {"down": jnp.full((4, 3, 2), 10.0)}}
+    grads["router"] = jnp.ones(4)
+    opt = _local_optimizer(plan, options, jnp.int32(0), router=True)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    shared = {k: updates[k] for k in ("base", "adaptors")}
+    np.testing.assert_allclose(optax.tree.norm(shared), 1.0, rtol=1e-5)  # was sqrt(2)
+    # the two parts keep their direction: the whole gradient scaled by one factor
+    scale = 1.0 / float(optax.tree.norm({k: grads[k] for k in ("base", "adaptors")}))
+    np.testing.assert_allclose(updates["base"]["w"], -scale * grads["base"]["w"], rtol=1e-5)
+    np.testing.assert_allclose(updates["adaptors"]["down"], -scale * grads["adaptors"]["down"], rtol=1e-5)
+    np.testing.assert_allclose(updates["router"], -options.router_lr * grads["router"], rtol=1e-6)  # unclipped

@@ -204,14 +204,20 @@ def check_oracle(router: str, num_components: int, num_clusters: int) -> None:
 def _local_optimizer(plan, options: AdaptorOptions, round_, router: bool = False):
     """The client optimizer on the base and the adaptors (their gradients LoRA-preconditioned
     first) at round ``round_``'s learning rate, and with ``router`` on the router logits
-    (:meth:`RouterOptions.router_optimizer`)."""
-    adaptor_opt = options.optimizer(round_)
-    if options.precondition:
-        adaptor_opt = optax.chain(ad.lora_preconditioner(plan, conv=options.conv_precondition), adaptor_opt)
-    transforms = {"base": options.optimizer(round_), "adaptors": adaptor_opt}
+    (:meth:`RouterOptions.router_optimizer`). ``clip_norm`` clips the base's and the adaptors'
+    gradient together, to one global norm (the router's is not clipped)."""
+    local = dataclasses.replace(options, clip_norm=0.0).optimizer(round_)
+    transforms = {"base": local, "adaptors": local}
     if router:
         transforms["router"] = options.router_optimizer()
-    return per_key(transforms)
+    steps = []
+    if options.precondition:
+        preconditioner = ad.lora_preconditioner(plan, conv=options.conv_precondition)
+        steps.append(per_key({key: preconditioner if key == "adaptors" else optax.identity() for key in transforms}))
+    if options.clip_norm:
+        clip = optax.clip_by_global_norm(options.clip_norm)
+        steps.append(optax.masked(clip, lambda grads: {key: key != "router" for key in grads}))
+    return optax.chain(*steps, per_key(transforms))
 
 
 def _plan(model, options: AdaptorOptions, num_adaptors: int):

@@ -111,7 +111,8 @@ def adaptor_plan(
 
 def init_adaptors(rng: jax.Array, template, plan: AdaptorPlan, dtype=jnp.float32) -> dict:
     """``{"kernels": {key: {"down" [C, rows, r], "up" [C, r, cols]}}, "biases": {key: [C, n]},
-    "norms": {key: {"scale", "bias"}}}`` with zero deltas."""
+    "norms": {key: {"scale", "bias"}}}`` (a norm layer's
+    parameters of these two: RMSNorm has no offset) with zero deltas."""
     c = plan.num_adaptors
     keys = jax.random.split(rng, max(len(plan.kernels), 1))
     kernels = {}
@@ -129,7 +130,10 @@ def init_adaptors(rng: jax.Array, template, plan: AdaptorPlan, dtype=jnp.float32
     return {
         "kernels": kernels,
         "biases": {key: zeros_like_leaf(key, "bias") for key in plan.biases},
-        "norms": {key: {n: zeros_like_leaf(key, n) for n in ("scale", "bias")} for key in plan.norms},
+        "norms": {
+            key: {n: zeros_like_leaf(key, n) for n in ("scale", "bias") if n in lowrank.get_layer(template, key)}
+            for key in plan.norms
+        },
     }
 
 
