@@ -10,12 +10,16 @@ import numpy as np
 import pytest
 from conftest import make_federation, round_info
 
-from jaxfed.algorithms import fedara, feddecomp, fedhm, fedloru, floral
+from jaxfed.algorithms import fedara, feddecomp, fedhm, fedloru, floral, registry
+from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.training import classification_loss
 from jaxfed.core import lowrank
+from jaxfed.data import Batch, Dataset, federate, partition
 from jaxfed.errors import ConfigError
 from jaxfed.nn import Model
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import interior_layers, last_dense_layer
+from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation
 
 
@@ -104,3 +108,69 @@ def test_a_model_without_dense_or_conv_layers_is_a_one_line_error(build):
     model = Model.wrap(NoKernels(), (4,))
     with pytest.raises(ConfigError, match=r"no nn.Dense / nn.Conv layer to adapt .*its layers: Embed_0 \(Embed\)$"):
         build(model)
+
+
+class DropNet(nn.Module):
+    """A user's MLP with dropout between its layers (on when ``train``)."""
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1)))
+        h = nn.Dropout(0.5, deterministic=not train)(h)
+        return nn.Dense(self.num_classes)(h)
+
+
+def test_a_model_with_dropout_draws_a_mask_from_each_steps_key_and_evaluates_deterministically(digits):
+    """Flax's Dropout needs a "dropout" key when training: a local step gets its batch's key (the
+    same key, the same loss; another key, another mask), evaluation none (it raised
+    InvalidRngError on every training call)."""
+    model = Model.wrap(DropNet(), digits.input_shape)
+    params = model.init(jax.random.key(0))["params"]
+    x, y = jnp.asarray(digits.x_train[:16]), jnp.asarray(digits.y_train[:16])
+    loss = classification_loss(model)
+    batch = Batch(x, y, jnp.ones(16, bool), jax.random.key(1))
+    first, again = loss(params, {}, batch)[0], loss(params, {}, batch)[0]
+    other = loss(params, {}, batch._replace(key=jax.random.key(2)))[0]
+    assert first == again and first != other
+    np.testing.assert_array_equal(model.apply({"params": params}, x)[0], model.apply({"params": params}, x)[0])
+
+
+# each way a built-in's local objective runs the model in training mode: the plain loss, MOON's,
+# FedNTD's, FedRoD's, FedProto's and FedARA's head inputs, IFCA's cluster choice, FLoRAL's routed
+# adaptors and the ensemble's members
+DROPOUT_ALGORITHMS = ("fedavg", "moon", "fedntd", "fedrod", "fedproto", "fedara", "ifca", "floral", "ensemble")
+
+
+@pytest.mark.parametrize("name", DROPOUT_ALGORITHMS)
+def test_each_local_objective_trains_a_model_with_dropout(name, digits):
+    model = Model.wrap(DropNet(), digits.input_shape)
+    fed = make_federation(digits, num_clients=5, alpha=1.0)  # FedARA's five tiers
+    config = Config(algorithm=name).with_overrides(["local_epochs=1", "batch_size=32"])
+    sim = Simulation(registry.get(name).build(model, config.options, config), model, fed, participation=0.5)
+    state, metrics = sim.run_rounds(sim.init(), 1)
+    assert np.isfinite(metrics["train_loss"]).all()
+    assert np.isfinite(sim.evaluate(state)["personalized_loss"])
+
+
+class TokenNet(nn.Module):
+    """Token ids in, as a text model takes them (nn.Embed refuses float inputs)."""
+
+    num_classes: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.num_classes)(nn.Embed(50, 8)(x).mean(axis=1))
+
+
+def test_a_model_of_integer_inputs_initializes_and_trains_with_its_input_dtype():
+    rng = np.random.default_rng(0)
+    x_train, y_train = rng.integers(0, 50, (200, 6)).astype(np.int32), rng.integers(0, 4, 200)
+    x_test, y_test = rng.integers(0, 50, (40, 6)).astype(np.int32), rng.integers(0, 4, 40)
+    data = Dataset("tokens", x_train, y_train, x_test, y_test, num_classes=4)
+    train, test = partition("iid", y_train, y_test, 4, np.random.default_rng(0))
+    model = Model.wrap(TokenNet(), data.input_shape, input_dtype=jnp.int32)
+    sim = Simulation(fedavg(model), model, federate(data, train, test), seed=0)
+    state, _ = sim.run_rounds(sim.init(), 1)
+    assert np.isfinite(sim.evaluate(state)["personalized_loss"])

@@ -60,7 +60,7 @@ def test_a_client_trains_the_cluster_of_lowest_loss_as_train_classifier(best, ml
 
     want_losses = _numpy_losses(mlp, models, data, 3)
     assert int(np.argmin(want_losses)) == best
-    np.testing.assert_allclose(cluster_losses(mlp, models, {}, data, 32), want_losses, rtol=1e-5)
+    np.testing.assert_allclose(cluster_losses(mlp, models, {}, data, 32, jax.random.key(0)), want_losses, rtol=1e-5)
 
     new_client, upload, metrics = jax.jit(alg.client_update)(models, client, data, rng, round_info())
     assert int(new_client.cluster) == best
@@ -92,8 +92,9 @@ def test_the_choice_normalizes_with_each_batchs_statistics_not_the_clients_runni
     data = _client(digits_federation)
     moved = jax.tree.map(lambda s: 3.0 * s + 1.0, client.model_state)  # running statistics far off
     losses = jax.jit(cluster_losses, static_argnums=(0, 4))
-    np.testing.assert_array_equal(losses(model, server.models, client.model_state, data, 32),
-                                  losses(model, server.models, moved, data, 32))  # fmt: skip
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(losses(model, server.models, client.model_state, data, 32, key),
+                                  losses(model, server.models, moved, data, 32, key))  # fmt: skip
 
 
 def test_the_server_sets_each_cluster_to_the_weighted_mean_of_the_uploads_that_chose_it(mlp):

@@ -358,3 +358,17 @@ def test_vmapped_members_vmapping_every_client_run_chunks_of_their_share_instead
     for got, expected in zip(jax.tree.leaves(sweep.member(states, 1)), jax.tree.leaves(state), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(metrics[1]["train_loss"], want["train_loss"], rtol=1e-5)
+
+
+def test_a_key_that_traces_under_one_value_of_another_swept_key_only_splits_the_grid():
+    """server_momentum is never read under server_optimizer=none (it traces there) but is
+    ``momentum or None`` under sgd (it does not): tried on the first member only, it was traced
+    in every group and the sgd group died with a TracerBoolConversionError; tried in each group,
+    the grid runs one program per value."""
+    configs = sweep_configs(Config().with_overrides(["num_clients=8", "rounds=1"]),
+                            grid={"server_optimizer": ["none", "sgd"], "server_momentum": ["0", "0.9"]})  # fmt: skip
+    traced = traceable_keys(configs)
+    assert "server_momentum" not in traced
+    for group in shape_groups(configs, traced):
+        sweep = Sweep([configs[i] for i in group], traced)
+        jax.eval_shape(sweep._init, sweep.seeds, sweep.values, None, sweep.data)

@@ -201,7 +201,9 @@ def anchored_loss(model, head: str, anchors, lam_t, mu_fro, anchor_loss="mean", 
 
     def loss(params, model_state, batch: Batch):
         variables = {"params": lowrank.replace_layer(params["fe"], head, params["head"]), **model_state}
-        (features, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
+        (features, logits), new_state = head_input(
+            model, head, variables, batch.x, train=True, mask=batch.mask, rng=batch.key
+        )
         alignment = masked_mean(anchor_drift(features, anchors[batch.y], anchor_loss), batch.mask)
         value = masked_loss(logits, batch.y, batch.mask) + lam_t * alignment
         return value + mu_fro * frobenius_penalty(params["fe"], decomposed, in_tier), new_state

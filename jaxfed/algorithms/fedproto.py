@@ -87,7 +87,9 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
     def loss_for(prototypes):
         def loss(params, model_state, batch):
             variables = {"params": params, **model_state}
-            (z, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
+            (z, logits), new_state = head_input(
+                model, head, variables, batch.x, train=True, mask=batch.mask, rng=batch.key
+            )
             pull = prototype_distance(z, prototypes, batch.y, batch.mask)
             return masked_loss(logits, batch.y, batch.mask) + options.lambda_ * pull, new_state
 

@@ -91,7 +91,9 @@ def fedrod(model, options: FedRoDOptions | None = None, **overrides) -> Federate
     def loss_for(counts):
         def loss(trainable, model_state, batch):
             variables = {"params": trainable["generic"], **model_state}
-            (z, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
+            (z, logits), new_state = head_input(
+                model, head, variables, batch.x, train=True, mask=batch.mask, rng=batch.key
+            )
             generic = balanced_softmax_loss(logits, batch.y, counts, batch.mask)
             frozen_z, frozen_logits = jax.lax.stop_gradient((z, logits))
             personal = masked_loss(frozen_logits + dense(trainable["personal"], frozen_z), batch.y, batch.mask)

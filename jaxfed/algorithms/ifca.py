@@ -85,16 +85,21 @@ def cluster_count(clusters: int, num_clusters: int) -> int:
     return clusters or num_clusters or PAPER_CLUSTERS
 
 
-def cluster_losses(model, models, model_state, data: ClientData, batch_size: int) -> jax.Array:
+CHOICE_STREAM = 1  # fold_in of a client's key: the dropout masks of its cluster choice
+
+
+def cluster_losses(model, models, model_state, data: ClientData, batch_size: int, rng) -> jax.Array:
     """``[K]``: the mean loss of each stacked cluster model over the client's real examples, in
-    batches of ``batch_size`` (train-mode normalization: each batch's own statistics)."""
+    batches of ``batch_size`` (train-mode normalization: each batch's own statistics; a model with
+    dropout draws one mask per batch from ``rng``, the same for every cluster model)."""
     steps = -(-data.count // batch_size)
 
     def loss_sum(params):
         def one_batch(carry):
             i, total = carry
             batch = data.batch(i * batch_size + jnp.arange(batch_size, dtype=jnp.int32))
-            outputs, _ = model.apply({"params": params, **model_state}, batch.x, train=True, mask=batch.mask)
+            variables = {"params": params, **model_state}
+            outputs, _ = model.apply(variables, batch.x, train=True, mask=batch.mask, rng=jax.random.fold_in(rng, i))
             return i + 1, total + jnp.sum(jnp.where(batch.mask, example_losses(outputs, batch.y), 0.0))
 
         return jax.lax.while_loop(lambda carry: carry[0] < steps, one_batch, (jnp.int32(0), jnp.float32(0)))[1]
@@ -129,7 +134,8 @@ def ifca(model, options: IFCAOptions | None = None, *, num_clusters: int = 0, **
         return ServerState(models), ClientState(jnp.int32(0), cluster_model(model_states, 0))
 
     def client_update(models, client_state, data, rng, info):
-        losses = cluster_losses(model, models, client_state.model_state, data, options.batch_size)
+        choice_rng = jax.random.fold_in(rng, CHOICE_STREAM)  # rng itself drives the training, as FedAvg's
+        losses = cluster_losses(model, models, client_state.model_state, data, options.batch_size, choice_rng)
         k = choose_cluster(losses)
         params, model_state, metrics = train_parameters(
             model, options.optimizer(info.round), cluster_model(models, k), client_state.model_state, data, rng,
@@ -145,7 +151,7 @@ def ifca(model, options: IFCAOptions | None = None, *, num_clusters: int = 0, **
         return {"params": cluster_model(server_state.models, client_state.cluster), **client_state.model_state}
 
     def personalize(server_state, client_state, data, rng, info):
-        losses = cluster_losses(model, server_state.models, client_state.model_state, data, options.batch_size)
+        losses = cluster_losses(model, server_state.models, client_state.model_state, data, options.batch_size, rng)
         return {"params": cluster_model(server_state.models, choose_cluster(losses)), **client_state.model_state}
 
     return FederatedAlgorithm(

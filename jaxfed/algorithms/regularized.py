@@ -139,7 +139,9 @@ def moon(model, options: MoonOptions | None = None, **overrides) -> FederatedAlg
     def loss_for(global_params, client_state):
         def loss(params, model_state, batch):
             variables = {"params": params, **model_state}
-            (z, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
+            (z, logits), new_state = head_input(
+                model, head, variables, batch.x, train=True, mask=batch.mask, rng=batch.key
+            )
             z_global = features(global_params, model_state, batch.x)
             z_previous = features(client_state.previous, model_state, batch.x)
             contrast = masked_mean(model_contrastive(z, z_global, z_previous, options.tau), batch.mask)
@@ -157,7 +159,9 @@ def fedntd(model, options: FedNTDOptions | None = None, **overrides) -> Federate
 
     def loss_for(global_params, client_state):
         def loss(params, model_state, batch):
-            logits, new_state = model.apply({"params": params, **model_state}, batch.x, train=True, mask=batch.mask)
+            logits, new_state = model.apply(
+                {"params": params, **model_state}, batch.x, train=True, mask=batch.mask, rng=batch.key
+            )
             global_logits, _ = model.apply({"params": global_params, **model_state}, batch.x, train=False)
             ntd = not_true_distillation(logits, jax.lax.stop_gradient(global_logits), batch.y, options.tau)
             return masked_loss(logits, batch.y, batch.mask) + options.beta * masked_mean(ntd, batch.mask), new_state

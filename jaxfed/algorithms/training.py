@@ -46,7 +46,9 @@ def classification_loss(
             model_params = params
         else:
             model_params = to_params(params, batch.key) if stochastic else to_params(params)
-        logits, new_state = model.apply({"params": model_params, **model_state}, batch.x, train=True, mask=batch.mask)
+        logits, new_state = model.apply(
+            {"params": model_params, **model_state}, batch.x, train=True, mask=batch.mask, rng=batch.key
+        )
         value = masked_loss(logits, batch.y, batch.mask)
         if regularizer is not None:
             value = value + regularizer(params)

@@ -74,7 +74,7 @@ def norm_layers(model) -> list[str]:
     return [key for key, module in _called_modules(model) if isinstance(module, NORMALIZATION)]
 
 
-def head_input(model, head: str, variables, x, *, train: bool = False, mask=None):
+def head_input(model, head: str, variables, x, *, train: bool = False, mask=None, rng=None):
     """``((features, outputs), model_state)``: the input the layer ``head`` receives (the
     model's features) and the model's outputs, from one forward pass."""
     captured = []
@@ -85,7 +85,7 @@ def head_input(model, head: str, variables, x, *, train: bool = False, mask=None
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(capture):
-        outputs, model_state = model.apply(variables, x, train=train, mask=mask)
+        outputs, model_state = model.apply(variables, x, train=train, mask=mask, rng=rng)
     if not captured:
         raise ValueError(f"head: the forward pass never called the layer '{head}'")
     return (captured[-1], outputs), model_state

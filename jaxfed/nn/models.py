@@ -182,17 +182,19 @@ class Model(NamedTuple):
 
     The module's ``__call__(x)`` may also take ``train`` (BatchNorm, dropout), ``mask`` (the
     batch's real examples) and ``features`` (return the head's input): each is passed only when
-    the signature has it. ``Model(name, module, input_shape)``, or ``Model.wrap(module, shape)``.
+    the signature has it. ``Model(name, module, input_shape)``, or ``Model.wrap(module, shape)``;
+    ``input_dtype`` for inputs that are not float32 (token ids for an ``nn.Embed``).
     """
 
     name: str
     module: nn.Module
     input_shape: tuple[int, ...]
+    input_dtype: Any = jnp.float32
 
     @classmethod
-    def wrap(cls, module: nn.Module, input_shape, name: str = "") -> Model:
+    def wrap(cls, module: nn.Module, input_shape, name: str = "", input_dtype=jnp.float32) -> Model:
         """A :class:`Model` of ``module`` for examples of ``input_shape`` (no batch axis)."""
-        return cls(name or type(module).__name__, module, tuple(input_shape))
+        return cls(name or type(module).__name__, module, tuple(input_shape), input_dtype)
 
     def accepts(self, argument: str) -> bool:
         """Whether the module's ``__call__`` takes the keyword ``argument``."""
@@ -205,11 +207,16 @@ class Model(NamedTuple):
 
     def init(self, rng) -> dict:
         """Variables ``{"params": ..., ["batch_stats": ...]}`` for one example shape."""
-        return self.module.init(rng, jnp.zeros((1,) + self.input_shape), **self._keywords(train=False))
+        return self.module.init(
+            rng, jnp.zeros((1,) + self.input_shape, self.input_dtype), **self._keywords(train=False)
+        )
 
-    def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False):
-        """``(outputs, model_state)``: outputs (or features) and the updated non-param collections."""
+    def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False, rng=None):
+        """``(outputs, model_state)``: outputs (or features) and the updated non-param collections.
+        ``rng``: in training, the key of the module's ``"dropout"`` stream (a fresh one each step)."""
         keywords = self._keywords(train=train, mask=mask, features=features)
+        if train and rng is not None:
+            keywords["rngs"] = {"dropout": rng}
         state = {k: v for k, v in variables.items() if k != "params"}
         if train and state:
             out, new_state = self.module.apply(variables, x, **keywords, mutable=list(state))
@@ -266,7 +273,7 @@ def get_model(
 def _check_fits(model: Model, shown: str, num_classes: int | None = None) -> None:
     """A ConfigError when ``model`` cannot take its input shape or (where ``num_classes`` is
     given) does not give one output per class; checked on shapes, nothing computed."""
-    x = jax.ShapeDtypeStruct((1,) + model.input_shape, jnp.float32)
+    x = jax.ShapeDtypeStruct((1,) + model.input_shape, model.input_dtype)
     try:
         variables = jax.eval_shape(model.init, jax.random.key(0))
         out = jax.eval_shape(lambda v, x: model.apply(v, x)[0], variables, x) if num_classes is not None else None
@@ -295,15 +302,18 @@ class Mixture(NamedTuple):
     def name(self) -> str:
         return f"mixture of {self.member.name}"
 
-    def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False):
+    def apply(self, variables, x, *, train: bool = False, mask=None, features: bool = False, rng=None):
         if features:
             raise ValueError("a Mixture has no single feature vector; apply its member instead")
         params = variables["params"]
         state = {k: v for k, v in variables.items() if k != "params"}
 
-        def one(member_params, member_state):
-            return self.member.apply({"params": member_params, **member_state}, x, train=train, mask=mask)
+        def one(member_params, member_state, member_rng):
+            variables = {"params": member_params, **member_state}
+            return self.member.apply(variables, x, train=train, mask=mask, rng=member_rng)
 
-        outputs, new_state = jax.vmap(one)(params["members"], state)
+        count = jax.tree.leaves(params["members"])[0].shape[0]
+        rngs = None if rng is None else jax.random.split(rng, count)
+        outputs, new_state = jax.vmap(one, in_axes=(0, 0, None if rng is None else 0))(params["members"], state, rngs)
         mixed = jnp.tensordot(params["weights"].astype(outputs.dtype), outputs, axes=1)
         return mixed, new_state

@@ -112,12 +112,23 @@ def traceable_keys(configs: list[Config]) -> list[str]:
     numbers: each but ``lr`` (traced in every sweep, tests/test_sweep.py checks every algorithm)
     is tried by tracing one round with it traced (a key used in Python control flow or for a
     shape, e.g. ``momentum`` (``momentum or None``), is not)."""
-    candidates = [
-        k
-        for k in differing_keys(configs)
-        if k not in Config.run_keys() and isinstance(configs[0].options.to_dict().get(k), float)
+    differ = differing_keys(configs)
+    traced = [
+        k for k in differ if k not in Config.run_keys() and isinstance(configs[0].options.to_dict().get(k), float)
     ]
-    return [k for k in candidates if k == "lr" or _traces(configs[0], k)]  # every algorithm traces lr
+    tried: dict[tuple[int, str], bool] = {}
+
+    def traces(i: int, key: str) -> bool:
+        if (i, key) not in tried:
+            tried[i, key] = _traces(configs[i], key)
+        return tried[i, key]
+
+    while True:  # tried in each shape group: e.g. server_momentum traces under server_optimizer none, not sgd
+        firsts = [group[0] for group in shape_groups(configs, traced)]
+        kept = [k for k in traced if k == "lr" or all(traces(i, k) for i in firsts)]  # every algorithm traces lr
+        if kept == traced:
+            return traced
+        traced = kept
 
 
 def _traces(config: Config, key: str) -> bool:
