@@ -55,6 +55,10 @@ def _finite(value) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
+def finite(value):
+    return None if _finite(value) else "must be a finite number"
+
+
 def positive(value):
     if not _finite(value):
         return "must be a finite number > 0"
@@ -64,11 +68,25 @@ def positive(value):
 def non_negative(value):
     if not _finite(value):
         return "must be a finite number >= 0"
+    if _too_large(value):
+        return f"must be in 0..{INT32_MAX}"
     return None if value >= 0 else "must be >= 0"
 
 
+INT32_MAX = 2**31 - 1  # counts reach compiled code as int32: a larger one overflows inside jit
+
+
+def _too_large(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > INT32_MAX
+
+
 def at_least(low: int) -> Check:
-    return lambda value: None if value >= low else f"must be >= {low}"
+    def check(value):
+        if _too_large(value):
+            return f"must be in {low}..{INT32_MAX}"
+        return None if value >= low else f"must be >= {low}"
+
+    return check
 
 
 def ratio(value):

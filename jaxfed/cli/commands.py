@@ -7,6 +7,7 @@ a non-finite client update ends with one line and exit code 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -264,7 +265,11 @@ def _sweep(args) -> int:
     if args.resume and not Path(args.out).exists():
         raise ConfigError(f"--resume: {args.out} does not exist; start the sweep without --resume")
     base = config_from_args(args)
-    grid = dict(_grid_axis(text) for text in args.grid)
+    axes = [_grid_axis(text) for text in args.grid]
+    grid = dict(axes)
+    if len(grid) < len(axes):  # a dict keeps the last: the first axis would vanish silently
+        twice = next(key for i, (key, _) in enumerate(axes) if key in dict(axes[:i]))
+        raise ConfigError(f"--grid: {twice} given twice; give its values once, --grid {twice}=V1,V2,...")
     seeds, lrs = _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float)
     configs = sweep_configs(base, seeds, lrs, grid)
     root = Path(args.out) if args.out else new_run_dir(f"runs/sweep_{base.algorithm}_{base.dataset}")
@@ -379,6 +384,8 @@ def _bench(args) -> int:
     from jaxfed.cli.bench import run_benchmark, summary_lines
 
     strategies = _number_list("--strategies", args.strategies, int)
+    if args.json:  # before minutes of timing, not after
+        check_writable_file("--json", args.json)
     overrides = ([f"data_dir={args.data_dir}"] if args.data_dir else []) + args.set
     result = run_benchmark(
         args.workload,
@@ -394,6 +401,18 @@ def _bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def check_writable_file(option: str, path: str) -> None:
+    """A ConfigError, before any work, if the file ``path`` cannot be written."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory, not a file")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{option} {path}: is not writable")
 
 
 def _attach_list_values(argv: list[str]) -> list[str]:

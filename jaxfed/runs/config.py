@@ -25,6 +25,7 @@ from jaxfed.options import (
     Options,
     at_least,
     field_types,
+    finite,
     key_of,
     non_negative,
     one_of,
@@ -131,7 +132,11 @@ class Config(Options):
         0, "synthetic datasets: outputs; 0 = 3 (synthetic_linear) or 1 (synthetic_mlp)", check=non_negative
     )
     synthetic_rank: int = option(1, "synthetic datasets: rank of each cluster's difference U_c V_c", check=at_least(1))
-    synthetic_scale: float = option(2.0, "synthetic datasets: scale of the cluster differences")
+    synthetic_scale: float = option(
+        2.0,
+        "synthetic datasets: scale of the cluster differences",
+        check=finite,
+    )
     # run
     seed: int = option(
         0,
@@ -224,7 +229,15 @@ class Config(Options):
         for key, raw in parsed:
             if "." in key:  # ALGORITHM.key: applies only when that algorithm runs
                 scope, key = key.split(".", 1)
-                _options_class(scope)  # an unknown algorithm is an error, not a silently ignored key
+                scoped = _options_class(scope)  # an unknown algorithm is an error, not a silently ignored key
+                if key in self.run_keys():  # a section holds its algorithm's options only
+                    raise ConfigError(
+                        f"{scope}.{key}: {key} is a run key, not an option of {scope}; set it outside "
+                        f"[{scope}] (or under [run])"
+                    )
+                if scoped.field_for(key) is None:  # so are an unknown key and a bad value, whichever runs
+                    raise ConfigError(_unknown_key_message(key, scope, scoped))
+                scoped.parse(key, raw)
                 if scope == algorithm:
                     option_values[key] = raw
             elif key not in self.run_keys():

@@ -412,6 +412,12 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
             f"sweep: two members would share the run directory {shared}; give each swept key distinct values "
             "(model files: distinct file names)"
         )
+    parent = RunDirectory(root)
+    if parent.finished() or parent.holds_run():  # its members would sit inside a run
+        raise ConfigError(
+            f"--out {root}: is a run directory (its own metrics, checkpoints or summary.json); "
+            "choose another --out for a sweep"
+        )
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
         for directory in dirs:

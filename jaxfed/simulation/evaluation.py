@@ -322,7 +322,7 @@ class Evaluation:
         """``(correct, loss)`` of ``variables`` on every test example (``[N]`` each), in batches of
         ``batch_size`` shared out to the devices."""
         n = data.x_test.shape[0]
-        positions = batch_positions(n, self.batch_size)
+        positions = batch_positions(n, min(self.batch_size, n))  # a larger batch would only pad
 
         def outcomes(shared, batches):
             return jax.lax.map(functools.partial(batch_outcomes, model, *shared), batches)
