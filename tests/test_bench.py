@@ -1,7 +1,9 @@
 """jaxfed bench: the harness's bookkeeping against numbers written out, and a tiny end-to-end run."""
 
 import json
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
@@ -10,11 +12,15 @@ from jaxfed.cli.bench import (
     examples_per_round,
     profile_rounds,
     sequential_steps,
+    time_rounds,
     useful_step_fraction,
     workload_config,
 )
+from jaxfed.cli.bench.flops import model_step_flops
 from jaxfed.cli.bench.profile import summarize
+from jaxfed.nn import get_model
 from jaxfed.runs.build import build
+from jaxfed.simulation.engine import Simulation
 
 TINY_W2 = ["num_clients=40", "participation=0.25", "client_train_size=40", "rounds_per_call=1"]
 
@@ -250,3 +256,50 @@ def test_a_convolutions_count_skips_padding_and_dilation_holes(stride, padding):
     assert jaxpr_flops(jax.make_jaxpr(conv)(x, w).jaxpr) == 2 * macs
     grads = jax.make_jaxpr(jax.grad(lambda x, w: conv(x, w).sum(), argnums=(0, 1)))(x, w)
     assert jaxpr_flops(grads.jaxpr) == 3 * 2 * macs  # forward, input gradient, weight gradient: the same MACs
+
+
+@pytest.mark.parametrize("name", ["resnet8", "cnn4"])
+def test_a_same_padded_patches_convolution_counts_as_the_xla_convolution(name):
+    """The FLOP count does not depend on the convolution's lowering and leaves out the padding's
+    multiply-adds: counted from its matmul, the default patches convolution (the padded input,
+    then one dot_general) counted them (resnet8, W4's model, 1.08x the lax.conv count, cnn4 1.21x)."""
+    shape = (32, 32, 3)
+    counts = {conv: model_step_flops(get_model(name, shape, 10, conv=conv), shape, 2) for conv in ("patches", "xla")}
+    assert counts["patches"] == counts["xla"]
+
+
+@pytest.mark.parametrize("setting", ["matmul_precision=highest", "client_state=host"])
+def test_the_timed_evaluation_of_every_client_compiles_nothing(monkeypatch, setting):
+    """time_rounds warmed up ``sim._eval`` outside ``sim.precision()`` and past the host-held
+    path, so ``eval_all_clients_seconds`` timed a compilation (0.97 s against 0.002 s)."""
+    compiles_per_call = []  # one list per evaluate call, the last the timed one
+    evaluate = Simulation.evaluate
+
+    def watched(self, state):
+        compiles_per_call.append([])
+        return evaluate(self, state)
+
+    def record(event, duration, **_):
+        if compiles_per_call and "backend_compile" in event:
+            compiles_per_call[-1].append(event)
+
+    monkeypatch.setattr(Simulation, "evaluate", watched)
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        time_rounds(workload_config("w2", [*TINY_W2, setting]), 1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    assert len(compiles_per_call) >= 2 and compiles_per_call[-1] == []
+
+
+def test_useful_steps_follow_the_clients_each_device_runs():
+    """With D devices the engine deals the size-ordered clients round-robin (padded with
+    step-less dummies to a multiple of D) and each device runs its own chunks
+    (ClientStrategy.run_order), as fastest_chunk models; useful_step_fraction grouped every
+    client as if on one device."""
+    config = workload_config("w2", TINY_W2)  # batch 32, drop_last, one epoch
+    counts = 32 * np.array([20, 10, 1, 1])  # 20, 10, 1, 1 steps
+    sim = SimpleNamespace(data=SimpleNamespace(train_count=counts), sampled_ids=lambda t: np.arange(4), num_devices=2)
+    # device 0 runs [20, 1], device 1 [10, 1]: all vmapped, 2 x 20 + 2 x 10 steps run for 32 real (not 4 x 20)
+    assert useful_step_fraction(sim, config, range(1), 0) == pytest.approx(32 / 60)
+    assert useful_step_fraction(sim, config, range(1), 1) == 1.0

@@ -11,6 +11,8 @@ Parameters are Flax ``nn.Conv``'s: ``kernel [kh, kw, cin, cout]`` and ``bias [co
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -18,13 +20,26 @@ import jax
 import jax.numpy as jnp
 
 CONV_IMPLS = ("patches", "xla")
+_AS_XLA = contextvars.ContextVar("jaxfed_conv_as_xla", default=False)
+
+
+@contextlib.contextmanager
+def traced_as_xla():
+    """Within it, :func:`conv2d` traces every convolution as ``lax.conv_general_dilated``
+    whatever its ``impl`` (the same convolution): how :mod:`jaxfed.cli.bench.flops` counts a
+    ``patches`` convolution as the convolution it computes, without its padding's multiply-adds."""
+    token = _AS_XLA.set(True)
+    try:
+        yield
+    finally:
+        _AS_XLA.reset(token)
 
 
 def conv2d(x, kernel, strides: Sequence[int] = (1, 1), padding="SAME", impl: str = "patches"):
     """``x [B, H, W, cin]`` convolved with ``kernel [kh, kw, cin, cout]`` (cross-correlation, as
     ``lax.conv_general_dilated`` with NHWC / HWIO)."""
     strides = tuple(strides)
-    if impl == "xla":
+    if impl == "xla" or _AS_XLA.get():
         return jax.lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
     kh, kw, cin, cout = kernel.shape
     pads = jax.lax.padtype_to_pads(x.shape[1:3], (kh, kw), strides, padding) if isinstance(padding, str) else padding

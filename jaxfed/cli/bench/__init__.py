@@ -121,12 +121,17 @@ def local_steps(sim, config: Config, round_index: int) -> np.ndarray:
 
 def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> float:
     """Real local steps / executed steps over ``rounds`` with ``client_chunk=chunk``
-    (:func:`~jaxfed.simulation.strategy.size_ordered_groups`)."""
+    (:func:`~jaxfed.simulation.strategy.size_ordered_groups`), on each of ``sim``'s devices its
+    own share of the clients: every ``num_devices``-th of the size order, padded to a multiple of
+    the devices (:meth:`~jaxfed.simulation.strategy.ClientStrategy.run_order`)."""
     real, executed = 0, 0
+    devices = sim.num_devices
     for t in rounds:
         steps = local_steps(sim, config, t)
         real += steps.sum()
-        executed += sum(group.max() * len(group) for group in size_ordered_groups(steps, chunk))
+        padded = np.concatenate([steps, np.zeros(-len(steps) % devices, steps.dtype)])  # dummies: no steps
+        for share in (padded[d::devices] for d in range(devices)):  # each device's clients (run_order)
+            executed += sum(group.max() * len(group) for group in size_ordered_groups(share, chunk))
     return float(real / max(executed, 1))
 
 
@@ -160,7 +165,7 @@ def time_rounds(config: Config, rounds: int) -> dict:
         jax.block_until_ready((state, metrics))
         times.append((time.perf_counter() - tick) / per_call)
         done += per_call
-    jax.block_until_ready(sim._eval(state, sim.data))  # compile the evaluation
+    sim.evaluate(state)  # compiles the evaluation (its own path and precision, as the timed call runs it)
     tick = time.perf_counter()
     evaluation = sim.evaluate(state)
     eval_seconds = time.perf_counter() - tick

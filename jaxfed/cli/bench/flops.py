@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxfed.core.losses import masked_loss
+from jaxfed.nn.conv import traced_as_xla
 
 
 def eqn_flops(eqn) -> float:
@@ -110,7 +111,8 @@ def model_step_flops(model, input_shape, batch_size: int) -> float:
         out, _ = model.apply({**variables, "params": params}, x, train=True, mask=mask)
         return masked_loss(out, y, mask)
 
-    return jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr)
+    with traced_as_xla():  # a patches conv's padding is no multiply-add of the convolution
+        return jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr)
 
 
 def local_step_flops(sim, tier: int = 0) -> float:
@@ -129,8 +131,9 @@ def local_step_flops(sim, tier: int = 0) -> float:
     batch = sim.data.train_data(ids)
     client_state = jax.tree.map(lambda x: x[0], gather_clients(state.clients, ids))
     data = ClientData(batch.x, batch.y, batch.indices[0], batch.count[0])
-    jaxpr = jax.make_jaxpr(lambda m, c, d, r: alg.client_update(m, c, d, r, info))(
-        message, client_state, data, jax.random.key(0)
-    )
+    with traced_as_xla():  # a patches conv's padding is no multiply-add of the convolution
+        jaxpr = jax.make_jaxpr(lambda m, c, d, r: alg.client_update(m, c, d, r, info))(
+            message, client_state, data, jax.random.key(0)
+        )
     bodies = loop_body_flops(jaxpr.jaxpr)
     return max(bodies) if bodies else jaxpr_flops(jaxpr.jaxpr)
