@@ -31,18 +31,36 @@ class StorageFullError(RuntimeError):
     were written; the newest complete checkpoint is intact. The CLI exits with code 1."""
 
 
+class DeviceMemoryError(RuntimeError):
+    """A round or an evaluation ran out of device memory (XLA's RESOURCE_EXHAUSTED "Out of
+    memory"); the newest complete checkpoint is intact. The CLI exits with code 1."""
+
+
 STORAGE_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
+
+
+def _chain(err: BaseException | None):
+    """``err`` and what it wraps (its causes and contexts)."""
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def is_device_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps) is XLA running out of device memory, not a full disk."""
+    return any("RESOURCE_EXHAUSTED" in str(e) and "out of memory" in str(e).lower() for e in _chain(err))
 
 
 def is_storage_full(err: BaseException) -> bool:
     """Whether ``err`` (or what it wraps) is a full disk: an OSError with ENOSPC / EDQUOT, or
-    TensorStore's RESOURCE_EXHAUSTED as orbax re-raises it."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in STORAGE_FULL_ERRNOS:
+    TensorStore's RESOURCE_EXHAUSTED as orbax re-raises it (XLA's out of device memory is not)."""
+    if is_device_out_of_memory(err):
+        return False
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in STORAGE_FULL_ERRNOS:
             return True
-        if "RESOURCE_EXHAUSTED" in str(err) or "No space left on device" in str(err):
+        if "RESOURCE_EXHAUSTED" in str(e) or "No space left on device" in str(e):
             return True
-        err = err.__cause__ or err.__context__
     return False
 
 

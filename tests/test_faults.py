@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import flip_state_byte
@@ -396,6 +397,34 @@ def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(target, tmp_pa
         err = _last_line_error(capsys)
     assert "no space left while writing" in err and "the checkpoint of round 2 is intact" in err
     assert main(["run", "--quiet", "--out", str(out), "--resume"]) == 0
+    assert _rows(out) == _rows(reference)
+
+
+def test_out_of_device_memory_is_one_line_and_not_a_full_disk(tmp_path, capsys, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED "Out of memory" in a round was reported as a full disk ("no space
+    left while writing ...; free space"): it names device memory and client_chunk, and the run
+    goes on from its intact checkpoint."""
+    from jaxfed.runs.driver import OneSimulation
+
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
+    calls, run_rounds = {"n": 0}, OneSimulation.run_rounds
+
+    def out_of_memory_on_the_second(self, state, num_rounds):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 149.03GiB")
+        return run_rounds(self, state, num_rounds)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(OneSimulation, "run_rounds", out_of_memory_on_the_second)
+        capsys.readouterr()
+        assert main(["run", "--quiet", "--out", str(out), *CHECKPOINTED]) == 1
+        err = _last_line_error(capsys)
+    assert err.startswith("jaxfed: error: out of device memory (RESOURCE_EXHAUSTED: Out of memory") and (
+        "the checkpoint of round 2 is intact" in err and "client_chunk" in err and "no space" not in err
+    )
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "client_state=host"]) == 0
     assert _rows(out) == _rows(reference)
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxfed.errors import ConfigError, NonFiniteUpdateError, StorageFullError
+from jaxfed.errors import ConfigError, DeviceMemoryError, NonFiniteUpdateError, StorageFullError
 from jaxfed.runs import distributed
 from jaxfed.runs.config import Config, read_config_file
 
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except StorageFullError as err:
+    except (StorageFullError, DeviceMemoryError) as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -25,7 +25,14 @@ from typing import Any, NamedTuple, Protocol
 import jax
 
 from jaxfed.data import describe as describe_partition
-from jaxfed.errors import NonFiniteUpdateError, StorageFullError, first_line, is_storage_full
+from jaxfed.errors import (
+    DeviceMemoryError,
+    NonFiniteUpdateError,
+    StorageFullError,
+    first_line,
+    is_device_out_of_memory,
+    is_storage_full,
+)
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host, split_host_for, to_host
@@ -231,11 +238,25 @@ def drive(
     try:
         return run_calls(state, done)
     except Exception as err:
+        if is_device_out_of_memory(err):
+            raise device_out_of_memory(dirs[0], err) from None
         if not is_storage_full(err):
             raise
         raise storage_full(dirs[0], err) from None
     finally:
         bar.close()
+
+
+def device_out_of_memory(directory: RunDirectory, err: BaseException) -> DeviceMemoryError:
+    """The one-line error of a round or an evaluation that ran out of device memory, once the
+    checkpoints begun are complete."""
+    directory.checkpoints.wait()
+    intact = directory.checkpoints.rounds()
+    kept = f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
+    return DeviceMemoryError(
+        f"out of device memory ({first_line(err, 160)}); {kept}: client states held on the host need less "
+        "(continue with --resume --set client_state=host), as do a smaller client_chunk or eval_batch_size (a new run)"
+    )
 
 
 def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullError:
