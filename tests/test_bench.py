@@ -156,6 +156,19 @@ def test_bench_refuses_the_torch_baseline_for_other_algorithms_and_models(capsys
     assert f"not model '{net}:Net'; use --baseline none" in capsys.readouterr().err
 
 
+UNTWINNED = ["weight_decay=0.0001", "clip_norm=1.0", "lr_schedule=cosine", "server_optimizer=adam"]
+UNTWINNED += ["client_optimizer=adam"]
+
+
+@pytest.mark.parametrize("setting", UNTWINNED)
+def test_bench_refuses_a_torch_baseline_that_would_do_other_work(setting, capsys):
+    """The PyTorch loop is plain SGD (with momentum) at a constant lr and a plain average: with
+    any other setting it compared different work and said nothing."""
+    assert main(["bench", "w2", "--set", setting, "--baseline", "torch", "--set", TINY_W2[0]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxfed: error: --baseline: the torch loop runs plain SGD") and setting in err
+
+
 def test_the_torch_loop_runs_jaxfeds_rounds_or_the_baseline_rounds_asked(monkeypatch, capsys):
     """The PyTorch loop (a stand-in recording its rounds, so this runs without torch) runs as many
     rounds as jaxfed did (the warm-up call and the timed ones), or ``--baseline-rounds``; the

@@ -200,6 +200,10 @@ def step_flops_per_example(sim, config: Config) -> float:
     return flops / config.options.batch_size
 
 
+# What the PyTorch loop does not implement, at the value where FedAvg's jaxfed round does the same
+TORCH_LOOP_FIXED = {"weight_decay": 0.0, "clip_norm": 0.0, "lr_schedule": "constant", "server_optimizer": "none"}
+
+
 def run_benchmark(
     workload: str,
     overrides=(),
@@ -231,6 +235,15 @@ def run_benchmark(
         if model not in TWINS:
             raise ConfigError(
                 f"--baseline: torch has a twin of {', '.join(TWINS)} only, not model '{model}'; use --baseline none"
+            )
+        given = {key: getattr(config.options, key) for key in TORCH_LOOP_FIXED}
+        untwinned = [f"{key}={value}" for key, value in given.items() if value != TORCH_LOOP_FIXED[key]]
+        if config.options.client_optimizer not in ("sgd", "momentum"):
+            untwinned.insert(0, f"client_optimizer={config.options.client_optimizer}")
+        if untwinned:
+            raise ConfigError(
+                f"--baseline: the torch loop runs plain SGD (momentum allowed) with a constant lr and a plain "
+                f"average; it has no {', '.join(untwinned)}: use --baseline none"
             )
         require_torch()  # before minutes of timing, not after
     engine = time_rounds(config, rounds)
