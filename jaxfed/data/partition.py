@@ -98,13 +98,14 @@ def dirichlet(labels, num_clients, rng, *, alpha, min_examples):
 
 def pathological(labels, num_clients, rng, *, classes_per_client, num_classes):
     """Each client holds exactly ``classes_per_client`` classes; a class is split evenly among its holders."""
-    if not 1 <= classes_per_client <= num_classes:
-        raise ConfigError(f"classes_per_client: must be in [1, {num_classes}], got {classes_per_client}")
-    order = rng.permutation(num_classes)
-    holders = {c: [] for c in range(num_classes)}
+    present = np.unique(labels)  # the classes with training examples: labels need not be 0..num_classes-1
+    if not 1 <= classes_per_client <= len(present):
+        raise ConfigError(f"classes_per_client: must be in [1, {len(present)}], got {classes_per_client}")
+    order = rng.permutation(present)  # all of 0..num_classes-1 present: the same draw as permutation(num_classes)
+    holders = {int(c): [] for c in present}
     for k in range(num_clients):
         for j in range(classes_per_client):
-            holders[int(order[(k * classes_per_client + j) % num_classes])].append(k)
+            holders[int(order[(k * classes_per_client + j) % len(present)])].append(k)
     parts = [[] for _ in range(num_clients)]
     for c, clients in holders.items():
         if not clients:

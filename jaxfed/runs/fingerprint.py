@@ -58,6 +58,9 @@ def options_dict(options) -> dict | None:
 
 def simulation_keys(sim) -> dict:
     """What a simulation runs, as :class:`~jaxfed.Config` keys (``options``: None when unknown)."""
+    held_out = [] if sim.new_clients is None else [int(i) for i in sim.new_clients]
+    # the local updates that personalize each new client: every new_* metric (only with new clients)
+    updates = {"new_client_updates": sim.evaluation.new_client_updates} if held_out else {}
     return {
         "algorithm": sim.algorithm.name,
         "options": options_dict(getattr(sim.algorithm, "options", None)),
@@ -69,7 +72,8 @@ def simulation_keys(sim) -> dict:
         "eval_batch_size": sim.evaluation.batch_size,
         "matmul_precision": sim.matmul_precision,
         "seed": seed_of(sim.root),
-        "new_client_ids": [] if sim.new_clients is None else [int(i) for i in sim.new_clients],
+        "new_client_ids": held_out,
+        **updates,
     }
 
 

@@ -12,6 +12,8 @@ damaged one, or an ``out_file`` that cannot be written, is a one-line ConfigErro
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +61,8 @@ CLIENTS_DIR = "clients"  # a run directory's per-client files: clients/<round>.n
 def client_files(run_dir: str | Path) -> list[tuple[int, Path]]:
     """``[(round, path)]`` of a run directory's per-client files, by round."""
     folder = Path(run_dir) / CLIENTS_DIR
-    found = [(p.name.split(".")[0], p) for p in folder.glob("*.npz")] if folder.is_dir() else []
+    # <round>.npz only: a <round>.tmp.npz is a write that a killed run left half done (write_clients)
+    found = [(p.name.removesuffix(".npz"), p) for p in folder.glob("*.npz")] if folder.is_dir() else []
     return sorted((int(r), p) for r, p in found if r.isdigit())
 
 
@@ -73,7 +76,7 @@ def read_clients(run_dir: str | Path) -> dict[int, dict[str, np.ndarray]]:
         try:
             with np.load(path, allow_pickle=False) as arrays:
                 out[round_] = {name: arrays[name] for name in arrays.files}
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
             raise ConfigError(f"{path}: damaged ({first_line(err)})") from None
     return out
 

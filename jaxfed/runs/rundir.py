@@ -307,6 +307,8 @@ class RunDirectory:
         for round_file, path in client_files(self.path):
             if round_file > round_:
                 path.unlink()
+        for leftover in self.clients_path.glob("*.tmp.npz"):  # a write a killed run left half done
+            leftover.unlink()
 
     def save(self, state, record: RunRecord, wall: float, devices: int) -> None:
         round_ = int(state.round)
