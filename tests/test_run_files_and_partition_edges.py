@@ -63,3 +63,23 @@ def test_pathological_draw_is_unchanged_when_every_class_is_present():
     order = np.random.default_rng(3).permutation(10)  # what the partition drew before
     for k, part in enumerate(train):
         assert set(labels[part]) == {int(order[(2 * k) % 10]), int(order[(2 * k + 1) % 10])}
+
+
+def test_bfloat16_arrays_are_numbers_and_their_nan_is_found():
+    """numpy's issubdtype does not know ml_dtypes' bfloat16: bfloat16 inputs were refused as
+    "expected numbers", and the NaN check would have passed over them."""
+    import ml_dtypes
+
+    from jaxfed.data.validate import DataError, check_arrays
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "x_train": rng.normal(size=(20, 4, 4)).astype(ml_dtypes.bfloat16),
+        "y_train": rng.integers(0, 3, 20),
+        "x_test": rng.normal(size=(6, 4, 4)).astype(ml_dtypes.bfloat16),
+        "y_test": rng.integers(0, 3, 6),
+    }
+    check_arrays("mine", arrays, 3)
+    arrays["x_train"][3, 1, 1] = np.nan
+    with pytest.raises(DataError, match=r"^mine: x_train has 1 NaN or inf value\(s\)"):
+        check_arrays("mine", arrays, 3)

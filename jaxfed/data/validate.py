@@ -13,6 +13,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.errors import ConfigError, first_line
@@ -65,7 +66,7 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
     ``[0, num_classes)``. ``images``: x must be ``(N, H, W)`` or ``(N, H, W, C)``, channels last."""
     for name in ARRAYS:
         a = arrays[name]
-        if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+        if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == np.bool_):  # jnp's: bfloat16 too
             raise DataError(f"{source}: {name} has dtype {a.dtype}; expected numbers")
         if np.issubdtype(a.dtype, np.complexfloating):
             raise DataError(f"{source}: {name} has dtype {a.dtype}; expected real numbers (complex values are not)")
@@ -80,7 +81,7 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
         if images:
             _check_image_shape(source, x_name, x.shape)
         _check_targets(source, y_name, y, num_classes)
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        if jnp.issubdtype(x.dtype, jnp.floating) and not np.isfinite(x).all():
             bad = int(np.count_nonzero(~np.isfinite(x)))
             raise DataError(f"{source}: {x_name} has {bad} NaN or inf value(s); every input must be finite")
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
@@ -93,7 +94,7 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
 def check_dataset(dataset, source: str | None = None) -> None:
     """:func:`check_arrays` for a :class:`~jaxfed.data.Dataset` (float targets: regression)."""
     arrays = {name: np.asarray(getattr(dataset, name)) for name in ARRAYS}
-    regression = np.issubdtype(arrays["y_train"].dtype, np.floating)
+    regression = jnp.issubdtype(arrays["y_train"].dtype, jnp.floating)
     classes = None if regression else dataset.num_classes
     check_arrays(source or f"dataset '{dataset.name}'", arrays, classes, images=False)
 
@@ -138,7 +139,7 @@ def _check_image_shape(source: str, name: str, shape: tuple[int, ...]) -> None:
 
 def _check_targets(source: str, name: str, y: np.ndarray, num_classes: int | None) -> None:
     if num_classes is None:  # regression
-        if not np.issubdtype(y.dtype, np.floating):
+        if not jnp.issubdtype(y.dtype, jnp.floating):
             raise DataError(f"{source}: {name} has dtype {y.dtype}; regression targets are floats")
         if not np.isfinite(y).all():
             raise DataError(f"{source}: {name} has NaN or inf targets")
