@@ -372,3 +372,13 @@ def test_a_key_that_traces_under_one_value_of_another_swept_key_only_splits_the_
     for group in shape_groups(configs, traced):
         sweep = Sweep([configs[i] for i in group], traced)
         jax.eval_shape(sweep._init, sweep.seeds, sweep.values, None, sweep.data)
+
+
+def test_a_grid_one_of_whose_groups_cannot_sweep_is_refused_before_any_group_runs(tmp_path, capsys):
+    """client_state=host is refused in a sweep: with `--grid client_state=device,host` the device
+    group used to run in full before the host group's turn refused it."""
+    out = tmp_path / "sweep"
+    args = ["sweep", "--quiet", "--out", str(out), "--grid", "client_state=device,host", "--set", *TINY[:3]]
+    assert main(args) == 2
+    assert "client_state: host is for single runs" in capsys.readouterr().err
+    assert not list(out.glob("*/metrics.jsonl"))

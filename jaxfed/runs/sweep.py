@@ -429,6 +429,8 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
         summaries = [read_json(d.path / "summary.json") if p is None else None for d, p in zip(dirs, points)]
         traced = traceable_keys(configs) if any(p is not None for p in points) else []
         batches = resume_batches(shape_groups(configs, traced), points)
+        for batch in batches:  # every group's refusal before any group runs
+            check_sweepable([configs[i] for i in batch], ["lr", *(k for k in traced if k != "lr")])
         for number, batch in enumerate(batches, 1):
             if len(batches) > 1:
                 since = f", from round {points[batch[0]]}" if points[batch[0]] else ""
@@ -570,8 +572,14 @@ def restore_members(
             f"sweep: members restored at different rounds ({shown}) after an unreadable checkpoint was set aside; "
             "run the same command again to go on from the rounds that read"
         )
-    stacked = jax.tree.map(lambda like, *xs: jax.device_put(jnp.stack(xs), like.sharding), states, *members)
-    return stacked, records
+
+    def placed(like, *xs):
+        # a fresh sweep's states are uncommitted (the compiled call places them): so are the restored
+        # ones; committed to the one device they were read onto, they clash with a mesh of several
+        stacked = jnp.stack(xs)
+        return jax.device_put(stacked, like.sharding) if like.committed else jnp.asarray(jax.device_get(stacked))
+
+    return jax.tree.map(placed, states, *members), records
 
 
 def narrow_vmapped_clients(template, member_chunk: int, num_members: int) -> None:
