@@ -34,11 +34,12 @@ def real_total(is_real, per_client):
 
 def traffic(algorithm: FederatedAlgorithm, groups, tiers) -> tuple[dict, dict]:
     """A round's traffic metrics from its client groups (each with ``tiers`` (each row's),
-    ``is_real``, ``up_bytes``, ``down_sent``, ``down_bytes`` and ``tier_up_bytes``): ``(totals,
+    ``is_real``, ``rows.bad``, ``up_bytes``, ``down_sent``, ``down_bytes`` and ``tier_up_bytes``): ``(totals,
     per_tier)``. ``totals``: ``bytes_up``, ``bytes_down`` (every sampled client downloads its
     tier's whole message), ``bytes_down_cached`` (what it must download, keeping what it received
     before); ``per_tier`` (``tiers``: a tiered algorithm's bounds): what one client of each tier
-    uploads (``bytes_up_client_tier<t>``, the mean where it varies)."""
+    uploads (``bytes_up_client_tier<t>``, the mean where it varies; NaN where no client of the
+    tier uploaded)."""
     totals = {
         "bytes_up": sum(real_total(g.is_real, g.up_bytes) for g in groups),
         "bytes_down": sum(g.down_sent for g in groups),
@@ -51,8 +52,9 @@ def traffic(algorithm: FederatedAlgorithm, groups, tiers) -> tuple[dict, dict]:
             if algorithm.message_bytes is None:
                 per_tier[f"bytes_up_client_tier{t}"] = jnp.asarray(fixed[t], jnp.float32)
                 continue
-            members = [g.is_real & (g.tiers == t) for g in groups]
+            members = [g.is_real & ~g.rows.bad & (g.tiers == t) for g in groups]  # the tier's uploads
             n = sum(jnp.sum(m).astype(jnp.float32) for m in members)
             up = sum(real_total(m, g.up_bytes) for m, g in zip(members, groups))
-            per_tier[f"bytes_up_client_tier{t}"] = up / jnp.maximum(n, 1.0)
+            # NaN, not 0, in a round without an upload of the tier (the rows' means leave NaN out)
+            per_tier[f"bytes_up_client_tier{t}"] = jnp.where(n > 0, up / jnp.maximum(n, 1.0), jnp.nan)
     return totals, per_tier

@@ -416,6 +416,8 @@ class Simulation:
             tier_up_bytes = [rows.up_bytes[0]]  # fixed per tier unless message_bytes says otherwise
         elif alg.message_bytes is None:  # the tier's own upload, not the padded one
             rows = rows._replace(up_bytes=jnp.asarray(tier_up_bytes, jnp.float32)[tiers])
+        if self.nonfinite == "skip":  # a skipped client sends nothing
+            rows = rows._replace(up_bytes=jnp.where(rows.bad, 0.0, rows.up_bytes))
         return _Group(tiers, ids, is_real, rows, total, down_sent, down_bytes, tier_up_bytes)
 
     def _tier_upload_bytes(self, state, messages, states, client_data, key, ids) -> list[int]:
