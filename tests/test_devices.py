@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 from conftest import metrics_rows
 
+from jaxfed.cli.commands import main
+from jaxfed.runs import distributed
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -172,3 +175,13 @@ def test_two_processes_run_as_one_process_with_two_devices_and_resume(tmp_path):
     assert metrics_rows(tmp_path / "two") == metrics_rows(tmp_path / "one")
     assert [r["round"] for r in metrics_rows(tmp_path / "two")] == [2, 4, 6]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["devices"] == 2
+
+
+def test_only_process_zero_prints_in_a_run_across_processes(tmp_path, monkeypatch, capsys):
+    """docs/devices.md: across processes, "process 0 alone writes config.json, metrics.jsonl,
+    summary.json and the plots, holds the lock and prints". Another process prints nothing."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(distributed._process, "id", 1)  # this process plays process 1 of a run
+    assert main(["run", "--set", "rounds=1", "--out", "shared"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "", (out.out, out.err)

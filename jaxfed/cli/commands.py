@@ -208,6 +208,10 @@ def plugin_paths(plugins: list[str]) -> list[str]:
     return list(dict.fromkeys(str(Path(p).absolute()) if p.endswith(".py") else p for p in plugins))
 
 
+def _silent(message: str) -> None:
+    """The log of a process other than process 0 in a run across processes: it prints nothing."""
+
+
 def _run(args) -> int:
     from jaxfed.runs.driver import resume_point, run
     from jaxfed.runs.rundir import human_bytes, new_run_dir
@@ -219,11 +223,13 @@ def _run(args) -> int:
         if not args.out:
             raise ConfigError("--coordinator: needs --out DIR, the run directory every process shares")
         distributed.start(*processes)  # before anything below starts JAX's backend
-    saved, point = resume_point(args.out, plugins=plugin_paths(args.plugin)) if args.resume else (None, False)
+    primary = distributed.is_primary()  # process 0 alone prints (docs/devices.md); errors still raise
+    log = None if primary else _silent
+    saved, point = resume_point(args.out, log=log, plugins=plugin_paths(args.plugin)) if args.resume else (None, False)
     config = config_from_args(args, saved)
     out = args.out or new_run_dir(f"runs/{config.algorithm}_{config.dataset}")
     try:
-        s = run(config, out, resume=point, progress=not args.quiet and distributed.is_primary())
+        s = run(config, out, resume=point, progress=not args.quiet and primary, log=log)
     except NonFiniteUpdateError as err:
         saved = getattr(err, "checkpoint", None)
         where = f"; last good state saved in {saved}" if saved else ""
