@@ -20,9 +20,8 @@ from test_faults import _one_line_error
 
 from jaxfed.algorithms import registry
 from jaxfed.cli import main
-from jaxfed.data import PARTITIONERS, federate, partition, save_partition
+from jaxfed.data import PARTITIONERS, DataError, federate, partition, save_partition
 from jaxfed.data.federated import index_table
-from jaxfed.data.validate import DataError
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
 from jaxfed.options import TrainingOptions, at_least, option

@@ -14,6 +14,7 @@ from jaxfed.data.partition import (
     summarize,
 )
 from jaxfed.data.synthetic import SYNTHETIC_TASKS, auto_samples_per_client, synthetic_task
+from jaxfed.data.validate import DataError
 
 __all__ = [
     "CLUSTER_TASKS",
@@ -23,6 +24,7 @@ __all__ = [
     "SYNTHETIC_TASKS",
     "Batch",
     "ClientData",
+    "DataError",
     "Dataset",
     "FederatedData",
     "apply_cluster_task",
