@@ -362,7 +362,8 @@ def per_seed_records(variants: list[Variant]) -> list[dict]:
     """One record per run: the variant, the run directory and its summary's numbers."""
     keep = (
         "seed", "personalized_acc_mean", "personalized_mse_mean", "global_acc", "global_mse",
-        "best_personalized_acc", "bytes_up_total", "bytes_total", "bytes_total_cached", "rounds",
+        "best_personalized_acc", "best_personalized_mse", "bytes_up_total", "bytes_total", "bytes_total_cached",
+        "rounds",
     )  # fmt: skip
     records = []
     for v in variants:
@@ -382,7 +383,8 @@ def plot(variants: list[Variant], out_file: Path) -> Path:
     metric = headline_metric(variants[0])
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
     for v in variants:
-        rounds = sorted({r["round"] for rows in v.rows for r in rows if r.get(metric) is not None})
+        # the rounds every seed evaluated (eval_every may differ between them): a mean over all of them
+        rounds = sorted(set.intersection(*({r["round"] for r in rows if r.get(metric) is not None} for rows in v.rows)))
         stats = []
         for round_ in rounds:
             values = [r[metric] for rows in v.rows for r in rows if r["round"] == round_ and r.get(metric) is not None]

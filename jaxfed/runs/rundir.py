@@ -22,6 +22,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -485,7 +486,12 @@ def headline(row: dict) -> tuple[str, float]:
 def task_summary(rows: list[dict]) -> dict:
     """Last and best personalized / global metrics: accuracy (best = max), or MSE (best = min)."""
     final = rows[-1]
-    kind, best = ("mse", min) if is_regression_row(final) else ("acc", max)
+    kind, pick = ("mse", min) if is_regression_row(final) else ("acc", max)
+
+    def best(values):  # NaN (a diverged evaluation) is never the best, wherever it comes
+        finite = [v for v in values if not math.isnan(v)]
+        return pick(finite) if finite else math.nan
+
     global_values = [r[f"global_{kind}"] for r in rows if r.get(f"global_{kind}") is not None]
     return {
         "task": "regression" if kind == "mse" else "classification",
