@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -205,15 +206,26 @@ def import_plugin(spec: str) -> None:
         if not path.is_file():
             raise ConfigError(f"plugins: no file '{spec}' (a plugin that moved: pass --plugin with its new path)")
         module_name = f"jaxfed_plugin_{path.stem}"
-        if module_name in sys.modules:
-            return
+        loaded = sys.modules.get(module_name)
+        if loaded is not None:
+            loaded_file = Path(getattr(loaded, "__file__", "") or "")
+            # the same file again, or the file that moved here (its old path is gone): done already
+            if loaded_file.resolve() == path.resolve() or not loaded_file.is_file():
+                return
+            # another file of the same name (a/plug.py, b/plug.py): a module of its own
+            module_name = f"{module_name}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]}"
+            if module_name in sys.modules:
+                return
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
+        before = set(_REGISTRY)
         try:
             module_spec.loader.exec_module(module)
         except Exception as err:
             del sys.modules[module_name]
+            for name in set(_REGISTRY) - before:  # a failed import registers nothing
+                del _REGISTRY[name]
             raise ConfigError(f"plugins: importing {spec} failed: {where_raised(err, str(path))}") from None
         return
     try:

@@ -49,7 +49,7 @@ from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
 from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, option_defaults, options_dict, seed_of
-from jaxfed.runs.plots import read_json, show
+from jaxfed.runs.plots import read_json, run_dirs_below, show
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -418,6 +418,14 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
             f"--out {root}: is a run directory (its own metrics, checkpoints or summary.json); "
             "choose another --out for a sweep"
         )
+    if resume and not any(out.is_dir() for out in outs):
+        others = [p.name for p in run_dirs_below(root) if p not in outs]
+        if others:  # another command's --resume would start a new sweep beside the one to continue
+            raise ConfigError(
+                f"--out {root}: none of this sweep's members ({outs[0].name}, ...) are there, it holds "
+                f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}; resume with the command that "
+                "started the sweep (its algorithm, --plugin, --seeds, --lrs, --grid and --set)"
+            )
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
         for directory in dirs:
