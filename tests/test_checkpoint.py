@@ -64,6 +64,22 @@ def test_save_and_load_state_round_trip_bitwise(tmp_path):
     save_state(tmp_path / "ckpt", state, overwrite=True)
 
 
+def test_load_state_reads_a_run_directory_s_newest_checkpoint_or_names_what_to_pass(tmp_path):
+    """load_state(RUN) and load_state(RUN/checkpoints/N) read the state a run saved (they raised
+    orbax's FileNotFoundError about a metadata file); a directory holding no state is one line."""
+    from jaxfed.cli import main
+    from jaxfed.errors import ConfigError
+
+    run = tmp_path / "run"
+    assert main(["run", "--out", str(run), *SMALL, "--set", "rounds=4", "--set", "checkpoint_every=2"]) == 0
+    newest = _final_leaves(run, 4)
+    _assert_bitwise(jax.tree.leaves(load_state(run)), newest)
+    _assert_bitwise(jax.tree.leaves(load_state(run / "checkpoints" / "4")), newest)
+    assert int(load_state(run / "checkpoints" / "2")["round"]) == 2
+    with pytest.raises(ConfigError, match=r"^load_state: .* holds no saved state; pass what save_state wrote"):
+        load_state(tmp_path)
+
+
 @pytest.mark.parametrize(
     "start, rounds, eval_every, per_call, checkpoint_every, expected",
     [

@@ -170,17 +170,36 @@ def save_state(path: str | Path, state, *, overwrite: bool = False) -> None:
 
 
 def load_state(path: str | Path, like=None):
-    """Read a state written by :func:`save_state`.
+    """Read a state written by :func:`save_state`, a run checkpoint's (``RUN/checkpoints/N`` or
+    its ``state``), or a run directory's newest checkpoint's (``RUN``).
 
     ``like`` (a state of the same structure, e.g. ``simulation.init()``, or its
     ``jax.eval_shape``) gives the structure, dtypes and device placement of the result; without
     it the result is nested dicts of arrays on this process's first device, however many devices
     the state was saved from.
     """
-    path = Path(path).absolute()
+    path = state_path(Path(path).absolute())
     with ocp.StandardCheckpointer() as checkpointer, _without_missing_metadata_warning():
         target = abstract_like(like) if like is not None else _on_first_device(checkpointer.metadata(path))
         return checkpointer.restore(path, target)
+
+
+def state_path(path: Path) -> Path:
+    """The saved state ``path`` names: itself, a run checkpoint's ``state``, or a run directory's
+    newest checkpoint's; a ConfigError naming what to pass where it holds none."""
+    if (path / "checkpoints").is_dir():  # a run directory
+        rounds = RunCheckpoints(path / "checkpoints").rounds()
+        if not rounds:
+            raise ConfigError(f"load_state: {path} holds no complete checkpoint")
+        path = path / "checkpoints" / str(rounds[-1])
+    if (path / STATE).is_dir():  # a run checkpoint
+        path = path / STATE
+    if not (path / "_METADATA").is_file() and not (path / "_CHECKPOINT_METADATA").is_file():
+        raise ConfigError(
+            f"load_state: {path} holds no saved state; pass what save_state wrote, a run directory (its newest "
+            "checkpoint) or RUN/checkpoints/N"
+        )
+    return path
 
 
 @contextlib.contextmanager
