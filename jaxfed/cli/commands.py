@@ -271,11 +271,11 @@ def _sweep(args) -> int:
     if args.resume and not Path(args.out).exists():
         raise ConfigError(f"--resume: {args.out} does not exist; start the sweep without --resume")
     base = config_from_args(args)
-    axes = [_grid_axis(text) for text in args.grid]
-    grid = dict(axes)
-    if len(grid) < len(axes):  # a dict keeps the last: the first axis would vanish silently
-        twice = next(key for i, (key, _) in enumerate(axes) if key in dict(axes[:i]))
-        raise ConfigError(f"--grid: {twice} given twice; give its values once, --grid {twice}=V1,V2,...")
+    grid = {}
+    for key, values in map(_grid_axis, args.grid):
+        if key in grid:  # a dict would keep the last: the first axis would vanish silently
+            raise ConfigError(f"--grid: {key} given twice; give its values once, --grid {key}=V1,V2,...")
+        grid[key] = values
     seeds, lrs = _number_list("--seeds", args.seeds, int), _number_list("--lrs", args.lrs, float)
     configs = sweep_configs(base, seeds, lrs, grid)
     root = Path(args.out) if args.out else new_run_dir(f"runs/sweep_{base.algorithm}_{base.dataset}")

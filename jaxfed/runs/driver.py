@@ -247,15 +247,20 @@ def drive(
         bar.close()
 
 
+def _intact(directory: RunDirectory) -> str:
+    """What a run stopped by a failure keeps: its newest complete checkpoint, in words."""
+    intact = directory.checkpoints.rounds()
+    return f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
+
+
 def device_out_of_memory(directory: RunDirectory, err: BaseException) -> DeviceMemoryError:
     """The one-line error of a round or an evaluation that ran out of device memory, once the
     checkpoints begun are complete."""
     directory.checkpoints.wait()
-    intact = directory.checkpoints.rounds()
-    kept = f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
     return DeviceMemoryError(
-        f"out of device memory ({first_line(err, 160)}); {kept}: client states held on the host need less "
-        "(continue with --resume --set client_state=host), as do a smaller client_chunk or eval_batch_size (a new run)"
+        f"out of device memory ({first_line(err, 160)}); {_intact(directory)}: client states held on the host "
+        "need less (continue with --resume --set client_state=host), as do a smaller client_chunk or eval_batch_size "
+        "(a new run)"
     )
 
 
@@ -266,10 +271,8 @@ def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullErro
         directory.checkpoints.close()
     except Exception:  # the failed write again: already being reported
         pass
-    intact = directory.checkpoints.rounds()
-    kept = f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
     return StorageFullError(
-        f"no space left while writing {directory.path} ({first_line(err, 160)}); {kept}: "
+        f"no space left while writing {directory.path} ({first_line(err, 160)}); {_intact(directory)}: "
         f"free space, then continue with `jaxfed run --out {directory.path} --resume`"
     )
 

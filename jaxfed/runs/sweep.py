@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import sys
 import time
@@ -112,16 +113,15 @@ def traceable_keys(configs: list[Config]) -> list[str]:
     numbers: each but ``lr`` (traced in every sweep, tests/test_sweep.py checks every algorithm)
     is tried by tracing one round with it traced (a key used in Python control flow or for a
     shape, e.g. ``momentum`` (``momentum or None``), is not)."""
-    differ = differing_keys(configs)
     traced = [
-        k for k in differ if k not in Config.run_keys() and isinstance(configs[0].options.to_dict().get(k), float)
+        k
+        for k in differing_keys(configs)
+        if k not in Config.run_keys() and isinstance(configs[0].options.to_dict().get(k), float)
     ]
-    tried: dict[tuple[int, str], bool] = {}
 
-    def traces(i: int, key: str) -> bool:
-        if (i, key) not in tried:
-            tried[i, key] = _traces(configs[i], key)
-        return tried[i, key]
+    @functools.cache
+    def traces(i: int, key: str) -> bool:  # one trace per member tried and key
+        return _traces(configs[i], key)
 
     while True:  # tried in each shape group: e.g. server_momentum traces under server_optimizer none, not sgd
         firsts = [group[0] for group in shape_groups(configs, traced)]
@@ -159,8 +159,8 @@ def shape_groups(configs: list[Config], traced=()) -> list[list[int]]:
     return list(groups.values())
 
 
-def check_sweepable(configs: list[Config], traced=("lr",)) -> None:
-    """One-line ConfigError unless the configs differ only in ``seed`` and the ``traced`` options."""
+def check_sweepable(configs: list[Config], traced=()) -> None:
+    """One-line ConfigError unless the configs differ only in ``seed``, ``lr`` and the ``traced`` options."""
     if not configs:
         raise ConfigError("sweep: no configurations (give --seeds, --lrs and/or --grid)")
     require_lr(configs[0])
@@ -169,10 +169,11 @@ def check_sweepable(configs: list[Config], traced=("lr",)) -> None:
             "client_state: host is for single runs (jaxfed run); a sweep's members keep their client states on "
             "the device (client_state=device)"
         )
-    differ = [k for k in differing_keys(configs) if k not in ("seed", *traced)]
+    allowed = dict.fromkeys(("seed", "lr", *traced))  # lr is traced in every sweep
+    differ = [k for k in differing_keys(configs) if k not in allowed]
     if differ:
-        allowed = ", ".join(("seed", *traced))
-        raise ConfigError(f"sweep: members of one compiled sweep may differ only in {allowed}; they differ in {differ}")
+        shown = ", ".join(allowed)
+        raise ConfigError(f"sweep: members of one compiled sweep may differ only in {shown}; they differ in {differ}")
 
 
 def require_lr(config: Config) -> None:
@@ -438,7 +439,7 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
         traced = traceable_keys(configs) if any(p is not None for p in points) else []
         batches = resume_batches(shape_groups(configs, traced), points)
         for batch in batches:  # every group's refusal before any group runs
-            check_sweepable([configs[i] for i in batch], ["lr", *(k for k in traced if k != "lr")])
+            check_sweepable([configs[i] for i in batch], traced)
         for number, batch in enumerate(batches, 1):
             if len(batches) > 1:
                 since = f", from round {points[batch[0]]}" if points[batch[0]] else ""

@@ -289,7 +289,7 @@ def _sum_rows(shares):
 def _summed_dtype(dtype):
     """The dtype of a share of ``dtype`` summed over items, as :func:`_sum_rows` (all at once)
     sums it: ``jnp.sum`` widens bool and small integers (a bool flag sums to a count)."""
-    return jax.eval_shape(lambda x: jnp.sum(x, axis=0), jax.ShapeDtypeStruct((1,), dtype)).dtype
+    return jax.eval_shape(_sum_rows, jax.ShapeDtypeStruct((1,), dtype)).dtype
 
 
 def _add_one(total, share, num_segments: int | None = None):
