@@ -66,7 +66,8 @@ class BroadcastFn(Protocol):
           info: the round being run and the tier served (0 without tiers).
 
         Returns:
-          ``message_down``, the same for every client of the tier (its bytes are ``bytes_down``).
+          ``message_down``, the same for every client of the tier (its bytes are ``bytes_down``,
+          unless ``sent_bytes`` says each client is sent only its own part).
         """
 
 
@@ -265,6 +266,22 @@ class DownloadBytesFn(Protocol):
         """
 
 
+class SentBytesFn(Protocol):
+    def __call__(self, message_down: PyTree, client_state: PyTree, info: RoundInfo) -> jax.Array:
+        """The bytes the server sends one client, where each client is sent only its own part of
+        ``message_down`` (a table of every client's rows the server holds: FedAMP's cloud models).
+
+        Args:
+          message_down: what ``broadcast`` sent the client's tier.
+          client_state: the client's state BEFORE this round's update (it may say which part is its own).
+          info: the round being run and the client's tier.
+
+        Returns:
+          a scalar (the engine's ``bytes_down`` sums it over the round's real clients; it is also
+          ``bytes_down_cached``'s default).
+        """
+
+
 class InitClientFn(Protocol):
     def __call__(self, client_state: PyTree, client_id: jax.Array) -> PyTree:
         """A client's own starting state, applied once per client at init.
@@ -341,7 +358,9 @@ class FederatedAlgorithm(NamedTuple):
         bytes counted are the tier's own.
       eval_server: (tiers) :class:`EvalServerFn`; default: the server state itself.
       message_bytes: (accounting) :class:`MessageBytesFn`; default: the upload's arrays.
-      download_bytes: (accounting) :class:`DownloadBytesFn`; default: all of ``message_down``.
+      download_bytes: (accounting) :class:`DownloadBytesFn`; default: ``sent_bytes``, else all of
+        ``message_down``.
+      sent_bytes: (accounting) :class:`SentBytesFn`; default: all of ``message_down``.
       init_client: (client init) :class:`InitClientFn`; default: every client starts alike.
       options: (description) the algorithm's options (a :class:`jaxfed.options.Options`) the
         record was built with, for the record only: the engine never reads it. Every built-in's
@@ -370,6 +389,7 @@ class FederatedAlgorithm(NamedTuple):
     # accounting
     message_bytes: MessageBytesFn | None = None
     download_bytes: DownloadBytesFn | None = None
+    sent_bytes: SentBytesFn | None = None
     # client init
     init_client: InitClientFn | None = None
     # description

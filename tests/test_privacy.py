@@ -58,6 +58,10 @@ PRIVATE = {
     "fedala": ("model_state",),
     "fedspu": ("params", "model_state"),  # its own model: the places outside this round's sub-model
     "pfedlora": ("tau", "model_state"),  # the personal LoRA modules
+    # A FedAMP client uploads its own model; a FedCAC client its model and critical places: only their
+    # BatchNorm statistics are private.
+    "fedamp": ("model_state",),
+    "fedcac": ("model_state",),
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model

@@ -76,6 +76,8 @@ BUILTINS = {
     "fedala": "fedala",
     "fedbabu": "fedbabu",
     "pfedlora": "pfedlora",
+    "fedamp": "fedamp",
+    "fedcac": "fedcac",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -112,6 +114,8 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedbabu", "body trained under a fixed random head; fine-tuned to evaluate (Oh et al. 2022)"),
         ("fedala", "FedAvg from an adaptive local aggregation (Zhang et al., AAAI 2023)"),
         ("pfedlora", "a shared full-rank model plus personal LoRA modules (the FedLoRU paper's baseline)"),
+        ("fedamp", "own models pulled toward attentive cloud models (Huang et al., AAAI 2021)"),
+        ("fedcac", "critical parameters shared only among similar clients (Wu et al., ICCV 2023)"),
     ],
 }
 

@@ -11,12 +11,24 @@ from jaxfed.contract import FederatedAlgorithm, RoundInfo
 from jaxfed.core import tree_bytes
 
 
+def sent_bytes(algorithm: FederatedAlgorithm, message_down, client_states, info: RoundInfo, count: int):
+    """``[count]``: the bytes the server sends each client (``sent_bytes`` where each is sent its
+    own part of ``message_down``); default: all of ``message_down``."""
+    return _per_client(algorithm.sent_bytes, message_down, client_states, info, count)
+
+
 def download_bytes(algorithm: FederatedAlgorithm, message_down, client_states, info: RoundInfo, count: int):
     """``[count]``: the bytes each client must download when it keeps what it received in earlier
-    rounds (its state before the update says what that is); default: all of ``message_down``."""
+    rounds (its state before the update says what that is); default: what it is sent."""
     if algorithm.download_bytes is None:
+        return sent_bytes(algorithm, message_down, client_states, info, count)
+    return _per_client(algorithm.download_bytes, message_down, client_states, info, count)
+
+
+def _per_client(count_bytes, message_down, client_states, info: RoundInfo, count: int):
+    if count_bytes is None:
         return jnp.full(count, float(tree_bytes(message_down)), jnp.float32)
-    per_client = jax.vmap(algorithm.download_bytes, in_axes=(None, 0, None))
+    per_client = jax.vmap(count_bytes, in_axes=(None, 0, None))
     return per_client(message_down, client_states, info).astype(jnp.float32)
 
 

@@ -393,20 +393,27 @@ class Simulation:
             tiers = sampling.tier_of(ids, self.tiers)  # a padding id trains nothing
             messages = [alg.broadcast(state.server, RoundInfo(state.round, t)) for t in range(len(self.tiers))]
             message_down = stack_trees([alg.pad_tier(m, RoundInfo(state.round, t)) for t, m in enumerate(messages)])
-            sizes = jnp.asarray([tree_bytes(m) for m in messages], jnp.float32)
-            down_sent = jnp.sum(jnp.where(is_real, sizes[tiers], 0.0))
-            per_tier = [
-                accounting.download_bytes(alg, m, states, RoundInfo(state.round, t), len(ids))
-                for t, m in enumerate(messages)
-            ]
-            down_bytes = jnp.stack(per_tier)[tiers, jnp.arange(len(ids))]  # each client's by its tier's message
+
+            def by_tier(count_bytes):  # each client's bytes by its tier's message
+                per_tier = [
+                    count_bytes(alg, m, states, RoundInfo(state.round, t), len(ids)) for t, m in enumerate(messages)
+                ]
+                return jnp.stack(per_tier)[tiers, jnp.arange(len(ids))]
+
+            down_sent = accounting.real_total(is_real, by_tier(accounting.sent_bytes))
+            down_bytes = by_tier(accounting.download_bytes)
             tier_up_bytes = None  # message_bytes counts each upload itself
             if alg.message_bytes is None:
                 tier_up_bytes = self._tier_upload_bytes(state, messages, states, client_data, key, ids)
         else:
             tiers = jnp.full(ids.shape, tier or 0, jnp.int32)
             message_down = alg.broadcast(state.server, info)
-            down_sent = jnp.sum(is_real).astype(jnp.float32) * tree_bytes(message_down)
+            if alg.sent_bytes is None:
+                down_sent = jnp.sum(is_real).astype(jnp.float32) * tree_bytes(message_down)
+            else:
+                down_sent = accounting.real_total(
+                    is_real, accounting.sent_bytes(alg, message_down, states, info, len(ids))
+                )
             down_bytes = accounting.download_bytes(alg, message_down, states, info, len(ids))
             tier_up_bytes = None
         per_client = (ids, tiers, states, client_data.indices, client_data.count, sampling.client_keys(key, ids))
