@@ -109,6 +109,8 @@ LEFT_OUT |= {"fedspu"}
 # A FedAMP / FedCAC client keeps the model it uploads (its own model); tests/test_fedamp.py and
 # tests/test_fedcac.py check an engine round against the server step written out in numpy.
 LEFT_OUT |= {"fedamp", "fedcac"}
+# pFedSD's previous local model is the model it uploaded (as MOON's).
+LEFT_OUT |= {"pfedsd"}
 
 
 @pytest.mark.parametrize("name", sorted(set(registry.names()) - LEFT_OUT))

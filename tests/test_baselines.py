@@ -31,7 +31,14 @@ from jaxfed.algorithms.fedrod import balanced_softmax_loss, fedrod
 from jaxfed.algorithms.partial import fedbn, fedper, fedrep, merge_layers, split_layers
 from jaxfed.algorithms.pfedlora import PFedLoRAOptions, pfedlora
 from jaxfed.algorithms.records import ClientStats
-from jaxfed.algorithms.regularized import fedntd, model_contrastive, moon, not_true_distillation
+from jaxfed.algorithms.regularized import (
+    fedntd,
+    model_contrastive,
+    moon,
+    not_true_distillation,
+    pfedsd,
+    self_distillation,
+)
 from jaxfed.algorithms.training import fit, train_classifier
 from jaxfed.core import lowrank
 from jaxfed.data import ClientData
@@ -177,6 +184,45 @@ def test_moon_and_fedntd_are_fedavg_at_weight_zero_and_differ_from_it_otherwise(
         assert close == same, (weight, value)
     if build is moon:  # the client's next "previous model" is the model it trained
         chex.assert_trees_all_equal(new_client.previous, upload)
+
+
+def test_self_distillation_is_the_authors_tau_squared_batchmean_kl():
+    """Fling's ``lamda * tau**2 * F.kl_div(log_softmax(o / tau), softmax(o_pre / tau), 'batchmean')`` per example."""
+    rng = np.random.default_rng(2)
+    logits, previous = rng.normal(size=(5, 6)), 2 * rng.normal(size=(5, 6))
+    tau = 3.0
+    q = np.exp(logits / tau) / np.exp(logits / tau).sum(1, keepdims=True)
+    q_prev = np.exp(previous / tau) / np.exp(previous / tau).sum(1, keepdims=True)
+    want = tau**2 * np.sum(q_prev * (np.log(q_prev) - np.log(q)), 1)
+    np.testing.assert_allclose(self_distillation(jnp.asarray(logits), jnp.asarray(previous), tau), want, rtol=1e-5)
+
+
+def test_pfedsd_distils_its_last_local_model_from_its_second_round_and_is_evaluated_with_it(mlp, digits_federation):
+    data, rng = _client(digits_federation), jax.random.key(5)
+    alg = pfedsd(mlp, lam=0.5, tau=3.0, **TRAIN)
+    server, client = alg.init(jax.random.key(0))
+    plain = fedavg(mlp, **TRAIN)
+    # first round: nothing to distil from, FedAvg's client
+    first, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(0))
+    _, want, _ = plain.client_update(server.params, ClientStats({}), data, rng, round_info(0))
+    chex.assert_trees_all_close(upload, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal(alg.eval_params(server, first)["params"], upload)  # its local model, before aggregation
+    # second round: from the (new) global model, CE plus the distillation toward the model it trained before
+    moved = jax.tree.map(lambda x: x + 0.05, server.params)
+    _, second, _ = jax.jit(alg.client_update)(moved, first, data, rng, round_info(1))
+
+    def loss(params, batch):
+        logits = mlp.apply({"params": params}, batch.x)[0]
+        teacher = mlp.apply({"params": upload}, batch.x)[0]
+        log_q, log_p = jax.nn.log_softmax(logits / 3.0), jax.nn.log_softmax(teacher / 3.0)
+        kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch.y[:, None], -1)[:, 0]
+        weight = batch.mask.astype(jnp.float32)
+        return jnp.sum((ce + 0.5 * 9.0 * kl) * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+    chex.assert_trees_all_close(second, _reference_fit(loss, moved, data, rng), rtol=1e-5, atol=1e-6)
+    _, without, _ = plain.client_update(moved, ClientStats({}), data, rng, round_info(1))
+    assert not np.allclose(jax.tree.leaves(second)[0], jax.tree.leaves(without)[0], atol=1e-6)
 
 
 def _features(mlp, params, x):

@@ -61,6 +61,7 @@ PRIVATE = {
     # A FedAMP client uploads its own model; a FedCAC client its model and critical places: only their
     # BatchNorm statistics are private.
     "fedamp": ("model_state",),
+    "pfedsd": ("model_state",),  # its previous local model is the model it uploaded
     "fedcac": ("model_state",),
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}

@@ -78,6 +78,7 @@ BUILTINS = {
     "pfedlora": "pfedlora",
     "fedamp": "fedamp",
     "fedcac": "fedcac",
+    "pfedsd": "regularized",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -116,6 +117,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("pfedlora", "a shared full-rank model plus personal LoRA modules (the FedLoRU paper's baseline)"),
         ("fedamp", "own models pulled toward attentive cloud models (Huang et al., AAAI 2021)"),
         ("fedcac", "critical parameters shared only among similar clients (Wu et al., ICCV 2023)"),
+        ("pfedsd", "FedAvg plus self-distillation from the last local model (Jin et al., TPDS 2022)"),
     ],
 }
 

@@ -1,8 +1,9 @@
-"""FedAvg with a local loss that looks at the global model: MOON and FedNTD.
+"""FedAvg with a local loss that looks at another model: MOON, FedNTD and pFedSD.
 
-Both keep FedAvg's server (the sample-weighted mean of the uploaded models) and its evaluation
-(the global model, with each client's BatchNorm statistics where the model has them); the client
-adds a term computed from the global model's outputs on the same batch, which is frozen.
+All keep FedAvg's server (the sample-weighted mean of the uploaded models); MOON and FedNTD also
+its evaluation (the global model, with each client's BatchNorm statistics where the model has
+them). The client adds a term computed from another model's outputs on the same batch, which is
+frozen: the global model's (MOON, FedNTD) or its own previous local model's (MOON, pFedSD).
 
 - **MOON** (Li et al., CVPR 2021): ``CE + mu * l_con`` with the model-contrastive loss
   ``l_con = -log( e^{sim(z, z_glob)/tau} / (e^{sim(z, z_glob)/tau} + e^{sim(z, z_prev)/tau}) )``,
@@ -11,6 +12,13 @@ adds a term computed from the global model's outputs on the same batch, which is
   initialization before its first round). The paper's ``z`` is a projection head's output; here
   it is the model's features (the classifier head's input), as PFLlib does: jaxfed's models have
   no projection head.
+- **pFedSD** (Jin et al., IEEE TPDS 2022, "Personalized Edge Intelligence via Federated
+  Self-Knowledge Distillation"): ``CE + lambda * tau^2 * KL(q_prev || q)`` with ``q`` the softmax
+  at temperature ``tau`` of the logits, ``q_prev`` that of the client's previous local model (the
+  model it trained in its last round; no term in its first round). A client's personalized model
+  is its last trained local model (before aggregation), as the FedDecomp authors evaluate it. As
+  their code (Fling, ``pfedsd_client.py``), the previous model's forward pass normalizes in train
+  mode, as the model being trained does.
 - **FedNTD** (Lee et al., NeurIPS 2022): ``CE + beta * KL(q_g || q_l)`` over the not-true classes:
   ``q`` the softmax at temperature ``tau`` of the logits with the true class's removed, ``q_g``
   the global model's, ``q_l`` the local model's.
@@ -65,6 +73,9 @@ def not_true_distillation(logits, global_logits, labels, tau: float):
     return jnp.sum(jnp.exp(log_q_global) * (log_q_global - log_q_local), -1)
 
 
+PFEDSD = "the FedDecomp authors' pFedSD (Fling, flzoo/cifar10/cifar10_pfedsd_resnet_config.py: lamda 0.5, tau 3)"
+
+
 class MoonClientState(NamedTuple):
     previous: Any  # the client's previous local model's parameters (the initialization at first)
     model_state: Any  # the model's non-trainable collections (BatchNorm statistics), {} when none
@@ -91,6 +102,29 @@ class FedNTDOptions(TrainingOptions):
         source=FEDNTD + " (the authors' code also multiplies the KL by tau^2: the same at tau 1)",
         check=positive,
     )
+
+
+class PFedSDClientState(NamedTuple):
+    previous: Any  # its last trained local model's parameters (its personalized model)
+    has_previous: jax.Array  # bool scalar: it has trained (the distillation term is on)
+    model_state: Any  # the model's non-trainable collections (BatchNorm statistics), {} when none
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedSDOptions(TrainingOptions):
+    """pFedSD's options: the self-distillation's weight and temperature."""
+
+    tasks: typing.ClassVar[tuple[str, ...]] = ("classification",)  # distils softmax outputs
+
+    lam: float = option(0.5, "weight lambda of the self-distillation (times tau^2)", source=PFEDSD, check=non_negative)
+    tau: float = option(3.0, "temperature tau of the distilled softmax", source=PFEDSD, check=positive)
+
+
+def self_distillation(logits, previous_logits, tau: float):
+    """pFedSD's ``tau^2 KL(q_prev || q)`` per example, ``q`` the softmax at temperature ``tau``."""
+    log_q = jax.nn.log_softmax(logits / tau, -1)
+    log_q_previous = jax.nn.log_softmax(previous_logits / tau, -1)
+    return tau**2 * jnp.sum(jnp.exp(log_q_previous) * (log_q_previous - log_q), -1)
 
 
 def with_global_model(model, options, *, name: str, loss_for, init_client, keep) -> FederatedAlgorithm:
@@ -175,5 +209,36 @@ def fedntd(model, options: FedNTDOptions | None = None, **overrides) -> Federate
     )  # fmt: skip
 
 
+def pfedsd(model, options: PFedSDOptions | None = None, **overrides) -> FederatedAlgorithm:
+    """pFedSD: FedAvg plus self-distillation from the client's previous local model."""
+    options = resolve(PFedSDOptions, options, overrides)
+
+    def loss_for(global_params, client_state):
+        def loss(params, model_state, batch):
+            logits, new_state = model.apply(
+                {"params": params, **model_state}, batch.x, train=True, mask=batch.mask, rng=batch.key
+            )
+            previous_logits, _ = model.apply(
+                {"params": client_state.previous, **model_state}, batch.x, train=True, mask=batch.mask,
+                rng=jax.random.fold_in(batch.key, 1),
+            )  # fmt: skip
+            distilled = self_distillation(logits, jax.lax.stop_gradient(previous_logits), options.tau)
+            term = jnp.where(client_state.has_previous, options.lam * masked_mean(distilled, batch.mask), 0.0)
+            return masked_loss(logits, batch.y, batch.mask) + term, new_state
+
+        return loss
+
+    algorithm = with_global_model(
+        model, options, name="pfedsd", loss_for=loss_for,
+        init_client=lambda params, model_state: PFedSDClientState(params, jnp.bool_(False), model_state),
+        keep=lambda params, model_state: PFedSDClientState(params, jnp.bool_(True), model_state),
+    )  # fmt: skip
+    return algorithm._replace(
+        eval_params=lambda server_state, client_state: {"params": client_state.previous, **client_state.model_state},
+        evaluates_global=False,
+    )
+
+
 builtin("moon", MoonOptions, lambda model, options, config: moon(model, options))
+builtin("pfedsd", PFedSDOptions, lambda model, options, config: pfedsd(model, options))
 builtin("fedntd", FedNTDOptions, lambda model, options, config: fedntd(model, options))
