@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_federation, round_info
 
-from jaxfed.algorithms.fedcac import Upload, collaborators, critical_mask, fedcac, overlaps, synced
+from jaxfed.algorithms.fedcac import Upload, collaborators, critical_mask, fedcac, kth_largest, overlaps, synced
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.core import tree_bytes
 from jaxfed.data import ClientData
@@ -64,6 +64,17 @@ def test_the_critical_mask_is_the_authors(tau):
     got = critical_mask(jnp.asarray(before), jnp.asarray(after), tau)
     np.testing.assert_array_equal(got, numpy_critical(before, after, tau))
     assert 0 < np.sum(got) < got.size
+
+
+def test_the_kth_largest_is_exact_with_ties_zeros_and_every_k():
+    rng = np.random.default_rng(3)
+    values = np.abs(rng.normal(size=257)).astype(np.float32)
+    values[:60] = values[60]  # a run of ties
+    values[-20:] = 0.0
+    values[100] = np.float32(1e-30)  # subnormal-small, above zero
+    ordered = np.sort(values)[::-1]
+    got = jax.jit(jax.vmap(lambda k: kth_largest(jnp.asarray(values), k)))(jnp.arange(1, 258))
+    np.testing.assert_array_equal(got, ordered)
 
 
 def test_a_mostly_unchanged_tensor_takes_its_smallest_moved_place():

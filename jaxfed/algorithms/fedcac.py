@@ -94,6 +94,22 @@ class Upload(NamedTuple):
     id: jax.Array  # int32 scalar: who sent it
 
 
+def kth_largest(values, k: int):
+    """The ``k``-th largest of non-negative floats, exactly: the bits of its float pattern found
+    from the highest down, each kept where at least ``k`` values reach it (a radix select: one
+    count per bit instead of a sort, which XLA runs many times slower on large tensors)."""
+    bits = jnp.finfo(values.dtype).bits
+    patterns = jax.lax.bitcast_convert_type(values, jnp.dtype(f"int{bits}"))  # ordered as the values are
+    zero = jnp.zeros((), patterns.dtype)
+
+    def keep_bit(bit, found):
+        candidate = found | (jnp.ones((), patterns.dtype) << (bits - 2 - bit))
+        return jnp.where(jnp.sum(patterns >= candidate) >= k, candidate, found)
+
+    found = jax.lax.fori_loop(0, bits - 1, keep_bit, zero)  # the sign bit stays 0
+    return jax.lax.bitcast_convert_type(found, values.dtype)
+
+
 def critical_mask(before, after, tau: float):
     """One tensor's critical mask: the places whose sensitivity ``|(after - before) * after|`` is
     at least the ``floor(tau * n)``-th largest (where that is at most 1e-10: at least the
@@ -102,7 +118,7 @@ def critical_mask(before, after, tau: float):
     top = int(tau * sensitivity.size)
     if top == 0:
         return jnp.zeros(after.shape, bool)
-    threshold = jnp.sort(sensitivity)[sensitivity.size - top]
+    threshold = kth_largest(sensitivity, top)
     smallest_positive = jnp.min(jnp.where(sensitivity > 1e-20, sensitivity, jnp.inf))
     threshold = jnp.where((threshold <= 1e-10) & jnp.isfinite(smallest_positive), smallest_positive, threshold)
     return (sensitivity >= threshold).reshape(after.shape)
