@@ -171,9 +171,8 @@ def fedcac(model, options: FedCACOptions | None = None, *, num_clients: int, **o
             model, options.optimizer(info.round), start, client_state.model_state, data, rng, **options.batching()
         )
         critical = jax.tree.map(lambda b, a: critical_mask(b, a, options.tau), start, params)
-        critical_share = sum(jnp.sum(m) for m in jax.tree.leaves(critical)) / sum(
-            m.size for m in jax.tree.leaves(critical)
-        )
+        masks = jax.tree.leaves(critical)
+        critical_share = sum(jnp.sum(m) for m in masks) / sum(m.size for m in masks)
         new_state = ClientState(client_state.id, params, critical, model_state)
         return new_state, Upload(params, critical, client_state.id), {**metrics, "critical_share": critical_share}
 
