@@ -14,12 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxfed.core import scatter_clients, stack_clients, tree_bytes
-
-
-def client_table(row, num_clients: int):
-    """A table whose every row is ``row``."""
-    return jax.tree.map(jnp.array, stack_clients(row, num_clients))
+from jaxfed.core import scatter_clients, tree_bytes
 
 
 def own_row(table, client_id):

@@ -28,11 +28,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.client_rows import client_table, one_row_sent, own_row, with_id, with_rows
+from jaxfed.algorithms.client_rows import one_row_sent, own_row, with_id, with_rows
 from jaxfed.algorithms.fedprox import proximal_term
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
+from jaxfed.core import stack_clients
 from jaxfed.nn import split_variables
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, positive, resolve
 
@@ -122,7 +123,7 @@ def fedamp(model, options: FedAMPOptions | None = None, *, num_clients: int, **o
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))
-        table = client_table(params, num_clients)
+        table = stack_clients(params, num_clients)
         return ServerState(table, table, jnp.zeros(num_clients, bool)), ClientState(jnp.int32(0), params, model_state)
 
     def client_update(server_state, client_state, data, rng, info):

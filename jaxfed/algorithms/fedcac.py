@@ -38,12 +38,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.client_rows import client_table, one_row_sent, own_row, with_id, with_rows
+from jaxfed.algorithms.client_rows import one_row_sent, own_row, with_id, with_rows
 from jaxfed.algorithms.records import global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import tree_bytes, tree_select, weighted_mean
+from jaxfed.core import stack_clients, tree_bytes, tree_select, weighted_mean
 from jaxfed.nn import split_variables
 from jaxfed.options import DatasetDefaults, TrainingOptions, at_least, option, ratio, resolve
 
@@ -162,7 +162,7 @@ def fedcac(model, options: FedCACOptions | None = None, *, num_clients: int, **o
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         none_critical = jax.tree.map(lambda p: jnp.zeros(p.shape, bool), params)
-        server = ServerState(params, client_table(params, num_clients), jnp.zeros(num_clients, bool))
+        server = ServerState(params, stack_clients(params, num_clients), jnp.zeros(num_clients, bool))
         return server, ClientState(jnp.int32(0), params, none_critical, model_state)
 
     def client_update(server_state, client_state, data, rng, info):
