@@ -179,7 +179,7 @@ factors = {"down": (10, 4, 200, 32), "up": (10, 4, 32, 200)}  # 10 clients, 4 ad
 clients = {"kernels": {k: {n: rng.normal(size=s).astype(np.float32) for n, s in factors.items()} for k in plan.kernels}}
 precondition = ad.lora_preconditioner(plan)
 update = jax.jit(jax.vmap(lambda g, p: precondition.update(g, optax.EmptyState(), p)[0]))
-for _ in range(20):
+for _ in range(5):
     jax.block_until_ready(update(clients, clients))
 print("finished")
 """

@@ -10,6 +10,7 @@ import pytest
 from jaxfed.cli import main
 from jaxfed.cli.bench import (
     examples_per_round,
+    measure,
     profile_rounds,
     sequential_steps,
     time_rounds,
@@ -21,6 +22,14 @@ from jaxfed.cli.bench.profile import summarize
 from jaxfed.nn import get_model
 from jaxfed.runs.build import build
 from jaxfed.simulation.engine import Simulation
+
+
+@pytest.fixture(autouse=True)
+def small_peak(monkeypatch):
+    """The matmul peak on 256-wide matrices: these tests check what a bench reports, not the
+    machine (2048 took 3 s of each bench here)."""
+    monkeypatch.setattr(measure, "CPU_PEAK_SIDE", 256)
+
 
 TINY_W2 = ["num_clients=40", "participation=0.25", "client_train_size=40", "rounds_per_call=1"]
 
