@@ -9,11 +9,12 @@
 #
 #   benchmarks/gpu.sh DATA [OUT]        # DATA: the unpacked .npz files (shared/data/unpack.py)
 #   QUICK=1 benchmarks/gpu.sh DATA      # a few rounds of small settings: checks the wiring (CPU)
-#   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps (w1 w3 w4 sweep scaling, the default, and
+#   STEPS="w1 w3" benchmarks/gpu.sh DATA  # only these steps or groups (w1 w3 w4 sweep scaling, the default, and
 #                                         # tiers: one group against per-tier groups, FLOPs and time;
 #                                         # svd: the server's SVD routes, svd.py, and w3 fedhm and fedara
-#                                         # with factorization=gram); a step runs its group: w1 with
-#                                         # w1_xla, w3 every algorithm, w4 with w4_feddecomp
+#                                         # with factorization=gram); a group runs its steps: w1 with
+#                                         # w1_xla, w3 every algorithm, w4 with w4_feddecomp; a step's
+#                                         # own name runs it alone (STEPS="w1_xla svd_w3")
 #   ALGORITHMS="fedhm fedara" ...          # w3's algorithms (default the five papers' tiered and own)
 #
 # FedDecomp's CIFAR-10 setting (w4: ResNet-8, 40 clients, 5 epochs of batch 100): FedAvg against
@@ -62,7 +63,7 @@ echo "# budget $BUDGET" >> "$OUT/times.txt"  # gpu_table.py: a step cut short by
 step() {  # step NAME COMMAND...: run with a time limit, record its seconds and a failure; skipped unless in STEPS
     local name=$1
     shift
-    [[ $STEPS == *" ${name%%_*} "* ]] || return 0
+    [[ $STEPS == *" ${name%%_*} "* || $STEPS == *" $name "* ]] || return 0  # its group, or itself by name
     grep -v "^$name (" "$OUT/failed.txt" > "$OUT/failed.tmp"; mv "$OUT/failed.tmp" "$OUT/failed.txt"  # its last run's
     local left=$((BUDGET - ($(date +%s) - SUITE_START)))
     if [ "$left" -lt 15 ]; then
@@ -103,7 +104,8 @@ step tiers python "$HERE/tier_rounds.py" --data-dir "$DATA" --set client_chunk=0
     --out "$OUT/tiers.json"
 # the server's truncated SVDs: every route on FedHM's and FedARA's kernels, and their rounds with the
 # Gram route (their W1 rounds took 4.7x and 5.5x FedAvg's on an H100 at about the same FLOPs)
-step svd python "$HERE/svd.py" --data-dir "$DATA" "${SMALL[@]}" --json "$OUT/svd.json"
+step svd python "$HERE/svd.py" --data-dir "$DATA" --routes svd,gram,gram_eigh,svd_polar,qdwh "${SMALL[@]}" \
+    --json "$OUT/svd.json"
 LIMIT=$((LIMIT * 2)) step svd_w3 python "$HERE/bench_each.py" w3 --data-dir "$DATA" --rounds "$ROUNDS" \
     --each algorithm=fedhm,fedara --set factorization=gram "${SMALL_KV[@]}" --json "$OUT/svd_w3_{}.json"
 step w4 jaxfed bench w4 --data-dir "$DATA" --rounds "$ROUNDS" --baseline "$TORCH" "${W4_SMALL[@]}" \

@@ -111,6 +111,18 @@ def test_the_gram_route_gives_a_zero_matrix_to_the_svd():
     np.testing.assert_allclose(route(zero, "gram").left.T @ route(zero, "gram").left, np.eye(4), atol=1e-6)
 
 
+@pytest.mark.parametrize("condition", [6.0, 1e8])
+def test_the_gram_eigendecomposition_multiplies_back_to_the_matrix_at_any_condition(condition):
+    """``U S V^T = A V V^T``: the matrix to float32 rounding even where ``U``'s small columns are
+    not orthonormal (benchmarks/svd.py's ``gram_eigh``); well conditioned it is the gram route."""
+    matrix = _with_singular_values(30, 12, np.logspace(0, -np.log10(condition), 12), seed=7)
+    parts = jax.jit(lowrank.gram_eigendecomposition)(jnp.asarray(matrix))
+    left, singular, right = (np.asarray(x, np.float64) for x in parts)
+    np.testing.assert_allclose((left * singular) @ right.T, matrix, atol=2e-6)
+    if condition < lowrank.GRAM_MAX_CONDITION:
+        chex.assert_trees_all_equal(parts, jax.jit(lowrank.decompose, static_argnums=1)(jnp.asarray(matrix), "gram"))
+
+
 def test_an_unknown_factorization_is_a_one_line_error():
     with pytest.raises(ValueError, match="factorization: unknown 'qr'; allowed: svd, gram"):
         lowrank.factorize(jnp.ones((3, 2)), 1, "qr")

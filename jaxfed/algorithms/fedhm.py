@@ -58,8 +58,9 @@ class TieredOptions(TrainingOptions):
         "svd",
         "how the server computes each round's truncated SVD: svd (jnp.linalg.svd: LAPACK on CPU, cuSOLVER on GPU) "
         "or gram (the eigendecomposition of the smaller Gram matrix, 2-3x faster on CPU; a kernel whose condition "
-        "number exceeds 30 then also goes to jnp.linalg.svd, as every kernel does in a vmapped sweep); the two give "
-        "the same products to float32 rounding (factors up to the sign of each pair)",
+        "number exceeds 30 then also goes to jnp.linalg.svd, as every kernel does in a vmapped sweep, and trained "
+        "kernels soon do: there gram costs more than svd); the two give the same products to float32 rounding "
+        "(factors up to the sign of each pair)",
         check=one_of(*lowrank.FACTORIZATIONS),
     )
 
