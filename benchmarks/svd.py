@@ -129,7 +129,7 @@ def layers(tree, holding: tuple[str, ...]) -> dict[str, dict]:
 
 def trained_server(name: str, data_dir: str, overrides: list[str], rounds: int):
     """The server state of ``name`` at W1 after ``rounds`` rounds (``factorization=svd``)."""
-    config = workload_config("w3", [f"algorithm={name}", f"data_dir={data_dir}", *overrides])
+    config = workload_config("w3", [f"algorithm={name}", f"data_dir={data_dir}", *overrides, "factorization=svd"])
     sim = build(config).simulation
     state = sim.init()
     if rounds:
@@ -197,11 +197,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--set", nargs="*", default=[], dest="overrides")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--train-rounds", type=int, default=5, help="rounds the server trains before the timing")
-    parser.add_argument("--routes", default="", help="comma-separated routes to time (default: every one)")
+    parser.add_argument(
+        "--routes", default="", help="comma-separated routes to time, svd and gram always (default: every one)"
+    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     results = {"device": str(jax.devices()[0]), "overrides": args.overrides, "algorithms": {}}
     wanted = set(filter(None, args.routes.split(",")))
+    unknown = wanted - set(routes())
+    if unknown:
+        parser.error(f"--routes: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(routes())}")
+    wanted = wanted and wanted | {"svd", "gram"}  # the table compares every route with these two
     for name in args.algorithms.split(","):
         results["algorithms"][name] = measure_algorithm(
             name, args.data_dir, args.overrides, args.repeats, args.train_rounds, wanted
