@@ -63,6 +63,9 @@ PRIVATE = {
     "fedamp": ("model_state",),
     "pfedsd": ("model_state",),  # its previous local model is the model it uploaded
     "fedcac": ("model_state",),
+    # A FedAS client's model: its head, and the body whose features are the prototypes the global body
+    # aligns to (frozen below: lr and align_lr 0, so its upload is the body it received).
+    "fedas": ("params", "model_state"),
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -70,11 +73,19 @@ FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adapto
 FROZEN |= {"fedper", "fedrep", "fedbn", "moon", "fedntd"}
 # A FedSPU client's frozen places shape its sub-model's gradients.
 FROZEN |= {"fedspu"}
-FREEZE = {"lr": 0.0, "lr_schedule": "constant"}  # a cosine schedule would rise to its lr_min
+# A FedAS client's prototypes (its own model's) pull the global body it trains with its own head.
+FROZEN |= {"fedas"}
+FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.
 # A FedProto client sends its class prototypes (the mean features of its private model).
-DISCLOSED = {"floral": ("mixture_weights",), "ensemble": ("mixture_weights",), "fedproto": ("means",)}
+# A FedAS client sends the trace of its Fisher information (one number), by which the server weighs its body.
+DISCLOSED = {
+    "floral": ("mixture_weights",),
+    "ensemble": ("mixture_weights",),
+    "fedproto": ("means",),
+    "fedas": ("fisher",),
+}
 SETTINGS = {
     "local_epochs": 1,
     "batch_size": 32,

@@ -79,6 +79,7 @@ BUILTINS = {
     "fedamp": "fedamp",
     "fedcac": "fedcac",
     "pfedsd": "regularized",
+    "fedas": "fedas",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -118,6 +119,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedamp", "own models pulled toward attentive cloud models (Huang et al., AAAI 2021)"),
         ("fedcac", "critical parameters shared only among similar clients (Wu et al., ICCV 2023)"),
         ("pfedsd", "FedAvg plus self-distillation from the last local model (Jin et al., TPDS 2022)"),
+        ("fedas", "global body aligned to local prototypes, Fisher-weighted mean (Yang et al., CVPR 2024)"),
     ],
 }
 
