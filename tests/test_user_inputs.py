@@ -108,6 +108,34 @@ def test_a_model_file_runs_is_recorded_named_and_found_again_on_resume(digits, t
     chex.assert_trees_all_equal(model.init(jax.random.key(0)), _reference_params())  # Net(num_classes=10)
 
 
+def test_only_user_code_is_fingerprinted():
+    """A built-in on a built-in model records no file; a plugin's algorithm records its file."""
+    from jaxfed.algorithms.registry import import_plugin
+    from jaxfed.runs.fingerprint import code_files
+
+    assert code_files(build(Config(num_clients=3).validate()).simulation) == {}
+    plugin = str(Path(__file__).parents[1] / "examples" / "scaffold.py")
+    import_plugin(plugin)
+    sim = build(Config(algorithm="scaffold", plugins=(plugin,), num_clients=3).validate()).simulation
+    assert set(code_files(sim)) == {"scaffold.py"}
+
+
+def test_a_resume_warns_when_the_model_file_changed_since_the_checkpoint(tmp_path, capsys):
+    """The fingerprint holds the file's digest: an edited model file resumes with a warning naming it."""
+    net = _write(tmp_path / "nets" / "edited_net.py")
+    out = tmp_path / "run"
+    settings = [f"{key}={value}" for key, value in SMALL.items()]
+    assert main(["run", "--quiet", "--out", str(out), "--set", f"model={net}:Net", *settings]) == 0
+    assert list(resume_point(out)[1].record["fingerprint"]["code"]) == ["edited_net.py"]
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=2"]) == 0
+    assert "changed since" not in capsys.readouterr().err  # the same file: no warning
+    net.write_text(net.read_text() + "\n# a comment\n")
+    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=3"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: edited_net.py changed since" in err and "resuming with the code as it is now" in err
+
+
 def test_a_model_module_on_sys_path_builds_with_num_classes_and_trains(tmp_path, monkeypatch):
     _write(tmp_path / "lib" / "jaxfed_test_usernets.py")
     monkeypatch.syspath_prepend(str(tmp_path / "lib"))

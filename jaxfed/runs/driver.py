@@ -342,6 +342,7 @@ def run(
                 point.record.get("fingerprint"),
                 current,
                 directory.path,
+                log,
                 field="--resume",
                 defaults=option_defaults(built.simulation.algorithm.options),
             )

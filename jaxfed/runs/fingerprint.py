@@ -14,6 +14,11 @@ dtypes, shapes and contents, summed on the device. Each checkpoint's record hold
 simulation whose fingerprint differs. A record without one (a run directory from before
 fingerprints, or a sweep member written before members recorded one) is not compared.
 
+The fingerprint also holds a digest of each file of user code the simulation runs (a model file, a
+plugin: :func:`code_files`). A resume whose file changed since is warned, not refused: an edit
+that changes the numbers (a layer's activation) cannot be told from one that does not (a
+comment, a print), and refusing would strand a run over the second.
+
 :func:`describe` is the fingerprint without the digests, with the data's sizes instead: what
 :func:`~jaxfed.runs.driver.run_simulation` writes to ``config.json`` (under the keys a
 :class:`~jaxfed.Config` uses, so plot labels, ``jaxfed report`` and :func:`jaxfed.load_runs`
@@ -23,7 +28,10 @@ read it as they read a ``jaxfed run`` directory).
 from __future__ import annotations
 
 import hashlib
+import inspect
+import sysconfig
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +85,42 @@ def simulation_keys(sim) -> dict:
     }
 
 
+def _installed_roots() -> tuple[Path, ...]:
+    """jaxfed's own package and the interpreter's library directories (installed packages): code
+    that changes with a version, not with a user's edit."""
+    paths = sysconfig.get_paths()
+    roots = [Path(__file__).resolve().parents[1]] + [Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")]
+    return tuple(roots)
+
+
+def code_files(sim) -> dict[str, str]:
+    """``{file name: 12 hex digits of its sha256}`` of each file of user code ``sim`` runs: the
+    files, outside jaxfed and the installed packages, that define its model's Module class and
+    its algorithm's functions (a ``model=path.py:Class`` file, a ``--plugin``), as they are on
+    disk now. Empty for a built-in algorithm on a built-in model."""
+    module = getattr(sim.model, "module", sim.model)
+    candidates = [type(module), *(f for f in sim.algorithm if callable(f))]
+    roots, files = _installed_roots(), {}
+    for obj in candidates:
+        try:
+            source = inspect.getsourcefile(inspect.unwrap(obj))
+        except TypeError:  # a builtin, a partial: no file of its own
+            continue
+        if source is None or not Path(source).is_file():
+            continue
+        path = Path(source).resolve()
+        if any(path.is_relative_to(root) for root in roots):
+            continue
+        files[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return files
+
+
+def changed_code(saved: dict, current: dict) -> list[str]:
+    """The files of user code both fingerprints record whose digests differ (:func:`code_files`)."""
+    old, new = saved.get("code") or {}, current.get("code") or {}
+    return sorted(name for name in old.keys() & new.keys() if old[name] != new[name])
+
+
 def fingerprint(sim, data=None) -> dict:
     """:func:`simulation_keys` plus the digests of ``data`` (default: the simulation's): what a
     checkpoint's record holds and a resume compares (a sweep's member: its template on the
@@ -87,6 +131,7 @@ def fingerprint(sim, data=None) -> dict:
         **simulation_keys(sim),
         "examples": f"{len(data.x_train)} train + {len(data.x_test)} test #{digest(examples)}",
         "partition": f"#{digest([getattr(data, name) for name in PARTITION])}",
+        "code": code_files(sim),
     }
 
 
@@ -151,7 +196,7 @@ def differences(saved: dict, current: dict, defaults: dict | None = None) -> lis
     changed = [
         f"{key} ({saved[key]!r} -> {current[key]!r})"
         for key in saved
-        if key != "options" and key in current and saved[key] != current[key]
+        if key not in ("options", "code") and key in current and saved[key] != current[key]
     ]
     old, new = saved.get("options"), current.get("options")
     if saved.get("algorithm") == current.get("algorithm") and old is not None and new is not None:
@@ -170,7 +215,7 @@ def check_same_simulation(
     record, of the run in ``where``) is not ``current``'s (``defaults``: of the options an older
     record lacks, :func:`differences`). ``saved`` None (a record from before fingerprints): not
     compared, a warning through ``log`` (where given); options known on one side only: not
-    compared, a warning too."""
+    compared, a warning too; a file of user code changed since (:func:`changed_code`): a warning."""
     if saved is None:
         if log is not None:
             log(
@@ -189,4 +234,10 @@ def check_same_simulation(
         log(
             f"warning: the algorithm's options are known for {'the checkpoint' if known[0] else 'this simulation'} "
             "only (its record carries none), so they are not compared"
+        )
+    edited = changed_code(saved, current)
+    if log is not None and edited:
+        log(
+            f"warning: {', '.join(edited)} changed since {where} was written; resuming with the code as it is now "
+            "(the rounds before ran the code as it was)"
         )
