@@ -16,7 +16,8 @@ from jaxfed.core import adaptors as ad
 from jaxfed.core import lowrank
 from jaxfed.core.routing import mixture_weights
 from jaxfed.errors import ConfigError
-from jaxfed.nn import get_model, split_variables
+from jaxfed.nn import Model, get_model, split_variables
+from jaxfed.nn.layers import norm_layers
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def _random_adaptors(tree, seed=1):
 
 def test_at_init_the_adapted_model_is_the_base_model(resnet):
     model, params = resnet
-    plan = ad.adaptor_plan(params, 4, rho=0.1)
+    plan = ad.adaptor_plan(params, 4, rho=0.1, norms=norm_layers(model))
     assert plan.norms and plan.biases  # GroupNorm scales/offsets and the head's bias are adapted
     adaptors = jax.jit(lambda k: ad.init_adaptors(k, params, plan))(jax.random.key(1))
     weights = mixture_weights(jnp.array([0.3, -1.0, 2.0, 0.1]))
@@ -45,7 +46,7 @@ def test_at_init_the_adapted_model_is_the_base_model(resnet):
 
 def test_one_adaptor_with_a_fixed_router_is_plain_lora(mlp):
     params = split_variables(mlp.init(jax.random.key(0)))[0]
-    plan = ad.adaptor_plan(params, 1, rank=4, bias=False, norm=False, alpha=2.0)
+    plan = ad.adaptor_plan(params, 1, rank=4, bias=False, alpha=2.0)
     adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(1), params, plan))
     mixed = ad.mix(params, adaptors, jnp.ones(1), plan)
     loras = {k: lowrank.LoRA(a["down"][0], a["up"][0]) for k, a in adaptors["kernels"].items()}
@@ -61,7 +62,7 @@ def test_conv_adaptors_equal_their_two_convs(kind):
     rng = np.random.default_rng(0)
     kh, kw, cin, cout = 3, 3, 4, 6
     params = {"conv": {"kernel": jnp.asarray(rng.normal(size=(kh, kw, cin, cout)), jnp.float32)}}
-    plan = ad.adaptor_plan(params, 3, rank=2, conv_adaptor=kind, bias=False, norm=False, alpha=0.5)
+    plan = ad.adaptor_plan(params, 3, rank=2, conv_adaptor=kind, bias=False, alpha=0.5)
     adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(0), params, plan))
     weights = jnp.array([0.2, 0.5, 0.3])
     x = jnp.asarray(rng.normal(size=(2, 7, 7, cin)), jnp.float32)
@@ -107,8 +108,8 @@ def test_mixture_weights_softmax_with_noise_and_temperature():
 
 
 def test_preconditioned_gradient_equals_its_closed_form_matricized(resnet):
-    _, params = resnet
-    plan = ad.adaptor_plan(params, 2, rho=0.1)
+    model, params = resnet
+    plan = ad.adaptor_plan(params, 2, rho=0.1, norms=norm_layers(model))
     adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(0), params, plan), seed=2)
     grads = _random_adaptors(adaptors, seed=3)
     eps = 1e-3
@@ -173,7 +174,7 @@ os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
 import jax, numpy as np, optax
 from jaxfed.core import adaptors as ad
 template = {f"fc{i}": {"kernel": jax.ShapeDtypeStruct((200, 200), np.float32)} for i in range(4)}
-plan = ad.adaptor_plan(template, 4, rank=32, bias=False, norm=False)
+plan = ad.adaptor_plan(template, 4, rank=32, bias=False)
 rng = np.random.default_rng(0)
 factors = {"down": (10, 4, 200, 32), "up": (10, 4, 32, 200)}  # 10 clients, 4 adaptors
 clients = {"kernels": {k: {n: rng.normal(size=s).astype(np.float32) for n, s in factors.items()} for k in plan.kernels}}
@@ -209,8 +210,8 @@ def test_conv_preconditioner_per_tap_is_the_authors_tensor_norm(resnet):
     """The authors' ``precond_tensor_lora_``: ``P_in = einsum("ma...,mb...->ab...", W_out, W_out)``,
     ``P_out = einsum("an...,bn...->ab...", W_in, W_in)``, gradients divided by ``||P|| + eps``,
     the norm over the whole tensor (every tap), written out in their layout in float64."""
-    _, params = resnet
-    plan = ad.adaptor_plan(params, 2, rho=0.1)
+    model, params = resnet
+    plan = ad.adaptor_plan(params, 2, rho=0.1, norms=norm_layers(model))
     adaptors = _random_adaptors(ad.init_adaptors(jax.random.key(0), params, plan), seed=2)
     grads = _random_adaptors(adaptors, seed=3)
     eps = 1e-3
@@ -291,25 +292,36 @@ def test_a_rank_a_layer_cannot_hold_is_refused(mlp, small_cnn):
         ad.adaptor_plan(template, 2, rank=2, conv_adaptor="out_layer")
 
 
-class _RMSNormNet(nn.Module):
-    """A Dense, a scale-only norm (RMSNorm: no offset), a Dense head."""
+class _OneNormNet(nn.Module):
+    """A Dense, one normalization layer, a Dense head."""
+
+    norm: str
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         x = nn.Dense(8)(x.reshape(x.shape[0], -1))
-        x = nn.RMSNorm()(x)
+        layers = {"rms": nn.RMSNorm(), "offset_only": nn.LayerNorm(use_scale=False), "layer": nn.LayerNorm()}
+        x = layers[self.norm](x)
         return nn.Dense(3)(x)
 
 
-def test_norm_adaptors_on_a_norm_layer_without_an_offset():
-    """FLoRAL's norm adaptors (norm_adaptors=true) on a scale-only norm layer (RMSNorm,
-    LayerNorm(use_bias=False)): ``mix`` adapts only the parameters the layer has, so the plan
-    must build adaptors only for those; it raised KeyError: 'bias' in ``init_adaptors``."""
-    params = _RMSNormNet().init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
-    plan = ad.adaptor_plan(params, 2, rank=1, norm=True)
-    assert plan.norms == ("RMSNorm_0",)
+@pytest.mark.parametrize("norm, adapted", [("rms", {"scale"}), ("offset_only", {"bias"}), ("layer", {"scale", "bias"})])
+def test_norm_adaptors_adapt_the_parameters_each_norm_layer_has(norm, adapted):
+    """FLoRAL's norm adaptors (norm_adaptors=true) on the parameters a norm layer has: a scale-only
+    RMSNorm (it raised KeyError: 'bias' in ``init_adaptors``), an offset-only LayerNorm (found by its
+    module type: the plan looked for a 'scale' parameter and never adapted it), a full LayerNorm."""
+    model = Model("one_norm", _OneNormNet(norm), (4,))
+    params = model.init(jax.random.key(0))["params"]
+    (key,) = norm_layers(model)
+    plan = ad.adaptor_plan(params, 2, rank=1, norms=norm_layers(model))
+    assert plan.norms == (key,)
     adaptors = ad.init_adaptors(jax.random.key(1), params, plan)
-    assert set(adaptors["norms"]["RMSNorm_0"]) == {"scale"}
-    mixed = ad.mix(params, adaptors, mixture_weights(jnp.array([0.3, -1.0])), plan)
+    assert set(adaptors["norms"][key]) == adapted
+    weights = mixture_weights(jnp.array([0.3, -1.0]))
+    mixed = ad.mix(params, adaptors, weights, plan)
     for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)  # zero deltas at init
+    moved = jax.tree.map(lambda x: x + 1.0, adaptors)
+    mixed = ad.mix(params, moved, weights, plan)
+    for name in adapted:  # each adapted parameter moves by the weights' sum (1), the rest stays
+        np.testing.assert_allclose(mixed[key][name], params[key][name] + float(jnp.sum(weights)), rtol=1e-6)

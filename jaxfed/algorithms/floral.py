@@ -38,7 +38,7 @@ from jaxfed.core import mean_of, weighted_share
 from jaxfed.core.routing import ROUTERS, check_router, mixture_share, mixture_weights, oracle_init
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
-from jaxfed.nn.layers import no_adaptable_layers
+from jaxfed.nn.layers import no_adaptable_layers, norm_layers
 from jaxfed.options import (
     DatasetDefaults,
     TrainingOptions,
@@ -229,7 +229,7 @@ def _plan(model, options: AdaptorOptions, num_adaptors: int):
         rank=options.adaptor_rank,
         conv_adaptor=options.conv_adaptor,
         alpha=options.adaptor_alpha,
-        norm=options.norm_adaptors,
+        norms=norm_layers(model) if options.norm_adaptors else (),
     )
     if not plan.kernels:
         raise no_adaptable_layers("floral", model)

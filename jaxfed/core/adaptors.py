@@ -47,7 +47,7 @@ class AdaptorPlan(NamedTuple):
 
     kernels: dict[str, KernelAdaptor]
     biases: tuple[str, ...]  # layers whose bias gets adaptors
-    norms: tuple[str, ...]  # norm layers whose scale and bias get adaptors
+    norms: tuple[str, ...]  # norm layers whose scale and offset (those they have) get adaptors
     num_adaptors: int
     alpha: float
 
@@ -62,16 +62,6 @@ def conv_layout(kind: str, kernel_shape) -> str:
     return _LAYOUT[kind]
 
 
-def _norm_layers(params, prefix=()):
-    for name, child in params.items():
-        if isinstance(child, dict):
-            path = prefix + (name,)
-            if "scale" in child and "kernel" not in child:
-                yield ".".join(path)
-            else:
-                yield from _norm_layers(child, path)
-
-
 def adaptor_plan(
     template,
     num_adaptors: int,
@@ -81,12 +71,14 @@ def adaptor_plan(
     conv_adaptor: str = "balanced_2d",
     layers=None,
     bias: bool = True,
-    norm: bool = True,
+    norms: tuple[str, ...] | list[str] = (),
     alpha: float = 1.0,
 ) -> AdaptorPlan:
     """The plan for a parameter tree (arrays or shape structs): every Dense / Conv kernel (or
     ``layers``) with ``rank`` (a ConfigError where a layer cannot hold it) or, when 0, the rank
-    of the relative budget ``rho``."""
+    of the relative budget ``rho``; and adaptors on the scale and offset (whichever it has) of each
+    normalization layer in ``norms`` (:func:`jaxfed.nn.layers.norm_layers` of the model: layers
+    known by their module type, not by their parameters' names)."""
     if num_adaptors < 1:
         raise ConfigError(f"num_adaptors: must be >= 1, got {num_adaptors}")
     if rank < 0:
@@ -105,8 +97,7 @@ def adaptor_plan(
             r = lowrank.rank_from_budget(*lowrank.matrix_shape(shape, layout), rho)
         kernels[key] = KernelAdaptor(kind, layout, r, shape)
     biases = tuple(k for k in keys if bias and "bias" in lowrank.get_layer(template, k))
-    norms = tuple(_norm_layers(template)) if norm else ()
-    return AdaptorPlan(kernels, biases, norms, num_adaptors, alpha)
+    return AdaptorPlan(kernels, biases, tuple(norms), num_adaptors, alpha)
 
 
 def init_adaptors(rng: jax.Array, template, plan: AdaptorPlan, dtype=jnp.float32) -> dict:

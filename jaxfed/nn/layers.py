@@ -14,7 +14,7 @@ import jax
 from jaxfed.nn.conv import Conv
 
 DENSE_OR_CONV = (nn.Dense, nn.Conv, Conv)
-NORMALIZATION = (nn.BatchNorm, nn.GroupNorm, nn.LayerNorm)
+NORMALIZATION = (nn.BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.InstanceNorm)
 
 
 def _called_modules(model) -> list[tuple[str, nn.Module]]:
@@ -70,7 +70,8 @@ def head_layer(model, head: str = "", algorithm: str = "") -> str:
 
 def norm_layers(model) -> list[str]:
     """Keys of the model's normalization layers (``nn.BatchNorm``, ``nn.GroupNorm``,
-    ``nn.LayerNorm``) in call order."""
+    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm``) in call order: FedBN's local layers,
+    FLoRAL's norm adaptors."""
     return [key for key, module in _called_modules(model) if isinstance(module, NORMALIZATION)]
 
 
