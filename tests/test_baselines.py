@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_federation, round_info
+from conftest import BatchNormNet, make_federation, round_info
 
 from jaxfed.algorithms.ditto import ditto
 from jaxfed.algorithms.features import class_counts
@@ -41,8 +41,11 @@ from jaxfed.algorithms.regularized import (
 )
 from jaxfed.algorithms.training import fit, train_classifier
 from jaxfed.core import lowrank
+from jaxfed.core.losses import masked_loss, masked_mean
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
+from jaxfed.nn import Model
+from jaxfed.nn.layers import head_input
 from jaxfed.options import sgd
 from jaxfed.simulation import Simulation, server_step
 from jaxfed.simulation.sampling import personalization_key
@@ -184,6 +187,34 @@ def test_moon_and_fedntd_are_fedavg_at_weight_zero_and_differ_from_it_otherwise(
         assert close == same, (weight, value)
     if build is moon:  # the client's next "previous model" is the model it trained
         chex.assert_trees_all_equal(new_client.previous, upload)
+
+
+def test_moons_frozen_models_normalize_with_the_statistics_of_the_clients_last_round(digits, digits_federation):
+    """MOON's global and previous models run in inference mode with the BatchNorm statistics the
+    client held when the round began (the previous model's own), not those training is moving."""
+    model = Model("bn_net", BatchNormNet(digits.num_classes), digits.input_shape)
+    alg = moon(model, mu=5.0, **TRAIN)
+    server, client = alg.init(jax.random.key(0))
+    moved = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(9), x.shape), client.previous)
+    stats = jax.tree.map(lambda x: x + 0.5, client.model_state)  # the statistics of its last round
+    client = client._replace(previous=moved, model_state=stats)
+    data, rng = _client(digits_federation), jax.random.key(5)
+    new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(1))
+    head = "head"
+
+    def frozen_features(params, x):
+        (z, _), _ = head_input(model, head, {"params": params, **stats}, x, train=False)
+        return z
+
+    def loss(params, model_state, batch):
+        variables = {"params": params, **model_state}
+        (z, logits), new_state = head_input(model, head, variables, batch.x, train=True, mask=batch.mask)
+        contrast = model_contrastive(z, frozen_features(server.params, batch.x), frozen_features(moved, batch.x), 0.5)
+        return masked_loss(logits, batch.y, batch.mask) + 5.0 * masked_mean(contrast, batch.mask), new_state
+
+    want, want_stats, _ = fit(loss, sgd(0.1), server.params, stats, data, rng, epochs=1, batch_size=32)
+    chex.assert_trees_all_close(upload, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new_client.model_state, want_stats, rtol=1e-5, atol=1e-6)
 
 
 def test_self_distillation_is_the_authors_tau_squared_batchmean_kl():

@@ -11,7 +11,9 @@ frozen: the global model's (MOON, FedNTD) or its own previous local model's (MOO
   the global model's, ``z_prev`` the client's previous local model's (its client state, the
   initialization before its first round). The paper's ``z`` is a projection head's output; here
   it is the model's features (the classifier head's input), as PFLlib does: jaxfed's models have
-  no projection head.
+  no projection head. The two frozen models run in inference mode, as the authors' ``eval()``
+  copies do, with the BatchNorm statistics the client ended its last round with: the previous
+  model's own; the global model has none of its own (jaxfed keeps statistics on the clients).
 - **pFedSD** (Jin et al., IEEE TPDS 2022, "Personalized Edge Intelligence via Federated
   Self-Knowledge Distillation"): ``CE + lambda * tau^2 * KL(q_prev || q)`` with ``q`` the softmax
   at temperature ``tau`` of the logits, ``q_prev`` that of the client's previous local model (the
@@ -176,8 +178,10 @@ def moon(model, options: MoonOptions | None = None, **overrides) -> FederatedAlg
             (z, logits), new_state = head_input(
                 model, head, variables, batch.x, train=True, mask=batch.mask, rng=batch.key
             )
-            z_global = features(global_params, model_state, batch.x)
-            z_previous = features(client_state.previous, model_state, batch.x)
+            # the frozen models normalize with the statistics the client ended its last round with
+            # (the previous model's own), not those this round's training is moving
+            z_global = features(global_params, client_state.model_state, batch.x)
+            z_previous = features(client_state.previous, client_state.model_state, batch.x)
             contrast = masked_mean(model_contrastive(z, z_global, z_previous, options.tau), batch.mask)
             return masked_loss(logits, batch.y, batch.mask) + options.mu * contrast, new_state
 
