@@ -19,7 +19,9 @@ round, as the authors' code runs it (``clientas.py``, ``serveras.py``):
 
 The client uploads its body and that trace; the server's body is the trace-weighted mean of the
 round's bodies (``fisher_weighting=False``: the sample-weighted mean, the authors' ``wo_global``
-ablation). A client's personalized model is its own model: no global model is evaluated.
+ablation). A client's personalized model is its own model: no global model is evaluated. The
+round's ``steps`` count the alignment's steps and the trace's batches besides training's (each a
+gradient on one batch), and ``fisher_trace`` is reported as a metric.
 
 Where jaxfed differs from the authors' code: prototypes cover every training example (their loader
 drops a random last partial batch of 16); the alignment's and the trace's batches follow
