@@ -58,8 +58,7 @@ SETUP = f"FedARA paper §5 (FedAS is its homogeneous baseline, run in its setup:
 
 @dataclasses.dataclass(frozen=True)
 class FedASOptions(TrainingOptions):
-    """FedAS's options: the alignment of the global body to the client's prototypes, and the
-    server's weights."""
+    """FedAS's options: the global body's alignment to the client's prototypes; the server's weights."""
 
     tasks: typing.ClassVar[tuple[str, ...]] = ("classification",)  # prototypes are per class
 
