@@ -119,7 +119,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedamp", "own models pulled toward attentive cloud models (Huang et al., AAAI 2021)"),
         ("fedcac", "critical parameters shared only among similar clients (Wu et al., ICCV 2023)"),
         ("pfedsd", "FedAvg plus self-distillation from the last local model (Jin et al., TPDS 2022)"),
-        ("fedas", "global body aligned to local prototypes, Fisher-weighted mean (Yang et al., CVPR 2024)"),
+        ("fedas", "global body aligned to local prototypes, Fisher-weighted (Yang et al., CVPR 2024)"),
     ],
 }
 
