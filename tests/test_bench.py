@@ -317,11 +317,14 @@ def test_the_timed_evaluation_of_every_client_compiles_nothing(monkeypatch, sett
 def test_useful_steps_follow_the_clients_each_device_runs():
     """With D devices the engine deals the size-ordered clients round-robin (padded with
     step-less dummies to a multiple of D) and each device runs its own chunks
-    (ClientStrategy.run_order), as fastest_chunk models; useful_step_fraction grouped every
-    client as if on one device."""
+    (ClientStrategy.run_order), as fastest_chunk models; useful_step_fraction and sequential_steps
+    grouped every client as if on one device."""
     config = workload_config("w2", TINY_W2)  # batch 32, drop_last, one epoch
     counts = 32 * np.array([20, 10, 1, 1])  # 20, 10, 1, 1 steps
     sim = SimpleNamespace(data=SimpleNamespace(train_count=counts), sampled_ids=lambda t: np.arange(4), num_devices=2)
     # device 0 runs [20, 1], device 1 [10, 1]: all vmapped, 2 x 20 + 2 x 10 steps run for 32 real (not 4 x 20)
     assert useful_step_fraction(sim, config, range(1), 0) == pytest.approx(32 / 60)
     assert useful_step_fraction(sim, config, range(1), 1) == 1.0
+    # one after another: device 0 runs 20 then 1 step one at a time, 20 at once; the busiest device counts
+    assert sequential_steps(sim, config, range(1), 1) == 21  # one device's sequence would be 32
+    assert sequential_steps(sim, config, range(1), 0) == 20

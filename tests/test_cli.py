@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -172,7 +173,9 @@ def test_cohort_evaluation_without_the_fixed_cohort_is_a_one_line_error(tmp_path
 
 
 def test_list_lines_fit_100_columns_and_defaults_are_unquoted(capsys):
-    for args in (["list"], ["list", "fedara"]):
+    """A plugin's line too (scaffold's docstring line is 110 columns: wrapped under its start)."""
+    scaffold = str(Path(__file__).parents[1] / "examples" / "scaffold.py")
+    for args in (["list"], ["list", "fedara"], ["list", "--plugin", scaffold]):
         assert main(args) == 0
         lines = capsys.readouterr().out.splitlines()
         assert max(len(line) for line in lines) <= 100

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -356,8 +357,8 @@ def _list(args) -> int:
     own = [(name, registry.get(name).summary) for name in registry.names() if name not in listed]
     for group, entries in [*registry.CATALOGUE.items(), *([("registered by research code", own)] if own else [])]:
         print(f"  {group}:")
-        for name, line in entries:
-            print(f"    {name:<14}{line}")
+        for name, line in entries:  # a plugin's line is its docstring's: wrapped under its start
+            print(textwrap.fill(line, width=100, initial_indent=f"    {name:<14}", subsequent_indent=" " * 18))
     _print_list("datasets", [f"{name} (model {default_model(name)})" for name in names])
     _print_list("models", [*MODELS, f"or your own flax Module: model={user.FORMS}"])
     _print_list("partitioners", [*PARTITIONERS, f"{FILE_PARTITION} (partition_file=PATH: your own, an .npz)"])
@@ -368,8 +369,6 @@ def _list(args) -> int:
 
 def _print_list(title: str, items) -> None:
     """``title: a, b, c`` wrapped at 100 columns under the first item."""
-    import textwrap
-
     print(textwrap.fill(", ".join(items), width=100, initial_indent=f"{title + ':':<14}", subsequent_indent=" " * 14))
 
 

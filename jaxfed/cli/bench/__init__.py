@@ -125,22 +125,31 @@ def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> 
     own share of the clients: every ``num_devices``-th of the size order, padded to a multiple of
     the devices (:meth:`~jaxfed.simulation.strategy.ClientStrategy.run_order`)."""
     real, executed = 0, 0
-    devices = sim.num_devices
     for t in rounds:
-        steps = local_steps(sim, config, t)
-        real += steps.sum()
-        padded = np.concatenate([steps, np.zeros(-len(steps) % devices, steps.dtype)])  # dummies: no steps
-        for share in (padded[d::devices] for d in range(devices)):  # each device's clients (run_order)
+        real += local_steps(sim, config, t).sum()
+        for share in device_shares(sim, config, t):
             executed += sum(group.max() * len(group) for group in size_ordered_groups(share, chunk))
     return float(real / max(executed, 1))
 
 
+def device_shares(sim, config: Config, round_index: int) -> list[np.ndarray]:
+    """Each of ``sim``'s devices' clients of round ``round_index`` as their local steps, largest
+    first: every ``num_devices``-th of the size order, padded with step-less dummies to a multiple
+    of the devices (:meth:`~jaxfed.simulation.strategy.ClientStrategy.run_order`)."""
+    steps, devices = local_steps(sim, config, round_index), sim.num_devices
+    padded = np.concatenate([steps, np.zeros(-len(steps) % devices, steps.dtype)])
+    return [padded[d::devices] for d in range(devices)]
+
+
 def sequential_steps(sim, config: Config, rounds: range, chunk: int = 0) -> float:
     """Local steps a round runs one after another with ``client_chunk=chunk``, the mean over
-    ``rounds``: each group's largest client's (:func:`~jaxfed.simulation.strategy.size_ordered_groups`)."""
-    return float(
-        np.mean([sum(g.max() for g in size_ordered_groups(local_steps(sim, config, t), chunk)) for t in rounds])
-    )
+    ``rounds``: on the busiest device (:func:`device_shares`), the sum over its groups of each
+    group's largest client's (:func:`~jaxfed.simulation.strategy.size_ordered_groups`)."""
+    per_round = [
+        max(sum(g.max() for g in size_ordered_groups(share, chunk)) for share in device_shares(sim, config, t))
+        for t in rounds
+    ]
+    return float(np.mean(per_round))
 
 
 MIN_TIMED_CALLS = 5
