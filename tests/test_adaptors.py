@@ -300,18 +300,29 @@ class _OneNormNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         x = nn.Dense(8)(x.reshape(x.shape[0], -1))
-        layers = {"rms": nn.RMSNorm(), "offset_only": nn.LayerNorm(use_scale=False), "layer": nn.LayerNorm()}
+        layers = {
+            "rms": nn.RMSNorm(),
+            "offset_only": nn.LayerNorm(use_scale=False),
+            "layer": nn.LayerNorm(),
+            "bare": nn.LayerNorm(use_scale=False, use_bias=False),
+        }
         x = layers[self.norm](x)
         return nn.Dense(3)(x)
 
 
-@pytest.mark.parametrize("norm, adapted", [("rms", {"scale"}), ("offset_only", {"bias"}), ("layer", {"scale", "bias"})])
+@pytest.mark.parametrize(
+    "norm, adapted", [("rms", {"scale"}), ("offset_only", {"bias"}), ("layer", {"scale", "bias"}), ("bare", set())]
+)
 def test_norm_adaptors_adapt_the_parameters_each_norm_layer_has(norm, adapted):
     """FLoRAL's norm adaptors (norm_adaptors=true) on the parameters a norm layer has: a scale-only
     RMSNorm (it raised KeyError: 'bias' in ``init_adaptors``), an offset-only LayerNorm (found by its
-    module type: the plan looked for a 'scale' parameter and never adapted it), a full LayerNorm."""
+    module type: the plan looked for a 'scale' parameter and never adapted it), a full LayerNorm; one
+    with neither is no layer to adapt (nor for FedBN to keep)."""
     model = Model("one_norm", _OneNormNet(norm), (4,))
     params = model.init(jax.random.key(0))["params"]
+    if not adapted:
+        assert norm_layers(model) == []
+        return
     (key,) = norm_layers(model)
     plan = ad.adaptor_plan(params, 2, rank=1, norms=norm_layers(model))
     assert plan.norms == (key,)

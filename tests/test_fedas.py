@@ -11,12 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import round_info
+from conftest import BatchNormNet, round_info
 
+from jaxfed.algorithms.features import class_means
 from jaxfed.algorithms.fedas import Upload, alignment_loss, fedas, fisher_trace
 from jaxfed.algorithms.partial import merge_layers, split_layers
-from jaxfed.algorithms.training import fit, shuffled_positions, train_classifier
+from jaxfed.algorithms.training import fit, shuffled_positions, train_classifier, train_parameters
 from jaxfed.data import ClientData
+from jaxfed.nn import Model
+from jaxfed.nn.layers import head_input
 from jaxfed.options import sgd
 from jaxfed.simulation import server_step
 
@@ -117,6 +120,39 @@ def test_a_fedas_client_aligns_the_global_body_to_its_prototypes_then_trains_the
     assert float(metrics["fisher_trace"]) == float(upload.fisher)
     # the personalized model is the client's own, trained
     chex.assert_trees_all_equal(alg.eval_params(server, new_client)["params"], new_client.params)
+
+
+def test_with_batchnorm_the_alignment_and_the_trace_run_in_inference_mode_on_the_clients_statistics(
+    digits, digits_federation
+):
+    """The alignment and the prototypes normalize with the statistics the client holds when the round
+    begins, the trace with those training left (each in inference mode), training in train mode."""
+    model = Model("bn_net", BatchNormNet(digits.num_classes), digits.input_shape)
+    alg = fedas(model, align_lr=0.05, **TRAIN)
+    server, client = alg.init(jax.random.key(0))
+    stats = jax.tree.map(lambda x: x + 0.5, client.model_state)  # what its last round left
+    own = model.init(jax.random.key(7))["params"]
+    client = client._replace(params=own, model_state=stats)
+    data, rng = _client(digits_federation), jax.random.key(5)
+    new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(2))
+
+    align_rng, train_rng, fisher_rng = jax.random.split(rng, 3)
+    head = split_layers(own, ["head"])[1]
+    prototypes, _ = class_means(model, "head", {"params": own, **stats}, data, 16)
+
+    def align_loss(body, state, batch):
+        variables = {"params": merge_layers(body, head), **stats}
+        (f, _), _ = head_input(model, "head", variables, batch.x, train=False)
+        return alignment_loss(f, prototypes, batch.y, batch.mask), state
+
+    aligned = fit(align_loss, optax.sgd(0.05), server.params, stats, data, align_rng, epochs=1, batch_size=16)[0]
+    trained, trained_stats, _ = train_parameters(
+        model, sgd(0.1), merge_layers(aligned, head), stats, data, train_rng, epochs=1, batch_size=32
+    )
+    chex.assert_trees_all_close(new_client.params, trained, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(new_client.model_state, trained_stats, rtol=1e-5, atol=1e-6)
+    trace, _ = fisher_trace(model, trained, trained_stats, data, fisher_rng, batch_size=32, drop_last=False)
+    np.testing.assert_allclose(upload.fisher, trace, rtol=1e-3)
 
 
 def test_without_alignment_the_global_body_replaces_the_clients_before_training(mlp, digits_federation):

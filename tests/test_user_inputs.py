@@ -109,16 +109,38 @@ def test_a_model_file_runs_is_recorded_named_and_found_again_on_resume(digits, t
     chex.assert_trees_all_equal(model.init(jax.random.key(0)), _reference_params())  # Net(num_classes=10)
 
 
-def test_only_user_code_is_fingerprinted():
-    """A built-in on a built-in model records no file; a plugin's algorithm records its file."""
+def test_only_user_code_is_fingerprinted(tmp_path):
+    """A built-in on a built-in model records no file; a plugin's algorithm records its file; a
+    function of one's own inside a partial or a record (the aggregation) counts too, and two files
+    of one name stay apart."""
+    import functools
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
     from jaxfed.algorithms.registry import import_plugin
+    from jaxfed.contract import Aggregation
     from jaxfed.runs.fingerprint import code_files
 
-    assert code_files(build(Config(num_clients=3).validate()).simulation) == {}
-    plugin = str(Path(__file__).parents[1] / "examples" / "scaffold.py")
-    import_plugin(plugin)
-    sim = build(Config(algorithm="scaffold", plugins=(plugin,), num_clients=3).validate()).simulation
-    assert set(code_files(sim)) == {"scaffold.py"}
+    sim = build(Config(num_clients=3).validate()).simulation
+    assert code_files(sim) == {}
+    plugin = Path(__file__).parents[1] / "examples" / "scaffold.py"
+    import_plugin(str(plugin))
+    scaffold = build(Config(algorithm="scaffold", plugins=(str(plugin),), num_clients=3).validate()).simulation
+    assert set(code_files(scaffold)) == {str(plugin.resolve())}
+
+    def load(path):
+        _write(path, "def apply(server_state, total, info):\n    return server_state\n")
+        spec = importlib.util.spec_from_file_location(f"jaxfed_test_code_{path.parent.name}", path)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    one, two = load(tmp_path / "a" / "helpers.py"), load(tmp_path / "b" / "helpers.py")
+    aggregation = Aggregation(sim.algorithm.aggregation.contribute, one.apply)
+    algorithm = sim.algorithm._replace(aggregation=aggregation, eval_params=functools.partial(two.apply, info=None))
+    found = code_files(SimpleNamespace(model=sim.model, algorithm=algorithm))
+    assert set(found) == {str((tmp_path / d / "helpers.py").resolve()) for d in "ab"}
 
 
 def test_a_resume_warns_when_the_model_file_changed_since_the_checkpoint(tmp_path, capsys):
@@ -128,7 +150,7 @@ def test_a_resume_warns_when_the_model_file_changed_since_the_checkpoint(tmp_pat
     settings = [f"{key}={value}" for key, value in SMALL.items()]
     assert main(["run", "--quiet", "--out", str(out), "--set", f"model={net}:Net", *settings]) == 0
     fingerprint = resume_point(out)[1].record["fingerprint"]
-    assert list(fingerprint["code"]) == ["edited_net.py"]
+    assert list(fingerprint["code"]) == [str(net.resolve())]
     warnings = []
     check_same_simulation(fingerprint, fingerprint, out, warnings.append)
     assert warnings == []  # the same file: no warning
@@ -136,7 +158,7 @@ def test_a_resume_warns_when_the_model_file_changed_since_the_checkpoint(tmp_pat
     net.write_text(net.read_text() + "\n# a comment\n")
     assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=2"]) == 0
     err = capsys.readouterr().err
-    assert "warning: edited_net.py changed since" in err and "resuming with the code as it is now" in err
+    assert f"warning: {net.resolve()} changed since" in err and "resuming with the code as it is now" in err
 
 
 def test_a_model_module_on_sys_path_builds_with_num_classes_and_trains(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ done
 # The paper's numbers for the setting's dataset and partition: heterogeneous tiers, CIFAR-10 90.84
 # (Dirichlet) / 91.23 (pathological), CIFAR-100 54.54 / 70.25; the reduced Fashion-MNIST setting
 # shows the CIFAR-10 Dirichlet one. Homogeneous: FedARA 88.21 on CIFAR-10 (its best baseline FedAS
-# 86.77), 60.49 on CIFAR-100 (the others' numbers are not in the paper's text).
+# 86.77), 60.49 on CIFAR-100 (FedAS 55.36; the other baselines' numbers are not in the paper's text).
 case $setting in
   cifar10_pat) paper_het="91.23 (CIFAR-10 Pat)"; paper_hom="88.21 (CIFAR-10, homogeneous)"; paper_fedas="86.77 (CIFAR-10, homogeneous)" ;;
   cifar100_dir) paper_het="54.54 (CIFAR-100 Dir)"; paper_hom="60.49 (CIFAR-100, homogeneous)"; paper_fedas="55.36 (CIFAR-100, homogeneous)" ;;

@@ -23,10 +23,15 @@ ablation). A client's personalized model is its own model: no global model is ev
 round's ``steps`` count the alignment's steps and the trace's batches besides training's (each a
 gradient on one batch), and ``fisher_trace`` is reported as a metric.
 
-Where jaxfed differs from the authors' code: prototypes cover every training example (their loader
-drops a random last partial batch of 16); the alignment's and the trace's batches follow
-``drop_last`` (theirs always drop); the server averages only the bodies (theirs also averages the
-heads, which it never sends back); BatchNorm statistics stay on the client, as for every algorithm.
+Where jaxfed differs from the authors' code: each sampled client aligns its own copy of the global
+body (their repository hands every client the server's model itself, so a client received the body
+as the clients sampled before it had aligned it; PFLlib's FedAS, updated by the same author,
+copies it, as jaxfed does); their loader runs every pass in stored order and drops the last
+partial batch (``n mod 16`` examples never reach the prototypes or the alignment), where jaxfed
+shuffles every pass and keeps every example (``drop_last`` applies to the alignment, training and
+the trace); the server averages only the bodies (theirs also averages the heads, which it never
+sends back); BatchNorm statistics stay on the client, as for every algorithm (their alignment
+normalizes with the first uploading client's statistics).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from jaxfed.nn.layers import head_input, head_layer
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve
 
 PAPER = "Yang, Huang and Ye (CVPR 2024), FedAS"
-CODE = "the authors' code (xiyuanyang45/FedAS, as in PFLlib)"
+CODE = "the authors' code (xiyuanyang45/FedAS; PFLlib's FedAS)"
 SETUP = f"FedARA paper §5 (FedAS is its homogeneous baseline, run in its setup: E=5, B=16, lr 5e-3; {CODE}: the same)"
 
 

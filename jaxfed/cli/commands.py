@@ -358,7 +358,8 @@ def _list(args) -> int:
     for group, entries in [*registry.CATALOGUE.items(), *([("registered by research code", own)] if own else [])]:
         print(f"  {group}:")
         for name, line in entries:  # a plugin's line is its docstring's: wrapped under its start
-            print(textwrap.fill(line, width=100, initial_indent=f"    {name:<14}", subsequent_indent=" " * 18))
+            print(textwrap.fill(line, width=100, initial_indent=f"    {name:<14}", subsequent_indent=" " * 18)
+                  or f"    {name}")  # fmt: skip
     _print_list("datasets", [f"{name} (model {default_model(name)})" for name in names])
     _print_list("models", [*MODELS, f"or your own flax Module: model={user.FORMS}"])
     _print_list("partitioners", [*PARTITIONERS, f"{FILE_PARTITION} (partition_file=PATH: your own, an .npz)"])

@@ -70,9 +70,10 @@ def head_layer(model, head: str = "", algorithm: str = "") -> str:
 
 def norm_layers(model) -> list[str]:
     """Keys of the model's normalization layers (``nn.BatchNorm``, ``nn.GroupNorm``,
-    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm``) in call order: FedBN's local layers,
-    FLoRAL's norm adaptors."""
-    return [key for key, module in _called_modules(model) if isinstance(module, NORMALIZATION)]
+    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm``) that hold a scale or an offset, in
+    call order: FedBN's local layers, FLoRAL's norm adaptors. (One with neither has nothing to
+    keep or adapt.)"""
+    return [key for key, module in _parameter_modules(model) if isinstance(module, NORMALIZATION)]
 
 
 def head_input(model, head: str, variables, x, *, train: bool = False, mask=None, rng=None):
@@ -96,6 +97,11 @@ def parameter_layers(model) -> list[str]:
     """Keys of the modules that hold parameter arrays of their own (Dense, Conv, normalization
     layers), in the order a forward pass calls them: the model's layers counted as its parameters
     list them, layer by layer, the output side last (FedALA's top layers)."""
+    return [key for key, _ in _parameter_modules(model)]
+
+
+def _parameter_modules(model) -> list[tuple[str, nn.Module]]:
+    """``(key, module)`` of the called modules that hold parameter arrays of their own, in call order."""
     params = jax.eval_shape(model.init, jax.random.key(0))["params"]
 
     def own_arrays(key: str) -> bool:
@@ -106,7 +112,7 @@ def parameter_layers(model) -> list[str]:
             node = node[part]
         return isinstance(node, dict) and any(not isinstance(v, dict) for v in node.values())
 
-    return [key for key, _ in _called_modules(model) if own_arrays(key)]
+    return [(key, module) for key, module in _called_modules(model) if own_arrays(key)]
 
 
 def all_layers(model) -> list[tuple[str, str]]:

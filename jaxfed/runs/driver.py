@@ -36,7 +36,13 @@ from jaxfed.errors import (
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host, split_host_for, to_host
-from jaxfed.runs.fingerprint import check_same_simulation, describe, fingerprint, option_defaults
+from jaxfed.runs.fingerprint import (
+    check_same_simulation,
+    describe,
+    fingerprint,
+    option_defaults,
+    warn_changed_code,
+)
 from jaxfed.runs.rundir import (
     LoopSettings,
     RunDirectory,
@@ -342,10 +348,10 @@ def run(
                 point.record.get("fingerprint"),
                 current,
                 directory.path,
-                log,
                 field="--resume",
                 defaults=option_defaults(built.simulation.algorithm.options),
-            )
+            )  # no log: check_resumable compared the config already, its warnings would mislead
+            warn_changed_code(point.record.get("fingerprint"), current, directory.path, log)
         log(f"partition: {describe_partition(built.partition_summary)}")
         job = Run(LoopSettings.of(config), config.to_dict(), current, on_evaluation)
         return _run_in(directory, built.simulation, job, resume, at_most, progress, log, built.partition_summary)

@@ -27,6 +27,7 @@ read it as they read a ``jaxfed run`` directory).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import sysconfig
@@ -93,32 +94,55 @@ def _installed_roots() -> tuple[Path, ...]:
     return tuple(roots)
 
 
+def _definitions(obj):
+    """The functions and classes ``obj`` is made of: itself (unwrapped from ``jax.jit`` and other
+    wrappers), a ``functools.partial``'s function, each field of a record (``Aggregation``), a
+    callable instance's class."""
+    if isinstance(obj, functools.partial):
+        yield from _definitions(obj.func)
+    elif isinstance(obj, tuple):
+        for item in obj:
+            yield from _definitions(item)
+    elif callable(obj):
+        obj = inspect.unwrap(obj)
+        yield obj if inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isclass(obj) else type(obj)
+
+
 def code_files(sim) -> dict[str, str]:
-    """``{file name: 12 hex digits of its sha256}`` of each file of user code ``sim`` runs: the
+    """``{file path: 12 hex digits of its sha256}`` of each file of user code ``sim`` runs: the
     files, outside jaxfed and the installed packages, that define its model's Module class and
-    its algorithm's functions (a ``model=path.py:Class`` file, a ``--plugin``), as they are on
-    disk now. Empty for a built-in algorithm on a built-in model."""
+    its algorithm's functions (a ``model=path.py:Class`` file, a ``--plugin``; not the modules
+    those import), as they are on disk now. Empty for a built-in algorithm on a built-in model."""
     module = getattr(sim.model, "module", sim.model)
-    candidates = [type(module), *(f for f in sim.algorithm if callable(f))]
     roots, files = _installed_roots(), {}
-    for obj in candidates:
+    for definition in [type(module), *_definitions(tuple(sim.algorithm))]:
         try:
-            source = inspect.getsourcefile(inspect.unwrap(obj))
-        except TypeError:  # a builtin, a partial: no file of its own
+            source = inspect.getsourcefile(definition)
+        except TypeError:  # a builtin: no file of its own
             continue
         if source is None or not Path(source).is_file():
             continue
         path = Path(source).resolve()
-        if any(path.is_relative_to(root) for root in roots):
-            continue
-        files[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+        if not any(path.is_relative_to(root) for root in roots):
+            files[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
     return files
 
 
 def changed_code(saved: dict, current: dict) -> list[str]:
     """The files of user code both fingerprints record whose digests differ (:func:`code_files`)."""
     old, new = saved.get("code") or {}, current.get("code") or {}
-    return sorted(name for name in old.keys() & new.keys() if old[name] != new[name])
+    return sorted(path for path in old.keys() & new.keys() if old[path] != new[path])
+
+
+def warn_changed_code(saved: dict | None, current: dict, where, log) -> None:
+    """A warning through ``log`` naming each file of user code that changed since the checkpoint
+    ``saved`` (its fingerprint; None: nothing to compare) was written in ``where``."""
+    edited = changed_code(saved or {}, current)
+    if edited:
+        log(
+            f"warning: {', '.join(edited)} changed since {where} was written; resuming with the code as it is now "
+            "(the rounds before ran the code as it was)"
+        )
 
 
 def fingerprint(sim, data=None) -> dict:
@@ -235,9 +259,5 @@ def check_same_simulation(
             f"warning: the algorithm's options are known for {'the checkpoint' if known[0] else 'this simulation'} "
             "only (its record carries none), so they are not compared"
         )
-    edited = changed_code(saved, current)
-    if log is not None and edited:
-        log(
-            f"warning: {', '.join(edited)} changed since {where} was written; resuming with the code as it is now "
-            "(the rounds before ran the code as it was)"
-        )
+    if log is not None:
+        warn_changed_code(saved, current, where, log)
