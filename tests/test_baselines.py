@@ -217,6 +217,28 @@ def test_moons_frozen_models_normalize_with_the_statistics_of_the_clients_last_r
     chex.assert_trees_all_close(new_client.model_state, want_stats, rtol=1e-5, atol=1e-6)
 
 
+def test_fedntds_frozen_global_model_normalizes_with_the_statistics_the_round_began_with(digits, digits_federation):
+    """FedNTD's global model runs in inference mode (the authors' copy is taken in eval()) with the
+    statistics the client held when the round began, not those its training is moving."""
+    model = Model("bn_net", BatchNormNet(digits.num_classes), digits.input_shape)
+    alg = fedntd(model, beta=1.0, **TRAIN)
+    server, client = alg.init(jax.random.key(0))
+    stats = jax.tree.map(lambda x: x + 0.5, client.model_state)
+    client = client._replace(model_state=stats)
+    data, rng = _client(digits_federation), jax.random.key(5)
+    new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(1))
+
+    def loss(params, model_state, batch):
+        logits, new_state = model.apply({"params": params, **model_state}, batch.x, train=True, mask=batch.mask)
+        teacher, _ = model.apply({"params": server.params, **stats}, batch.x, train=False)
+        ntd = not_true_distillation(logits, teacher, batch.y, 1.0)
+        return masked_loss(logits, batch.y, batch.mask) + masked_mean(ntd, batch.mask), new_state
+
+    want, want_stats, _ = fit(loss, sgd(0.1), server.params, stats, data, rng, epochs=1, batch_size=32)
+    chex.assert_trees_all_close(upload, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new_client.model_state, want_stats, rtol=1e-5, atol=1e-6)
+
+
 def test_self_distillation_is_the_authors_tau_squared_batchmean_kl():
     """Fling's ``lamda * tau**2 * F.kl_div(log_softmax(o / tau), softmax(o_pre / tau), 'batchmean')`` per example."""
     rng = np.random.default_rng(2)

@@ -23,7 +23,10 @@ frozen: the global model's (MOON, FedNTD) or its own previous local model's (MOO
   mode, as the model being trained does.
 - **FedNTD** (Lee et al., NeurIPS 2022): ``CE + beta * KL(q_g || q_l)`` over the not-true classes:
   ``q`` the softmax at temperature ``tau`` of the logits with the true class's removed, ``q_g``
-  the global model's, ``q_l`` the local model's.
+  the global model's, ``q_l`` the local model's. The frozen global model runs in inference mode
+  (the authors' copy is taken after an evaluation left the model in ``eval()``) with the
+  BatchNorm statistics the client held when the round began (theirs carries the server's
+  averaged ones; jaxfed keeps statistics on the clients).
 """
 
 from __future__ import annotations
@@ -200,7 +203,8 @@ def fedntd(model, options: FedNTDOptions | None = None, **overrides) -> Federate
             logits, new_state = model.apply(
                 {"params": params, **model_state}, batch.x, train=True, mask=batch.mask, rng=batch.key
             )
-            global_logits, _ = model.apply({"params": global_params, **model_state}, batch.x, train=False)
+            frozen = {"params": global_params, **client_state.model_state}  # the statistics the round began with
+            global_logits, _ = model.apply(frozen, batch.x, train=False)
             ntd = not_true_distillation(logits, jax.lax.stop_gradient(global_logits), batch.y, options.tau)
             return masked_loss(logits, batch.y, batch.mask) + options.beta * masked_mean(ntd, batch.mask), new_state
 
