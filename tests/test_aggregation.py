@@ -293,6 +293,26 @@ def _modeled_round(sizes, chunk):
     return sum(max(g) * (1 + len(g) / STEP_WIDTH) for g in groups)
 
 
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+def test_device_shares_are_the_clients_the_engines_run_order_gives_each_device(devices):
+    """The one rule the chunk model and the bench use for which clients each device runs, against
+    ClientStrategy.run_order on the same sizes padded with size-0 dummies (device d: the d-th
+    contiguous block of the order, as the clients axis is sharded)."""
+    from types import SimpleNamespace
+
+    from jaxfed.simulation.strategy import ClientStrategy, device_shares
+
+    sizes = np.random.default_rng(devices).integers(1, 50, size=11)
+    padded = np.concatenate([sizes, np.zeros(-len(sizes) % devices, sizes.dtype)])
+    order = np.asarray(ClientStrategy.run_order(SimpleNamespace(num_devices=devices), jnp.asarray(padded)))
+    blocks = np.split(padded[order], devices)
+    shares = device_shares(sizes, devices)
+    assert len(shares) == devices
+    for share, block in zip(shares, blocks):
+        np.testing.assert_array_equal(share, block)
+    assert 0 not in shares[0]  # the busiest device never gets a dummy
+
+
 def test_the_accelerator_default_chunk_is_the_modeled_fastest_for_the_client_sizes(mlp, digits):
     """On a device with a memory budget the default chunk is the candidate (powers of two, or all
     at once) whose modeled round over the sampled clients' sizes is least: against the model

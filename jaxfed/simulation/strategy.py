@@ -58,6 +58,15 @@ def size_ordered_groups(sizes: np.ndarray, chunk: int) -> list[np.ndarray]:
     return np.array_split(sizes, range(size, len(sizes), size))
 
 
+def device_shares(sizes, num_devices: int) -> list[np.ndarray]:
+    """Each device's clients as the engine deals them (:meth:`ClientStrategy.run_order`): ``sizes``
+    in size order, largest first, padded with size-0 dummies to a multiple of ``num_devices``, every
+    ``num_devices``-th to each device. Device 0's share is the busiest (it never gets a dummy)."""
+    order = np.sort(np.asarray(sizes))[::-1]
+    padded = np.concatenate([order, np.zeros(-len(order) % num_devices, order.dtype)])
+    return [padded[d::num_devices] for d in range(num_devices)]
+
+
 def fastest_chunk(sizes_per_round: Sequence[np.ndarray], num_devices: int = 1) -> int:
     """The chunk (0: all at once) whose modeled time over these rounds' sampled client sizes is
     least. The sizes are training examples standing in for local steps (the engine does not know
@@ -66,7 +75,7 @@ def fastest_chunk(sizes_per_round: Sequence[np.ndarray], num_devices: int = 1) -
     runs as long as its largest client and costs ``1 + width / STEP_WIDTH`` per step; a device
     runs every ``num_devices``-th client of the order. Candidates: the powers of two below the
     widest group, and all at once."""
-    shares = [np.sort(np.asarray(s))[::-1][::num_devices] for s in sizes_per_round]
+    shares = [device_shares(s, num_devices)[0] for s in sizes_per_round]
     widest = max(len(s) for s in shares)
     candidates = [2**k for k in range((widest - 1).bit_length())] + [widest]
 

@@ -41,7 +41,7 @@ from jaxfed.data.datasets import default_model
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
-from jaxfed.simulation.strategy import size_ordered_groups
+from jaxfed.simulation.strategy import device_shares, size_ordered_groups
 
 W1 = [
     "algorithm=fedavg",
@@ -127,26 +127,23 @@ def useful_step_fraction(sim, config: Config, rounds: range, chunk: int = 0) -> 
     real, executed = 0, 0
     for t in rounds:
         real += local_steps(sim, config, t).sum()
-        for share in device_shares(sim, config, t):
+        for share in device_steps(sim, config, t):
             executed += sum(group.max() * len(group) for group in size_ordered_groups(share, chunk))
     return float(real / max(executed, 1))
 
 
-def device_shares(sim, config: Config, round_index: int) -> list[np.ndarray]:
-    """Each of ``sim``'s devices' clients of round ``round_index`` as their local steps, largest
-    first: every ``num_devices``-th of the size order, padded with step-less dummies to a multiple
-    of the devices (:meth:`~jaxfed.simulation.strategy.ClientStrategy.run_order`)."""
-    steps, devices = local_steps(sim, config, round_index), sim.num_devices
-    padded = np.concatenate([steps, np.zeros(-len(steps) % devices, steps.dtype)])
-    return [padded[d::devices] for d in range(devices)]
+def device_steps(sim, config: Config, round_index: int) -> list[np.ndarray]:
+    """Each of ``sim``'s devices' clients of round ``round_index`` as their local steps, as the
+    engine deals them (:func:`~jaxfed.simulation.strategy.device_shares`)."""
+    return device_shares(local_steps(sim, config, round_index), sim.num_devices)
 
 
 def sequential_steps(sim, config: Config, rounds: range, chunk: int = 0) -> float:
     """Local steps a round runs one after another with ``client_chunk=chunk``, the mean over
-    ``rounds``: on the busiest device (:func:`device_shares`), the sum over its groups of each
+    ``rounds``: on the busiest device (:func:`device_steps`), the sum over its groups of each
     group's largest client's (:func:`~jaxfed.simulation.strategy.size_ordered_groups`)."""
     per_round = [
-        max(sum(g.max() for g in size_ordered_groups(share, chunk)) for share in device_shares(sim, config, t))
+        max(sum(g.max() for g in size_ordered_groups(share, chunk)) for share in device_steps(sim, config, t))
         for t in rounds
     ]
     return float(np.mean(per_round))
