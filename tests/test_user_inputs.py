@@ -161,6 +161,23 @@ def test_a_resume_warns_when_the_model_file_changed_since_the_checkpoint(tmp_pat
     assert f"warning: {net.resolve()} changed since" in err and "resuming with the code as it is now" in err
 
 
+def test_a_sweep_resumed_after_its_model_file_changed_warns_once(tmp_path, capsys):
+    """Its members run one program's code: one warning naming the file and the sweep, not one per member."""
+    net = _write(tmp_path / "edited_sweep_net.py")
+    out = tmp_path / "sweep"
+    settings = [f"{key}={value}" for key, value in SMALL.items()]
+    args = ["sweep", "--quiet", "--seeds", "0,1", "--out", str(out), "--set", f"model={net}:Net", *settings]
+    assert main(args) == 0
+    net.write_text(net.read_text() + "\n# a comment\n")
+    capsys.readouterr()
+    assert main([*args, "rounds=2", "--resume"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "changed since" in line]
+    assert warnings == [
+        f"warning: {net.resolve()} changed since {out} was written; resuming with the code as it is now "
+        "(the rounds before ran the code as it was)"
+    ]
+
+
 def test_a_model_module_on_sys_path_builds_with_num_classes_and_trains(tmp_path, monkeypatch):
     _write(tmp_path / "lib" / "jaxfed_test_usernets.py")
     monkeypatch.syspath_prepend(str(tmp_path / "lib"))

@@ -233,13 +233,20 @@ def differences(saved: dict, current: dict, defaults: dict | None = None) -> lis
 
 
 def check_same_simulation(
-    saved: dict | None, current: dict, where, log=None, field: str = "resume", defaults: dict | None = None
+    saved: dict | None,
+    current: dict,
+    where,
+    log=None,
+    field: str = "resume",
+    defaults: dict | None = None,
+    code_warning: bool = True,
 ) -> None:
     """A one-line ConfigError naming what differs when the fingerprint ``saved`` (a checkpoint's
     record, of the run in ``where``) is not ``current``'s (``defaults``: of the options an older
     record lacks, :func:`differences`). ``saved`` None (a record from before fingerprints): not
     compared, a warning through ``log`` (where given); options known on one side only: not
-    compared, a warning too; a file of user code changed since (:func:`changed_code`): a warning."""
+    compared, a warning too; a file of user code changed since (:func:`changed_code`): a warning
+    (``code_warning=False``: the caller warns once for many checkpoints, :func:`warn_changed_code`)."""
     if saved is None:
         if log is not None:
             log(
@@ -259,5 +266,5 @@ def check_same_simulation(
             f"warning: the algorithm's options are known for {'the checkpoint' if known[0] else 'this simulation'} "
             "only (its record carries none), so they are not compared"
         )
-    if log is not None:
+    if log is not None and code_warning:
         warn_changed_code(saved, current, where, log)

@@ -49,7 +49,14 @@ from jaxfed.runs.build import build, build_algorithm, build_data, build_model, b
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.runs.driver import drive
-from jaxfed.runs.fingerprint import check_same_simulation, fingerprint, option_defaults, options_dict, seed_of
+from jaxfed.runs.fingerprint import (
+    check_same_simulation,
+    fingerprint,
+    option_defaults,
+    options_dict,
+    seed_of,
+    warn_changed_code,
+)
 from jaxfed.runs.plots import read_json, run_dirs_below, show
 from jaxfed.runs.rundir import (
     LoopSettings,
@@ -562,10 +569,15 @@ def restore_members(
     checkpoint whose record reads but whose state does not is set aside, so the same command run
     again plans from the round that reads."""
     defaults = option_defaults(sweep.template.algorithm.options)  # the members' algorithm is the template's
+    checked = []
     for directory, current in zip(dirs, prints):  # every member checked before any checkpoint is touched
         if directory.checkpoints.rounds():
             _, record = directory.newest_checkpoint_record(log)
-            check_same_simulation(record.get("fingerprint"), current, directory.path, log, field, defaults)
+            saved = record.get("fingerprint")
+            check_same_simulation(saved, current, directory.path, log, field, defaults, code_warning=False)
+            checked.append((saved, current))
+    if checked:  # the members run one program's code: one warning for the sweep
+        warn_changed_code(*checked[0], dirs[0].path.parent, log)
     members, records = [], []
     for i, (config, directory, current) in enumerate(zip(configs, dirs, prints)):
         state, record = sweep.member(states, i), RunRecord(config, fingerprint=current)
