@@ -185,6 +185,21 @@ def test_norm_adaptors_are_opt_in_as_in_the_authors_code(digits):
     assert not norm_adaptors(off) and norm_adaptors(on)
 
 
+class _OffsetNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.LayerNorm(use_scale=False)(nn.Dense(8)(x.reshape(x.shape[0], -1))))
+        return nn.Dense(10)(h)
+
+
+def test_norm_adaptors_adapt_an_offset_only_norm_layer(digits):
+    """FLoRAL's own plan (not only ``adaptor_plan``): a LayerNorm without a scale gets an adaptor on
+    its offset; the plan used to look for a 'scale' parameter and gave it none."""
+    model = Model.wrap(_OffsetNormNet(), digits.input_shape)
+    norms = jax.eval_shape(_floral(model, adaptor_rank=2, norm_adaptors=True).init, jax.random.key(0))[0].adaptors
+    assert {key: set(layer) for key, layer in norms["norms"].items()} == {"LayerNorm_0": {"bias"}}
+
+
 def test_bias_adaptors_are_scaled_by_alpha(mlp):
     template = mlp.init(jax.random.key(0))["params"]
     plan = ad.adaptor_plan(template, 2, rank=2, alpha=2.5)
