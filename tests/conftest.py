@@ -15,7 +15,7 @@ from small_models import BatchNormNet  # noqa: F401  (re-exported to the tests)
 
 from jaxfed.contract import RoundInfo
 from jaxfed.core import lowrank
-from jaxfed.data import federate, load_dataset, partition
+from jaxfed.data import ClientData, federate, load_dataset, partition
 from jaxfed.nn import get_model
 from jaxfed.nn.models import CNN4, Model
 
@@ -76,6 +76,17 @@ def small_cnn(digits):
 def make_federation(dataset, num_clients=10, name="dirichlet", seed=0, **options):
     train, test = partition(name, dataset.y_train, dataset.y_test, num_clients, np.random.default_rng(seed), **options)
     return federate(dataset, train, test)
+
+
+def module_features(model, params, x):
+    """A model's features (its head's input), read from its module itself (``features=True``)."""
+    return model.module.apply({"params": params}, x, features=True)
+
+
+def one_client(fed, client: int):
+    """Client ``client``'s training view (``ClientData``, unstacked): what ``client_update`` gets."""
+    data = fed.train_data(jnp.array([client]))
+    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import BatchNormNet, make_federation, round_info
+from conftest import BatchNormNet, make_federation, module_features, one_client, round_info
 
 from jaxfed.algorithms.ditto import ditto
 from jaxfed.algorithms.features import class_counts
@@ -53,11 +53,6 @@ from jaxfed.simulation.sampling import personalization_key
 TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 32}
 
 
-def _client(fed, client=3):
-    data = fed.train_data(jnp.array([client]))
-    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-
-
 def _frozen_except(params, trained: str, lr: float):
     """SGD on the top-level layers named ``trained`` (a predicate on the key), zero updates elsewhere."""
     labels = {key: "train" if trained(key) else "freeze" for key in params}
@@ -75,7 +70,7 @@ def test_fedper_trains_every_layer_and_uploads_the_base(mlp, digits_federation):
     alg = fedper(mlp, **TRAIN)
     server, client = alg.init(jax.random.key(0))
     assert set(server.params) == {"fc1", "fc2"} and set(client.personal) == {"head"}
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
 
     full = merge_layers(server.params, client.personal)
@@ -89,7 +84,7 @@ def test_fedper_trains_every_layer_and_uploads_the_base(mlp, digits_federation):
 def test_fedrep_trains_the_head_then_the_body_each_with_the_other_frozen(mlp, digits_federation):
     alg = fedrep(mlp, lr=0.1, head_epochs=2, local_epochs=1, batch_size=32)
     server, client = alg.init(jax.random.key(0))
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, metrics = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
 
     head_rng, body_rng = jax.random.split(rng)
@@ -127,7 +122,7 @@ def test_ditto_trains_the_global_copy_as_fedavg_and_the_personal_model_toward_it
     server, client = alg.init(jax.random.key(0))
     personal = jax.tree.map(lambda x: x + 0.05, client.personal)  # a personal model away from the global
     client = client._replace(personal=personal)
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, metrics = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
 
     global_rng, personal_rng = jax.random.split(rng)
@@ -172,7 +167,7 @@ def test_not_true_distillation_is_the_kl_over_the_other_classes():
 
 @pytest.mark.parametrize("build, weight", [(moon, "mu"), (fedntd, "beta")])
 def test_moon_and_fedntd_are_fedavg_at_weight_zero_and_differ_from_it_otherwise(build, weight, mlp, digits_federation):
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     plain = fedavg(mlp, **TRAIN)
     server, _ = plain.init(jax.random.key(0))
     _, want, _ = plain.client_update(server.params, ClientStats({}), data, rng, round_info())
@@ -198,7 +193,7 @@ def test_moons_frozen_models_normalize_with_the_statistics_of_the_clients_last_r
     moved = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(9), x.shape), client.previous)
     stats = jax.tree.map(lambda x: x + 0.5, client.model_state)  # the statistics of its last round
     client = client._replace(previous=moved, model_state=stats)
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(1))
     head = "head"
 
@@ -225,7 +220,7 @@ def test_fedntds_frozen_global_model_normalizes_with_the_statistics_the_round_be
     server, client = alg.init(jax.random.key(0))
     stats = jax.tree.map(lambda x: x + 0.5, client.model_state)
     client = client._replace(model_state=stats)
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(1))
 
     def loss(params, model_state, batch):
@@ -251,7 +246,7 @@ def test_self_distillation_is_the_authors_tau_squared_batchmean_kl():
 
 
 def test_pfedsd_distils_its_last_local_model_from_its_second_round_and_is_evaluated_with_it(mlp, digits_federation):
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     alg = pfedsd(mlp, lam=0.5, tau=3.0, **TRAIN)
     server, client = alg.init(jax.random.key(0))
     plain = fedavg(mlp, **TRAIN)
@@ -278,11 +273,6 @@ def test_pfedsd_distils_its_last_local_model_from_its_second_round_and_is_evalua
     assert not np.allclose(jax.tree.leaves(second)[0], jax.tree.leaves(without)[0], atol=1e-6)
 
 
-def _features(mlp, params, x):
-    """The MLP's features (its head's input), read from the module itself."""
-    return mlp.module.apply({"params": params}, x, features=True)
-
-
 def _reference_fit(loss, trainable, data, rng):
     """SGD at TRAIN's settings on ``loss(trainable, batch)`` over the same batches as the engine's loop."""
     return fit(lambda t, state, batch: (loss(t, batch), state), sgd(0.1), trainable, {}, data, rng, epochs=1,
@@ -305,7 +295,7 @@ def test_balanced_softmax_is_the_papers_formula():
 
 
 def test_class_counts_are_the_clients_label_histogram(digits_federation):
-    data = _client(digits_federation)
+    data = one_client(digits_federation, 3)
     labels = np.asarray(data.y)[np.asarray(data.indices)[: int(data.count)]]
     np.testing.assert_array_equal(class_counts(data, 10), np.bincount(labels, minlength=10))
 
@@ -315,13 +305,13 @@ def test_fedrod_trains_the_generic_model_balanced_and_the_personal_head_on_froze
     server, client = alg.init(jax.random.key(0))
     assert not any(np.any(leaf) for leaf in jax.tree.leaves(client.personal))  # the personal head starts at 0
     client = client._replace(personal=jax.tree.map(lambda x: x + 0.01, client.personal))
-    data, rng = _client(digits_federation, client=1), jax.random.key(5)
+    data, rng = one_client(digits_federation, client=1), jax.random.key(5)
     counts = np.bincount(np.asarray(data.y)[np.asarray(data.indices)[: int(data.count)]], minlength=10)
     assert (counts == 0).any(), "the check needs a client that lacks a class"
     new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
 
     def loss(t, batch):  # the two losses written from the paper: log-prior shift, personal logits added
-        z = _features(mlp, t["generic"], batch.x)
+        z = module_features(mlp, t["generic"], batch.x)
         g = z @ t["generic"]["head"]["kernel"] + t["generic"]["head"]["bias"]
         shifted = jnp.where(counts > 0, g + jnp.log(jnp.maximum(counts, 1)), -1e9)
         generic = -jnp.take_along_axis(jax.nn.log_softmax(shifted), batch.y[:, None], 1)[:, 0]
@@ -336,7 +326,7 @@ def test_fedrod_trains_the_generic_model_balanced_and_the_personal_head_on_froze
     # the personalized model's logits are the generic head's plus the personal head's
     x = data.x[:7]
     logits, _ = mlp.apply(alg.eval_params(server, new_client), x)
-    z = _features(mlp, server.params, x)
+    z = module_features(mlp, server.params, x)
     want_logits = z @ (server.params["head"]["kernel"] + new_client.personal["kernel"])
     np.testing.assert_allclose(logits, want_logits + server.params["head"]["bias"] + new_client.personal["bias"],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
@@ -347,11 +337,11 @@ def test_fedproto_pulls_features_to_the_prototypes_and_uploads_its_class_means(m
     _, client = alg.init(jax.random.key(0))
     present = np.arange(10) % 3 != 0  # classes 0, 3, 6, 9 have no global prototype
     prototypes = Prototypes(jax.random.normal(jax.random.key(1), (10, 200)), jnp.asarray(present))
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, _ = jax.jit(alg.client_update)(prototypes, client, data, rng, round_info())
 
     def loss(params, batch):
-        z = _features(mlp, params, batch.x)
+        z = module_features(mlp, params, batch.x)
         ce = -jnp.take_along_axis(jax.nn.log_softmax(mlp.apply({"params": params}, batch.x)[0]), batch.y[:, None], 1)
         pull = jnp.mean((z - prototypes.means[batch.y]) ** 2, axis=1) * jnp.asarray(present)[batch.y]
         return jnp.sum((ce[:, 0] + 2.0 * pull) * batch.mask) / jnp.sum(batch.mask)
@@ -359,7 +349,7 @@ def test_fedproto_pulls_features_to_the_prototypes_and_uploads_its_class_means(m
     want = _reference_fit(loss, client.params, data, rng)
     chex.assert_trees_all_close(new_client.params, want, rtol=1e-5, atol=1e-6)
     real = np.asarray(data.indices)[: int(data.count)]
-    z, y = np.asarray(_features(mlp, want, data.x[real]), np.float64), np.asarray(data.y)[real]
+    z, y = np.asarray(module_features(mlp, want, data.x[real]), np.float64), np.asarray(data.y)[real]
     counts = np.bincount(y, minlength=10)
     np.testing.assert_array_equal(upload.counts, counts)
     for c in range(10):
@@ -390,7 +380,7 @@ def test_fedprotos_server_weighs_each_class_by_its_counts(mlp):
 def test_fedbabu_trains_the_body_under_the_fixed_head_and_uploads_the_body(mlp, digits_federation):
     alg = fedbabu(mlp, **TRAIN)
     server, client = alg.init(jax.random.key(0))
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     _, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
     not_head = lambda key: key != "head"  # noqa: E731
     want, _ = train_classifier(mlp, _frozen_except(server.params, not_head, 0.1), {"params": server.params}, data,
@@ -407,7 +397,7 @@ def test_fedbabus_fine_tuning_trains_only_the_part_named_at_the_base_lr(part, fi
     alg = fedbabu(mlp, finetune=part, finetune_epochs=1, lr_schedule="cosine", lr_min=0.0, lr_decay_rounds=5,
                   **TRAIN)  # fmt: skip
     server, client = alg.init(jax.random.key(0))
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     tuned = alg.personalize(server, client, data, rng, round_info(5))["params"]  # round 5: the cosine's lr is 0
     trained = lambda key: key not in fixed  # noqa: E731
     want, _ = train_classifier(mlp, _frozen_except(server.params, trained, 0.1), {"params": server.params}, data,
@@ -446,7 +436,7 @@ def _pfedlora_client(alg, digits_federation):
         key: lora._replace(up=0.1 * jax.random.normal(jax.random.key(2), lora.up.shape))
         for key, lora in client.tau.items()
     }
-    return server, client._replace(tau=tau), _client(digits_federation), jax.random.key(5)
+    return server, client._replace(tau=tau), one_client(digits_federation, 3), jax.random.key(5)
 
 
 def _kernel_plus_lora(params, tau, scale):

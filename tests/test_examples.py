@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import metrics_rows as _rows
-from conftest import round_info
+from conftest import one_client, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.cli import main
-from jaxfed.data import ClientData
 from jaxfed.simulation import server_step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -48,17 +47,12 @@ def test_scaffold_runs_from_the_cli_with_its_own_option_and_resumes_bit_for_bit(
     assert "server_lr = 1.0" in capsys.readouterr().out
 
 
-def _client(fed, client=1):
-    data = fed.train_data(jnp.array([client]))
-    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-
-
 def test_scaffold_client_step_matches_fedavg_then_the_control_formula(scaffold_module, mlp, digits_federation):
     """With zero control variates the correction vanishes: the local model is FedAvg's (same
     keys); the new control is ``(x - y) / (K lr)`` and the upload ``y - x`` (numpy, float64)."""
     alg = scaffold_module.scaffold(mlp, num_clients=10, lr=0.05, local_epochs=1, batch_size=16)
     server, client = alg.init(jax.random.key(0))
-    data, rng = _client(digits_federation), jax.random.key(3)
+    data, rng = one_client(digits_federation, 1), jax.random.key(3)
     new_client, upload, metrics = jax.jit(alg.client_update)(server, client, data, rng, round_info())
 
     plain = fedavg(mlp, lr=0.05, local_epochs=1, batch_size=16)

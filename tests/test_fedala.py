@@ -19,20 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import round_info
+from conftest import one_client, round_info
 
 from jaxfed.algorithms.fedala import aggregate, fedala, sample_positions, top_layer_keys
 from jaxfed.algorithms.training import shuffled_positions, train_classifier
-from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn import Model
 from jaxfed.nn.models import Norm
 from jaxfed.options import sgd
-
-
-def _client(fed, client):
-    data = fed.train_data(jnp.array([client]))
-    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +72,7 @@ def test_the_top_layers_are_the_parameter_layers_nearest_the_output(mlp, digits)
 
 
 def test_the_random_subset_is_rand_percent_of_the_clients_own_examples(digits_federation):
-    data = _client(digits_federation, 8)  # 83 examples
+    data = one_client(digits_federation, 8)  # 83 examples
     positions, batches = sample_positions(data, jax.random.key(3), 80, 16)
     real = np.asarray(positions)[np.asarray(positions) < 83]
     assert len(real) == 83 * 80 // 100 == len(set(real.tolist())) and int(batches) == -(-66 // 16)
@@ -152,7 +146,7 @@ def _check_round(models, mlp, digits_federation, update, fedavg_training, w, rou
     """A round of a client that trained ``rounds`` rounds before: ALA (against the reference), then
     FedAvg's training of theta_hat with the key's second half. Returns the new W and the passes."""
     theta, big_theta = models
-    data, rng = _client(digits_federation, 8), jax.random.key(5)
+    data, rng = one_client(digits_federation, 8), jax.random.key(5)
     state, upload, metrics = update(big_theta, _state(mlp, theta, w, rounds), data, rng, round_info(4))
     ala_rng, train_rng = jax.random.split(rng)
     want_w, want_start, want_passes = _reference_ala(mlp, theta, big_theta, w, data, ala_rng, passes=passes,
@@ -189,7 +183,7 @@ def test_the_first_ala_stops_after_num_pre_loss_plus_one_passes_of_equal_losses(
     is the same, and the authors' rule (more than num_pre_loss losses recorded) stops at the 6th."""
     big_theta = models[1]
     ones = jax.tree.map(lambda x: np.ones(x.shape, np.float32), big_theta["head"])
-    data = _client(digits_federation, 8)
+    data = one_client(digits_federation, 8)
     state, _, metrics = update(big_theta, _state(mlp, big_theta, ones, 1), data, jax.random.key(5), round_info(4))
     assert float(metrics["ala_passes"]) == ALA["num_pre_loss"] + 1
     chex.assert_trees_all_equal(state.weights["head"], ones)
@@ -199,7 +193,7 @@ def test_a_clients_first_round_is_fedavgs_and_leaves_w_alone(models, mlp, digits
                                                              fedavg_training):  # fmt: skip
     """A client that never trained (theta the initialization) starts from the global model."""
     theta, big_theta = models
-    data, rng = _client(digits_federation, 8), jax.random.key(5)
+    data, rng = one_client(digits_federation, 8), jax.random.key(5)
     _, client = fedala(mlp).init(jax.random.key(0))
     state, upload, metrics = update(big_theta, client, data, rng, round_info(4))
     chex.assert_trees_all_close(upload, fedavg_training(big_theta, data, jax.random.split(rng)[1]), rtol=1e-5,

@@ -4,14 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation, round_info
+from conftest import make_federation, one_client, round_info
 
 from jaxfed.algorithms.features import class_anchors
 from jaxfed.algorithms.fedara import fedara, frobenius_penalty, lambda_at
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.core.losses import masked_loss
-from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.simulation import Simulation, server_step
@@ -22,17 +21,12 @@ def _fedara(model, lr=0.05, **options):
     return fedara(model, lr=lr, **options)
 
 
-def _client(fed, client=2):
-    data = fed.train_data(jnp.array([client]))
-    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-
-
 def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federation):
     alg = _fedara(mlp, tiers=(0.5,))
     server, client = jax.jit(alg.init)(jax.random.key(0))
     message = alg.broadcast(server, round_info(0, 0))
     variables = {"params": {**message.fe, "head": client.head}}
-    data = _client(digits_federation)
+    data = one_client(digits_federation, 2)
     with factorized_execution():
         anchors, present = jax.jit(lambda v: class_anchors(mlp, "head", v, data, batch_size=16))(variables)
         x = np.asarray(data.x)[np.asarray(data.indices)[: int(data.count)]]
@@ -90,7 +84,7 @@ def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_feder
     server, client = jax.jit(alg.init)(jax.random.key(0))
     info = round_info(4, 0)  # past the first round: lambda is on
     message = alg.broadcast(server, info)
-    data = _client(digits_federation)
+    data = one_client(digits_federation, 2)
     new_client, upload, metrics = jax.jit(alg.client_update)(message, client, data, jax.random.key(1), info)
     assert float(metrics["lambda"]) == lam and float(metrics["steps"]) == 3
     expected = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr)
@@ -114,7 +108,7 @@ def test_global_anchors_come_from_the_full_rank_global_fe(mlp, digits_federation
     received_only = _fedara(mlp, **options).broadcast(server, info)
     assert received_only.anchor_fe is None  # the default sends the tier's factors alone
     assert tree_bytes(message) == tree_bytes(received_only) + tree_bytes(server.fe)
-    data = _client(digits_federation)
+    data = one_client(digits_federation, 2)
     _, upload, _ = jax.jit(alg.client_update)(message, client, data, jax.random.key(1), info)
     expected = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr, anchor_fe=server.fe)
     from_received = _reference_steps(mlp, message, client.head, data, 3, lam, mu, lr)
@@ -142,7 +136,7 @@ def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_c
     np.testing.assert_allclose(factored, full, rtol=1e-4, atol=1e-4)
     # decompose -> train with lr 0 -> reconstruct -> aggregate gives the global FE back
     _, upload, metrics = jax.jit(alg.client_update)(
-        message, client, _client(digits_federation), jax.random.key(1), round_info()
+        message, client, one_client(digits_federation, 2), jax.random.key(1), round_info()
     )
     assert float(metrics["steps"]) > 0
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), upload)
@@ -178,7 +172,7 @@ def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
 def test_client_flops_fall_with_the_tier_rank(mlp, digits_federation):
     alg = _fedara(mlp, tiers=(0.5, 0.25, 0.125))
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    data = _client(digits_federation)
+    data = one_client(digits_federation, 2)
     flops = [
         jax.jit(alg.client_update)
         .lower(alg.broadcast(server, round_info(0, t)), client, data, jax.random.key(1), round_info(0, t))

@@ -11,28 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import BatchNormNet, round_info
+from conftest import BatchNormNet, module_features, one_client, round_info
 
 from jaxfed.algorithms.features import class_means
 from jaxfed.algorithms.fedas import Upload, alignment_loss, fedas, fisher_trace
 from jaxfed.algorithms.partial import merge_layers, split_layers
 from jaxfed.algorithms.training import fit, shuffled_positions, train_classifier, train_parameters
-from jaxfed.data import ClientData
 from jaxfed.nn import Model
 from jaxfed.nn.layers import head_input
 from jaxfed.options import sgd
 from jaxfed.simulation import server_step
 
 TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 32}
-
-
-def _client(fed, client=3):
-    data = fed.train_data(jnp.array([client]))
-    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-
-
-def _features(mlp, params, x):
-    return mlp.module.apply({"params": params}, x, features=True)
 
 
 def _ce(mlp, params, x, y):
@@ -57,7 +47,7 @@ def test_alignment_loss_is_the_authors_sum_over_labels_of_mse(seed):
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_fisher_trace_sums_each_batchs_squared_gradient_norm(drop_last, mlp, digits_federation):
-    data, rng = _client(digits_federation), jax.random.key(4)
+    data, rng = one_client(digits_federation, 3), jax.random.key(4)
     params = mlp.init(jax.random.key(1))["params"]
     count, batch = int(data.count), 16
     assert count % batch  # a partial last batch: kept or dropped
@@ -86,12 +76,12 @@ def test_a_fedas_client_aligns_the_global_body_to_its_prototypes_then_trains_the
     own = mlp.init(jax.random.key(7))["params"]  # the client's model is not the global one
     client = client._replace(params=own)
     global_body = jax.tree.map(lambda x: x + 0.02, server.params)
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, metrics = jax.jit(alg.client_update)(global_body, client, data, rng, round_info(2))
 
     # by hand: prototypes of the client's own model over all its examples (numpy)
     real = np.asarray(data.indices)[: int(data.count)]
-    z, y = np.asarray(_features(mlp, own, data.x[real]), np.float64), np.asarray(data.y)[real]
+    z, y = np.asarray(module_features(mlp, own, data.x[real]), np.float64), np.asarray(data.y)[real]
     prototypes = np.zeros((10, z.shape[1]))
     for c in np.unique(y):
         prototypes[c] = z[y == c].mean(0)
@@ -99,7 +89,7 @@ def test_a_fedas_client_aligns_the_global_body_to_its_prototypes_then_trains_the
     head = split_layers(own, ["head"])[1]
 
     def align_loss(body, state, batch):  # the authors' loop over the batch's labels, in jnp
-        f = _features(mlp, merge_layers(body, head), batch.x)
+        f = module_features(mlp, merge_layers(body, head), batch.x)
         total = 0.0
         for c in range(10):
             members = (batch.y == c) & batch.mask
@@ -133,7 +123,7 @@ def test_with_batchnorm_the_alignment_and_the_trace_run_in_inference_mode_on_the
     stats = jax.tree.map(lambda x: x + 0.5, client.model_state)  # what its last round left
     own = model.init(jax.random.key(7))["params"]
     client = client._replace(params=own, model_state=stats)
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, upload, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info(2))
 
     align_rng, train_rng, fisher_rng = jax.random.split(rng, 3)
@@ -160,7 +150,7 @@ def test_without_alignment_the_global_body_replaces_the_clients_before_training(
     alg = fedas(mlp, align_epochs=0, **TRAIN)
     server, client = alg.init(jax.random.key(0))
     client = client._replace(params=mlp.init(jax.random.key(7))["params"])
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     new_client, _, _ = jax.jit(alg.client_update)(server.params, client, data, rng, round_info())
     head = split_layers(client.params, ["head"])[1]
     _, train_rng, _ = jax.random.split(rng, 3)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import round_info
+from conftest import one_client, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.ifca import PAPER_CLUSTERS, Upload, cluster_losses, ifca
@@ -27,11 +27,6 @@ from jaxfed.options import sgd
 from jaxfed.runs.config import Config
 
 TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 32}
-
-
-def _client(fed, client=3):
-    data = fed.train_data(jnp.array([client]))
-    return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
 
 
 def _numpy_losses(model, models, data: ClientData, k_models: int) -> np.ndarray:
@@ -51,7 +46,7 @@ def _numpy_losses(model, models, data: ClientData, k_models: int) -> np.ndarray:
 def test_a_client_trains_the_cluster_of_lowest_loss_as_train_classifier(best, mlp, digits_federation):
     alg = ifca(mlp, clusters=3, **TRAIN)
     server, client = jax.jit(alg.init)(jax.random.key(0))
-    data, rng = _client(digits_federation), jax.random.key(5)
+    data, rng = one_client(digits_federation, 3), jax.random.key(5)
     assert int(data.count) % 32, "a last partial batch, so the choice's masking is exercised"
     # cluster `best` trained a little on this client's data: its loss is the lowest, the others are random
     fitted, _ = train_classifier(mlp, sgd(0.1), {"params": jax.tree.map(lambda m: m[best], server.models)}, data,
@@ -89,7 +84,7 @@ class TinyBatchNormNet(nn.Module):
 def test_the_choice_normalizes_with_each_batchs_statistics_not_the_clients_running_ones(digits, digits_federation):
     model = Model("tiny_bn", TinyBatchNormNet(digits.num_classes), digits.input_shape)
     server, client = jax.jit(ifca(model, clusters=3).init)(jax.random.key(0))
-    data = _client(digits_federation)
+    data = one_client(digits_federation, 3)
     moved = jax.tree.map(lambda s: 3.0 * s + 1.0, client.model_state)  # running statistics far off
     losses = jax.jit(cluster_losses, static_argnums=(0, 4))
     key = jax.random.key(0)
