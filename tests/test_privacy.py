@@ -66,6 +66,7 @@ PRIVATE = {
     # A FedAS client's model: its head, and the body whose features are the prototypes the global body
     # aligns to (frozen below: lr and align_lr 0, so its upload is the body it received).
     "fedas": ("params", "model_state"),
+    "pfedgate": ("gate", "gate_state", "model_state"),  # the gating layer, its statistics, the model's
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -75,6 +76,8 @@ FROZEN |= {"fedper", "fedrep", "fedbn", "moon", "fedntd"}
 FROZEN |= {"fedspu"}
 # A FedAS client's prototypes (its own model's) pull the global body it trains with its own head.
 FROZEN |= {"fedas"}
+# A pFedGate client's gating layer scales the shared model it trains (frozen: lr 0 stops both).
+FROZEN |= {"pfedgate"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # FedDecomp (alternating and simultaneous) against FedAvg, Local and the personalized baselines of
-# its Table 1 that jaxfed has (FedAMP, FedRep, FedPer, FedRoD, pFedSD, FedCAC; FedBN on cifar10,
-# whose ResNet-8 has normalization layers: the reduced setting's CNN has none; not pFedGate) over
-# the paper's alphas. The claims are the paper's: FedDecomp above each, except FedRoD, pFedSD and
-# FedCAC above it at alpha 0.1.
+# its Table 1 (FedAMP, FedRep, FedPer, FedRoD, pFedSD, pFedGate, FedCAC; FedBN on cifar10, whose
+# ResNet-8 has normalization layers: the reduced setting's CNN has none) over the paper's alphas.
+# The claims are the paper's: FedDecomp above each, except FedRoD, pFedSD, pFedGate and FedCAC
+# above it at alpha 0.1.
 # Usage: experiments/feddecomp/run.sh DATA_DIR [reduced|cifar10] [-- --set key=value ...]
-#   reduced: Fashion-MNIST, alpha 0.1 and 0.5 (2 CPU cores, SEEDS=0,1,2: 6-9 minutes per variant, 7 variants
-#   per alpha: about 55 minutes)
+#   reduced: Fashion-MNIST, alpha 0.1 and 0.5 (2 CPU cores, SEEDS=0,1,2: 6-9 minutes per variant, 11 variants
+#   per alpha: about 85 minutes)
 #   cifar10: the paper's CIFAR-10 / ResNet-8 setting, alpha 0.1, 0.5 and 1.0 (an accelerator's job)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/alpha<alpha>/report/
 # (mean ± std, per-seed values, spread plot, verdicts of the paper's claims).
@@ -25,7 +25,7 @@ case $setting in
 esac
 [[ -n ${ALPHAS:-} ]] && IFS=, read -r -a alphas <<< "$ALPHAS"
 for alpha in "${alphas[@]}"; do
-  variants=(feddecomp feddecomp_simultaneous fedavg local fedamp fedrep fedper fedrod pfedsd fedcac)
+  variants=(feddecomp feddecomp_simultaneous fedavg local fedamp fedrep fedper fedrod pfedsd pfedgate fedcac)
   [[ $setting == cifar10 ]] && variants+=(fedbn)
   for variant in "${variants[@]}"; do
     algorithm=${variant%_simultaneous}
@@ -43,18 +43,19 @@ for alpha in "${alphas[@]}"; do
   case $alpha in
     0.1) paper=(--paper=feddecomp=85.47 --paper=feddecomp_simultaneous=85.45 --paper=fedavg=60.39 --paper=local=81.91
                 --paper=fedamp=84.99 --paper=fedrep=84.59 --paper=fedper=84.43 --paper=fedrod=86.23
-                --paper=pfedsd=86.34 --paper=fedcac=86.82); fedbn=83.55 ;;
+                --paper=pfedsd=86.34 --paper=pfedgate=87.25 --paper=fedcac=86.82); fedbn=83.55 ;;
     0.5) paper=(--paper=feddecomp=72.78 --paper=fedavg=60.41 --paper=local=60.15 --paper=fedamp=68.26
                 --paper=fedrep=67.69 --paper=fedper=68.80 --paper=fedrod=72.34 --paper=pfedsd=71.97
-                --paper=fedcac=69.83); fedbn=66.79 ;;
+                --paper=pfedgate=71.98 --paper=fedcac=69.83); fedbn=66.79 ;;
     1.0) paper=(--paper=feddecomp=69.09 --paper=fedavg=60.91 --paper=local=52.24 --paper=fedamp=64.87
                 --paper=fedrep=60.52 --paper=fedper=64.92 --paper=fedrod=68.45 --paper=pfedsd=67.21
-                --paper=fedcac=65.39); fedbn=62.20 ;;
+                --paper=pfedgate=67.85 --paper=fedcac=65.39); fedbn=62.20 ;;
   esac
   claims=("feddecomp>fedavg" "feddecomp>local" "feddecomp>feddecomp_simultaneous" "feddecomp>fedamp" "feddecomp>fedrep"
           "feddecomp>fedper")
-  # Table 1 at alpha 0.1: FedRoD (86.23), pFedSD (86.34) and FedCAC (86.82) above FedDecomp (85.47)
-  above=(fedrod pfedsd fedcac)
+  # Table 1 at alpha 0.1: FedRoD (86.23), pFedSD (86.34), pFedGate (87.25) and FedCAC (86.82) above
+  # FedDecomp (85.47)
+  above=(fedrod pfedsd pfedgate fedcac)
   for other in "${above[@]}"; do
     if [[ $alpha == 0.1 ]]; then claims+=("$other>feddecomp"); else claims+=("feddecomp>$other"); fi
   done

@@ -80,6 +80,7 @@ BUILTINS = {
     "fedcac": "fedcac",
     "pfedsd": "regularized",
     "fedas": "fedas",
+    "pfedgate": "pfedgate",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -120,6 +121,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedcac", "critical parameters shared only among similar clients (Wu et al., ICCV 2023)"),
         ("pfedsd", "FedAvg plus self-distillation from the last local model (Jin et al., TPDS 2022)"),
         ("fedas", "global body aligned to local prototypes, Fisher-weighted (Yang et al., CVPR 2024)"),
+        ("pfedgate", "a private gating layer scales/prunes the model's blocks (Chen et al., ICML 2023)"),
     ],
 }
 

@@ -48,9 +48,14 @@ def interior_layers(model) -> list[str]:
     return layers[1:-1] or layers[:1]
 
 
+def dense_layers(model) -> list[str]:
+    """Keys of the model's ``nn.Dense`` layers in the order a forward pass calls them."""
+    return [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
+
+
 def last_dense_layer(model) -> str:
     """The key of the last ``nn.Dense`` layer called (a classifier's head), or ``""`` if none."""
-    dense = [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
+    dense = dense_layers(model)
     return dense[-1] if dense else ""
 
 
@@ -59,7 +64,7 @@ def head_layer(model, head: str = "", algorithm: str = "") -> str:
     the last one called; one-line ConfigErrors naming the Dense layers there are."""
     from jaxfed.errors import ConfigError
 
-    dense = [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
+    dense = dense_layers(model)
     if not dense:
         raise no_adaptable_layers(algorithm or "head", model)
     head = head or dense[-1]
