@@ -323,8 +323,24 @@ def _edit_record(step: Path) -> None:
     record_file.write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("damage", [flip_state_byte, _edit_record], ids=["a flipped state bit", "an edited record"])
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage, tmp_path, capsys):
+def _edit_record_dropping_its_digests(step: Path) -> None:
+    """An edit that also drops the digests, which a record saved before digests lacks."""
+    _edit_record(step)
+    record_file = step / "run" / "metadata"
+    record = json.loads(record_file.read_text())
+    del record["integrity"]
+    record_file.write_text(json.dumps(record))
+
+
+DAMAGES = {
+    "a flipped state bit": (flip_state_byte, "differs from what was saved (digest mismatch)"),
+    "an edited record": (_edit_record, "differs from what was saved (digest mismatch)"),
+    "an edited record without its digests": (_edit_record_dropping_its_digests, "lost its digests"),
+}
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage, reason, tmp_path, capsys):
     reference, out = tmp_path / "reference", tmp_path / "run"
     assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
     assert main(["run", "--quiet", "--out", str(out), *CHECKPOINTED]) == 0
@@ -334,7 +350,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage
     err = capsys.readouterr().err
     assert "Traceback" not in err and "Exception ignored" not in err
     warnings = [line for line in err.splitlines() if "is unreadable" in line]
-    assert len(warnings) == 1 and "differs from what was saved (digest mismatch)" in warnings[0]
+    assert len(warnings) == 1 and reason in warnings[0]
     assert (out / "checkpoints" / "4.unreadable").is_dir()
     rows = [(out / name / "metrics.jsonl").read_text() for name in ("",)]
     want = [json.loads(r) for r in (reference / "metrics.jsonl").read_text().splitlines()]

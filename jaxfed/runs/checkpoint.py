@@ -131,8 +131,11 @@ def sealed(record: dict, state) -> dict:
 
 
 def verify_record(record: dict) -> dict:
-    """``record`` if its digest matches (records saved before digests pass unchecked)."""
+    """``record`` if its digest matches. Records saved before digests pass unchecked; one that holds
+    the state's structure (written since, always with digests) and no digests lost them."""
     integrity = record.get(INTEGRITY)
+    if integrity is None and STRUCTURE in record:
+        raise CorruptCheckpointError("its run record lost its digests (edited after it was saved)")
     if integrity is not None and integrity.get("record") != record_digest(record):
         raise CorruptCheckpointError("its run record differs from what was saved (digest mismatch)")
     return record
