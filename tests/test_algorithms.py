@@ -113,6 +113,9 @@ LEFT_OUT |= {"fedamp", "fedcac"}
 LEFT_OUT |= {"pfedsd"}
 # A FedAS client keeps the body it uploads (in its whole model); tests/test_fedas.py checks its round.
 LEFT_OUT |= {"fedas"}
+# A pFedGate client keeps the model it uploads (its last trained model, evaluated gated); its gating
+# layer is private (tests/test_privacy.py), its server step FedAvg's (tests/test_pfedgate.py).
+LEFT_OUT |= {"pfedgate"}
 
 
 @pytest.mark.parametrize("name", sorted(set(registry.names()) - LEFT_OUT))

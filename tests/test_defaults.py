@@ -46,9 +46,9 @@ def learns(config: Config, rounds: int = 2) -> float:
 
 # pFedGate's defaults (the authors' CIFAR-10 command: one epoch of batch 128) take 2 steps a round
 # on digits, and its gated model (every block scaled by a gate of about 0.5 at the start) learns
-# slower than the model alone: personalized accuracy 0.105 after 2 rounds, 0.240 after 8, 0.282
-# after 10 (FedAvg with the same optimizer: 0.611 after 2).
-ROUNDS = {"pfedgate": 10}
+# slower than the model alone: personalized accuracy 0.179 after 2 rounds, 0.215 after 4, 0.287
+# after 6 (FedAvg with the same optimizer: 0.611 after 2).
+ROUNDS = {"pfedgate": 6}
 
 
 @pytest.mark.parametrize("algorithm", registry.names())

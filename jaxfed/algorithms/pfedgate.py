@@ -15,27 +15,38 @@ with every block multiplied by its gate.
 separately among the blocks of Dense layers and the others, the blocks but each tensor's first
 are ranked by their integer importance ``round(10 max(gate, s_min))`` (``s_min = min(max(1 /
 block_split, 0.1), s)``) and taken greedily in that order while their sizes sum to at most
-``round((s - s_min) x`` the group's ranked size``)``; a tensor's first block is always kept.
+``round((s - s_min) x`` the group's ranked size``)``; a tensor's first block is always kept. A kept
+block's weight is its gate, and in training its gradient is also the clipped gate's,
+``max(gate, s_min)``, by the authors' straight-through mask ``(1 - stop_gradient(g)) + g``.
 
 Local training (the authors' published commands, ``bi_level_opt 0``): each step trains the shared
 model and the gating layer together on the gated model's loss, each gradient clipped to norm
 ``clip_norm`` on its own, the gating layer at ``gate_lr_scale`` times the model's learning rate.
-The client uploads the shared model (ungated); its gating layer, the gating layer's statistics and
-the model's BatchNorm statistics stay with it. A client's personalized model is the shared model
-gated by the mean gate over its training examples (the gating layer in inference mode: the
-authors' client-level adaptation). There is no global model: the shared model is only ever used
-gated.
+The client uploads its trained model (ungated) and keeps it with its gating layer, the gating
+layer's statistics and the model's BatchNorm statistics. A client's personalized model is its last
+trained model (before aggregation, as the authors evaluate a client right after its training,
+``online_aggregate``) gated by its mean gate over its training examples (the gating layer in
+inference mode); before its first round (a new client, held out of training), the global model
+with its untrained gating layer. There is no global model to evaluate: the shared model is only
+ever used gated.
 
 Where jaxfed differs from the authors' code: their published runs evaluate each test batch gated
 by that batch's own mean gate (with FedDecomp's 100 test examples a client, the mean over its test
 split), where jaxfed gates by the training examples' mean, so that no test statistic enters a
-model and a client's accuracy does not depend on how its test examples are batched; their
-optimizer's momentum persists on the client across rounds, jaxfed's starts afresh every round;
-their shared model's BatchNorm statistics are averaged with it, jaxfed's stay on the client (as
-for every algorithm); their greedy order breaks ties by numpy's unstable sort, jaxfed's by block
-order; their learning rate drops 10x at 3/4 of the rounds (``multi_step``), jaxfed's follows
-``lr_schedule``; torch's BatchNorm keeps the unbiased batch variance in its running statistics,
-Flax's the biased. A flat input (a vector) is one channel for the SwitchNorm.
+model and a client's accuracy does not depend on how its test examples are batched (their
+``client_level_adapt``, of another training mode, averages the batches' means, each batch's
+selection made on its own); a client not sampled in a round is evaluated on its last trained
+model (theirs on the new global model); their server counts the clients not sampled with the old
+global model in its mean, jaxfed's the sampled clients only (the same under full participation);
+their optimizer's momentum persists on the client across rounds, jaxfed's starts afresh every
+round; their CIFAR loaders drop a client's last partial batch and the server weighs a client by
+the examples it trained on (``drop_last`` is an option here; the weight is its example count);
+their shared model's BatchNorm statistics are averaged with it, jaxfed's stay on the client (as for
+every algorithm); their greedy order breaks ties by numpy's unstable sort over torch's parameter
+order, jaxfed's by its block order; their learning rate drops 10x at 3/4 of the rounds
+(``multi_step``), jaxfed's follows ``lr_schedule``; torch's BatchNorm keeps the unbiased batch
+variance in its running statistics, Flax's the biased. A flat input (a vector) is one channel for
+the SwitchNorm.
 """
 
 from __future__ import annotations
@@ -97,7 +108,8 @@ class PFedGateOptions(TrainingOptions):
     )
     sparse_factor: float = option(
         1.0,
-        "share of the model's parameters a client's model keeps, in (0, 1]; 1 = every block, scaled by its gate",
+        "s in (0, 1]: besides each tensor's first block, a client's model keeps blocks of about s - s_min of the "
+        "other blocks' elements (s_min = min(max(1 / block_split, 0.1), s)); 1 = every block, scaled by its gate",
         source=PAPER + " (s); " + COMMAND + " (sparse_factor=1)",
         check=ratio,
     )
@@ -116,6 +128,8 @@ class PFedGateOptions(TrainingOptions):
 
 
 class ClientState(NamedTuple):
+    params: Any  # its last trained model (its upload), which it evaluates gated
+    trained: jax.Array  # bool scalar: it has trained (else it evaluates the global model gated)
     gate: Any  # the gating layer's parameters
     gate_state: Any  # its statistics (SwitchNorm's and BatchNorm's running means and variances)
     model_state: Any  # the model's non-trainable collections (BatchNorm statistics), {} when none
@@ -288,11 +302,21 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
     blocks = blocks._replace(ids=jax.tree.map(jnp.asarray, blocks.ids))
     gating = GatingLayer(int(blocks.sizes.size))
     sparse = options.sparse_factor < 1
+    if sparse and options.block_split == 1:
+        raise ConfigError(
+            "block_split: sparse_factor < 1 needs block_split >= 2 (with one block a tensor, every block is a "
+            "tensor's first, which is always kept)"
+        )
     floor = selection_floor(options.block_split, options.sparse_factor)
 
     def block_weights(gates):
-        """The gate of every block the client's model keeps, 0 for the others."""
-        return gates * kept_blocks(gates, blocks, options.sparse_factor, floor) if sparse else gates
+        """The gate of every block the client's model keeps, 0 for the others; a kept block's
+        gradient also flows through its clipped gate (the authors' straight-through mask)."""
+        if not sparse:
+            return gates
+        clipped = jnp.maximum(gates, floor)
+        mask = (1.0 - jax.lax.stop_gradient(clipped)) + clipped
+        return gates * (mask * kept_blocks(gates, blocks, options.sparse_factor, floor))
 
     def batch_gates(gate, gate_state, x, *, train: bool, mask=None):
         """``([blocks] mean gate over the real examples, new gate state)``."""
@@ -309,7 +333,7 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
         gate, gate_state = split_variables(
             gating.init(gate_rng, jnp.zeros((2, *model.input_shape), jnp.float32), False)
         )
-        return GlobalParams(params), ClientState(gate, gate_state, model_state)
+        return GlobalParams(params), ClientState(params, jnp.bool_(False), gate, gate_state, model_state)
 
     def loss(trainable, states, batch):
         gates, gate_state = batch_gates(trainable["gate"], states["gate"], batch.x, train=True, mask=batch.mask)
@@ -332,7 +356,8 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
         trainable = {"model": params, "gate": client.gate}
         states = {"model": client.model_state, "gate": client.gate_state}
         trained, states, metrics = fit(loss, optimizer(info.round), trainable, states, data, rng, **options.batching())
-        return ClientState(trained["gate"], states["gate"], states["model"]), trained["model"], metrics
+        client = ClientState(trained["model"], jnp.bool_(True), trained["gate"], states["gate"], states["model"])
+        return client, trained["model"], metrics
 
     def client_gates(client: ClientState, data):
         """The mean gate over the client's real training examples (inference mode)."""
@@ -347,9 +372,13 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
         total = jax.lax.fori_loop(0, steps, one_batch, jnp.zeros(blocks.sizes.shape, jnp.float32))
         return total / jnp.maximum(data.count, 1).astype(jnp.float32)
 
+    def own_model(server_state, client: ClientState):
+        """Its last trained model, or (before it trains: a new client) the global model."""
+        return jax.tree.map(lambda own, glob: jnp.where(client.trained, own, glob), client.params, server_state.params)
+
     def personalize(server_state, client: ClientState, data, rng, info):
         weights = block_weights(client_gates(client, data))
-        return {"params": gated(server_state.params, blocks, weights), **client.model_state}
+        return {"params": gated(own_model(server_state, client), blocks, weights), **client.model_state}
 
     return FederatedAlgorithm(
         name="pfedgate",
@@ -358,7 +387,8 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
         broadcast=lambda server_state, info: server_state.params,
         client_update=client_update,
         aggregation=model_averaging(),
-        eval_params=lambda server_state, client: {"params": server_state.params, **client.model_state},
+        # the engine evaluates personalize's gated model; this is the client's model ungated
+        eval_params=lambda server_state, client: {"params": own_model(server_state, client), **client.model_state},
         global_params=None,  # the shared model is only ever used gated
         personalize=personalize,
     )
