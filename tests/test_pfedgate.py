@@ -250,23 +250,30 @@ def test_a_client_trains_the_gated_model_and_its_gating_layer_as_plain_steps_on_
     padded = -(-data.indices.shape[0] // 32) * 32
     order = np.asarray(shuffled_positions(jax.random.split(rng, 1)[0], data.count, data.indices.shape[0], padded))
     params, gate, stats, model_state = server.params, client.gate, client.gate_state, client.model_state
+
+    @jax.jit
+    def batch_gates(g, stats, x):
+        return jnp.mean(jax.nn.sigmoid(gating.apply({"params": g, **stats}, x, True, mutable=["batch_stats"])[0]), 0)
+
+    @jax.jit
+    def step_grads(params, gate, stats, model_state, x, y, keep):
+        def loss(p, g):
+            lg, new_stats = gating.apply({"params": g, **stats}, x, True, mutable=["batch_stats"])
+            weights = _weights(jnp.mean(jax.nn.sigmoid(lg), 0), None if sparse_factor == 1 else keep, floor)
+            value, new_model_state = _ce(model, _gated_reference(p, ids, weights), model_state, x, y)
+            return value, (new_stats, new_model_state)
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, gate)
+
     clipped_model = clipped_gate = False
     for start in range(0, count, 32):
         positions = order[start : start + 32]
         rows = np.asarray(data.indices)[positions[positions < count]]
         x, y = data.x[rows], data.y[rows]
-        logits, _ = gating.apply({"params": gate, **stats}, x, True, mutable=["batch_stats"])
-        gates = np.asarray(jnp.mean(jax.nn.sigmoid(logits), 0))
+        gates = np.asarray(batch_gates(gate, stats, x))
         keep = None if sparse_factor == 1 else _authors_selection(gates, sizes, dense_flags, first, sparse_factor, 5)
-
-        def loss(p, g):
-            lg, new_stats = gating.apply({"params": g, **stats}, x, True, mutable=["batch_stats"])
-            weights = _weights(jnp.mean(jax.nn.sigmoid(lg), 0), keep, floor)
-            value, new_model_state = _ce(model, _gated_reference(p, ids, weights), model_state, x, y)
-            return value, (new_stats, new_model_state)
-
-        (_, (new_stats, new_model_state)), (g_params, g_gate) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-            params, gate
+        (_, (new_stats, new_model_state)), (g_params, g_gate) = step_grads(
+            params, gate, stats, model_state, x, y, np.ones(sizes.size) if keep is None else keep
         )
         g_params, was = _clipped(g_params, clip)
         clipped_model |= was
