@@ -7,6 +7,7 @@ lists these cases with their outcomes; kills at every point of a run are in test
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -339,11 +340,20 @@ DAMAGES = {
 }
 
 
-@pytest.mark.parametrize("damage, reason", DAMAGES.values(), ids=DAMAGES.keys())
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(damage, reason, tmp_path, capsys):
-    reference, out = tmp_path / "reference", tmp_path / "run"
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    """A finished run with checkpoints of rounds 2 and 4: each damage test's reference and (copied) subject."""
+    reference = tmp_path_factory.mktemp("damaged") / "reference"
     assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
-    assert main(["run", "--quiet", "--out", str(out), *CHECKPOINTED]) == 0
+    return reference
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resume_is_exact(
+    damage, reason, checkpointed_run, tmp_path, capsys
+):
+    reference, out = checkpointed_run, tmp_path / "run"
+    shutil.copytree(reference, out)
     damage(out / "checkpoints" / "4")
     capsys.readouterr()
     assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "rounds=4"]) == 0
