@@ -138,8 +138,9 @@ class ClientState(NamedTuple):
 # ----- the gating layer -------------------------------------------------------------------------
 
 
-def masked_mean(values, mask):
-    """The mean of ``values`` over its leading axis where ``mask`` is True (all rows: None)."""
+def masked_row_mean(values, mask):
+    """The mean of the rows of ``values`` (its leading axis) where ``mask`` is True (None: every row);
+    one value per trailing position (:func:`jaxfed.core.losses.masked_mean` is the scalar mean)."""
     if mask is None:
         return jnp.mean(values, axis=0)
     weights = mask.astype(values.dtype)
@@ -166,8 +167,8 @@ class SwitchNorm(nn.Module):
         running_mean = self.variable("batch_stats", "mean", jnp.zeros, (channels,))
         running_var = self.variable("batch_stats", "var", jnp.zeros, (channels,))
         if train:
-            mean_bn = masked_mean(mean_in, mask)
-            var_bn = masked_mean(second_moment, mask) - mean_bn**2
+            mean_bn = masked_row_mean(mean_in, mask)
+            var_bn = masked_row_mean(second_moment, mask) - mean_bn**2
             if not self.is_initializing():
                 m = self.momentum
                 running_mean.value = m * running_mean.value + (1 - m) * jax.lax.stop_gradient(mean_bn)
@@ -318,14 +319,11 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
         mask = (1.0 - jax.lax.stop_gradient(clipped)) + clipped
         return gates * (mask * kept_blocks(gates, blocks, options.sparse_factor, floor))
 
-    def batch_gates(gate, gate_state, x, *, train: bool, mask=None):
-        """``([blocks] mean gate over the real examples, new gate state)``."""
+    def batch_gates(gate, gate_state, batch):
+        """``([blocks] mean gate over the batch's real examples, new gate state)``, in training mode."""
         variables = {"params": gate, **gate_state}
-        if train:
-            logits, new_state = gating.apply(variables, x, True, mask, mutable=list(gate_state))
-        else:
-            logits, new_state = gating.apply(variables, x, False), gate_state
-        return masked_mean(jax.nn.sigmoid(logits), mask), dict(new_state)
+        logits, new_state = gating.apply(variables, batch.x, True, batch.mask, mutable=list(gate_state))
+        return masked_row_mean(jax.nn.sigmoid(logits), batch.mask), dict(new_state)
 
     def init(rng):
         model_rng, gate_rng = jax.random.split(rng)
@@ -336,7 +334,7 @@ def pfedgate(model, options: PFedGateOptions | None = None, **overrides) -> Fede
         return GlobalParams(params), ClientState(params, jnp.bool_(False), gate, gate_state, model_state)
 
     def loss(trainable, states, batch):
-        gates, gate_state = batch_gates(trainable["gate"], states["gate"], batch.x, train=True, mask=batch.mask)
+        gates, gate_state = batch_gates(trainable["gate"], states["gate"], batch)
         variables = {"params": gated(trainable["model"], blocks, block_weights(gates)), **states["model"]}
         outputs, model_state = model.apply(variables, batch.x, train=True, mask=batch.mask, rng=batch.key)
         return masked_loss(outputs, batch.y, batch.mask), {"gate": gate_state, "model": model_state}
