@@ -65,6 +65,7 @@ from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit, per_key
 from jaxfed.contract import FederatedAlgorithm
+from jaxfed.core import weighted_mean
 from jaxfed.core.losses import masked_loss
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
@@ -139,12 +140,8 @@ class ClientState(NamedTuple):
 
 
 def masked_row_mean(values, mask):
-    """The mean of the rows of ``values`` (its leading axis) where ``mask`` is True (None: every row);
-    one value per trailing position (:func:`jaxfed.core.losses.masked_mean` is the scalar mean)."""
-    if mask is None:
-        return jnp.mean(values, axis=0)
-    weights = mask.astype(values.dtype)
-    return jnp.tensordot(weights, values, axes=1) / jnp.maximum(jnp.sum(weights), 1.0)
+    """The mean of the rows of ``values`` where ``mask`` is True (None: every row)."""
+    return weighted_mean(values, jnp.ones(values.shape[0]) if mask is None else mask)
 
 
 class SwitchNorm(nn.Module):
