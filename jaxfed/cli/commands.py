@@ -246,11 +246,17 @@ def _run(args) -> int:
     global_part = f", global {kind} {s[f'global_{kind}']:.4f}" if s[f"global_{kind}"] is not None else ""
     print(
         f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, {s['rounds']} rounds): "
-        f"personalized {kind} {s[f'personalized_{kind}_mean']:.4f} (weighted {s[f'personalized_{kind}_weighted']:.4f})"
+        f"personalized {kind} {metric_text(s[f'personalized_{kind}_mean'])} "
+        f"(weighted {metric_text(s[f'personalized_{kind}_weighted'])})"
         f"{global_part}; uploaded {human_bytes(s['bytes_up_total'])}; {s['wall_seconds']:.1f} s -> {out}"
         + skipped_note(s)
     )
     return 0
+
+
+def metric_text(value: float | None) -> str:
+    """A summary's metric on the summary line: ``null`` there is a value that was not finite."""
+    return "not finite" if value is None else f"{value:.4f}"
 
 
 def skipped_note(summary: dict) -> str:
@@ -292,7 +298,7 @@ def _sweep(args) -> int:
         return EXIT_FAILED
     for out, s in zip(outs, summaries):
         kind = "mse" if s["task"] == "regression" else "acc"
-        print(f"{out}: personalized {kind} {s[f'personalized_{kind}_mean']:.4f}" + skipped_note(s))
+        print(f"{out}: personalized {kind} {metric_text(s[f'personalized_{kind}_mean'])}" + skipped_note(s))
     print(f"{len(configs)} configurations in {time.perf_counter() - start:.1f} s -> {root}")
     return 0
 
@@ -385,9 +391,8 @@ def _print_keys(rows) -> None:
 
 
 def _bench(args) -> int:
-    import json
-
     from jaxfed.cli.bench import run_benchmark, summary_lines
+    from jaxfed.runs.rundir import json_text
 
     strategies = _number_list("--strategies", args.strategies, int)
     if args.json:  # before minutes of timing, not after
@@ -404,8 +409,7 @@ def _bench(args) -> int:
     )
     print("\n".join(summary_lines(result)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.json).write_text(json_text(result, indent=2) + "\n")
     return 0
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from jaxfed.errors import ConfigError
 from jaxfed.runs.plots import differing_keys, flat_config, read_json, read_run, show
-from jaxfed.runs.rundir import NEUTRAL_KEYS, check_out_dir, listed
+from jaxfed.runs.rundir import NEUTRAL_KEYS, check_out_dir, json_text, listed
 
 SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
 
@@ -321,7 +321,7 @@ def markdown(
         cells = [v.name, str(len(v.runs)), _fmt(stats[metric])] + ([paper.get(v.name, "")] if paper else [])
         cells.append(_fmt(stats[f"global_{kind}"]))
         cells += [_bytes(stats[m]) + _ratio(stats[m] and stats[m][0], reference.get(m)) for m in traffic]
-        cells.append(", ".join(f"{s[metric]:.4f}" for s in v.summaries))
+        cells.append(", ".join("null" if s[metric] is None else f"{s[metric]:.4f}" for s in v.summaries))
         lines.append("| " + " | ".join(cells) + " |")
     if relative_to is not None:
         lines += ["", f"Traffic in brackets: the fraction of {relative_to}'s."]
@@ -339,9 +339,11 @@ def markdown(
         lines += ["", header, "|" + "---|" * (len(columns) + 1)]
         for claim in claims:
             a, b = (_variant_named(by_name, name, "--claim") for name in (claim.better, claim.than))
-            result = verdict(
-                [s[metric] for s in a.summaries], [s[metric] for s in b.summaries], kind == "acc", claim.margin
-            )
+            values_a, values_b = [s[metric] for s in a.summaries], [s[metric] for s in b.summaries]
+            if None in values_a + values_b:  # null: a run's metric was not finite (NaN, inf)
+                lines.append(f"| {claim} | n/a | n/a | not judged: a run's {metric} is null (not finite) | n/a |")
+                continue
+            result = verdict(values_a, values_b, kind == "acc", claim.margin)
             paired = paired_standard_error(by_seed(a, metric), by_seed(b, metric))
             cells = [str(claim), f"{result.difference:+.4f}", f"{result.standard_error:.4f}", result.outcome]
             cells.append("n/a" if paired is None else f"{paired:.4f}")
@@ -420,7 +422,7 @@ def write_report(
     files = {name: out_dir / f"report.{name}" for name in ("md", "json", "csv", "png")}
     files["md"].write_text(table)
     records = per_seed_records(collected)
-    files["json"].write_text(json.dumps(records, indent=2) + "\n")
+    files["json"].write_text(json_text(records, indent=2) + "\n")
     with open(files["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()

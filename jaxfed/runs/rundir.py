@@ -85,7 +85,7 @@ class RunRecord:
         record = record or {}
         self.config = config
         self.fingerprint = fingerprint if fingerprint is not None else record.get("fingerprint")
-        self.rows: list[dict] = record.get("rows", [])
+        self.rows: list[dict] = finite_or_none(record.get("rows", []))  # a record from before null for NaN
         self.pending: dict[str, list[float]] = record.get("pending", {})
         self.totals: dict[str, float] = record.get("totals", {total: 0.0 for total, _ in TOTALS})
         # A record from before bytes_down_cached: every download was counted whole then.
@@ -126,6 +126,7 @@ class RunRecord:
             round_seconds=float(np.mean(self.round_times[-window:])) if window else None,
             wall_seconds=self.wall_before + wall,
         )
+        row = finite_or_none(row)  # a diverging model's NaN loss, as metrics.jsonl will hold it
         self.rows.append(row)
         self.pending = {}
         return row
@@ -274,7 +275,7 @@ class RunDirectory:
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            (self.path / "config.json").write_text(json_text(config, indent=2) + "\n")
             write_rows(self.metrics_path, rows)
             self.drop_clients_after(rows[-1]["round"] if rows else -1)
             # a resumed run is unfinished until finish() writes its summary again: an earlier end's
@@ -287,7 +288,7 @@ class RunDirectory:
         if not is_primary():
             return
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json_text(row) + "\n")
 
     @property
     def clients_path(self) -> Path:
@@ -319,7 +320,7 @@ class RunDirectory:
         """Write ``summary.json`` and the plots."""
         if not is_primary():
             return
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.path / "summary.json").write_text(json_text(summary, indent=2) + "\n")
         write_plots(self.path, rows, log)
 
 
@@ -451,10 +452,29 @@ def check_resumable(saved: Config, config: Config, source: str = "the checkpoint
         )
 
 
+def finite_or_none(value: Any) -> Any:
+    """``value`` (dicts, lists, tuples of numbers and strings) with every float that is not finite
+    (NaN, inf) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **dumps_options) -> str:
+    """Standard JSON (RFC 8259, which has no NaN or Infinity) of what a run or a report writes:
+    a number that is not finite, such as a diverging model's loss, is written ``null``, as a value
+    that does not apply is. Every JSON reader (jq, JavaScript, pandas, Python) reads the files."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **dumps_options)
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     """Replace ``path`` atomically with ``rows`` as JSON lines."""
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.write_text("".join(json_text(row) + "\n" for row in rows))
     tmp.replace(path)
 
 
@@ -488,9 +508,9 @@ def task_summary(rows: list[dict]) -> dict:
     final = rows[-1]
     kind, pick = ("mse", min) if is_regression_row(final) else ("acc", max)
 
-    def best(values):  # NaN (a diverged evaluation) is never the best, wherever it comes
-        finite = [v for v in values if not math.isnan(v)]
-        return pick(finite) if finite else math.nan
+    def best(values):  # null or NaN (a diverged evaluation) is never the best, wherever it comes
+        finite = [v for v in values if v is not None and math.isfinite(v)]
+        return pick(finite) if finite else None
 
     global_values = [r[f"global_{kind}"] for r in rows if r.get(f"global_{kind}") is not None]
     return {
