@@ -66,8 +66,9 @@ def test_the_summed_contributions_equal_reducing_every_upload_at_once(name, mlp,
         np.testing.assert_allclose(summed_metrics[key], stacked_metrics[key], rtol=1e-5)
 
 
-# Their servers compare every pair of the round's uploads (FedAMP's attention, FedCAC's overlaps).
-NEEDS_EVERY_UPLOAD = {"fedamp", "fedcac"}
+# Their servers compare every pair of the round's uploads (FedAMP's attention, FedCAC's overlaps),
+# or train on every upload (FedTGP's global prototypes: one training example per client and class).
+NEEDS_EVERY_UPLOAD = {"fedamp", "fedcac", "fedtgp"}
 
 
 def test_every_builtin_gives_an_aggregation_but_those_that_compare_uploads(mlp, digits):

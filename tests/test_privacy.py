@@ -67,6 +67,7 @@ PRIVATE = {
     # aligns to (frozen below: lr and align_lr 0, so its upload is the body it received).
     "fedas": ("params", "model_state"),
     "pfedgate": ("gate", "gate_state", "model_state"),  # the gating layer, its statistics, the model's
+    "fedtgp": ("params", "model_state"),  # its own model (its prototypes are disclosed, below)
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -81,12 +82,13 @@ FROZEN |= {"pfedgate"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.
-# A FedProto client sends its class prototypes (the mean features of its private model).
+# A FedProto / FedTGP client sends its class prototypes (the mean features of its private model).
 # A FedAS client sends the trace of its Fisher information (one number), by which the server weighs its body.
 DISCLOSED = {
     "floral": ("mixture_weights",),
     "ensemble": ("mixture_weights",),
     "fedproto": ("means",),
+    "fedtgp": ("means",),  # FedProto's prototypes
     "fedas": ("fisher",),
 }
 SETTINGS = {

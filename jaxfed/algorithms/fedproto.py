@@ -73,16 +73,11 @@ def prototype_distance(features, prototypes: Prototypes, labels, mask):
     return masked_mean(jnp.where(prototypes.present[labels], squared, 0.0), mask)
 
 
-def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> FederatedAlgorithm:
-    """FedProto: private models pulled toward the global class prototypes, which are all they share."""
-    options = resolve(FedProtoOptions, options, overrides)
-    head = head_layer(model, options.head, "fedproto")
-    feature_dim, num_classes = lowrank.get_layer(model_template(model)[0], head)["kernel"].shape
-
-    def init(rng):
-        params, model_state = split_variables(model.init(rng))
-        empty = Prototypes(jnp.zeros((num_classes, feature_dim)), jnp.zeros((num_classes,), bool))
-        return empty, ClientState(params, model_state)
+def prototype_client_update(model, head: str, options: FedProtoOptions):
+    """FedProto's client step, which FedTGP's client takes too: train the client's own model on
+    ``CE + lambda * prototype_distance`` for ``local_epochs``, then upload its class means (the
+    features of its training examples under the trained model, inference mode) and counts.
+    The message down is the global :class:`Prototypes`."""
 
     def loss_for(prototypes):
         def loss(params, model_state, batch):
@@ -101,8 +96,23 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
             data, rng, **options.batching(),
         )  # fmt: skip
         means, counts = class_means(model, head, {"params": params, **model_state}, data, options.batch_size)
-        upload = Upload(means, counts)
-        return ClientState(params, model_state), upload, metrics
+        return ClientState(params, model_state), Upload(means, counts), metrics
+
+    return client_update
+
+
+def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> FederatedAlgorithm:
+    """FedProto: private models pulled toward the global class prototypes, which are all they share."""
+    options = resolve(FedProtoOptions, options, overrides)
+    head = head_layer(model, options.head, "fedproto")
+    feature_dim, num_classes = lowrank.get_layer(model_template(model)[0], head)["kernel"].shape
+
+    def init(rng):
+        params, model_state = split_variables(model.init(rng))
+        empty = Prototypes(jnp.zeros((num_classes, feature_dim)), jnp.zeros((num_classes,), bool))
+        return empty, ClientState(params, model_state)
+
+    client_update = prototype_client_update(model, head, options)
 
     def contribute(server_state, upload, weight, info):
         return weighted_share(upload.means, upload.counts)  # each class's prototype weighted by its count

@@ -81,6 +81,7 @@ BUILTINS = {
     "pfedsd": "regularized",
     "fedas": "fedas",
     "pfedgate": "pfedgate",
+    "fedtgp": "fedtgp",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -122,6 +123,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("pfedsd", "FedAvg plus self-distillation from the last local model (Jin et al., TPDS 2022)"),
         ("fedas", "global body aligned to local prototypes, Fisher-weighted (Yang et al., CVPR 2024)"),
         ("pfedgate", "a private gating layer scales/prunes the model's blocks (Chen et al., ICML 2023)"),
+        ("fedtgp", "trainable global prototypes, adaptive-margin loss (Zhang et al., AAAI 2024)"),
     ],
 }
 
