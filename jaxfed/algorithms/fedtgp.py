@@ -41,12 +41,12 @@ model's own before the first global prototypes.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxfed.algorithms import fedproto
 from jaxfed.algorithms.client_rows import with_id
@@ -121,13 +121,12 @@ def init_tgp(rng, num_classes: int, feature_dim: int) -> dict:
     """The TGP's parameters at torch's initialization: the embedding N(0, 1), each Linear's
     kernel and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
     embedding, hidden, out = jax.random.split(rng, 3)
-    bound = 1.0 / math.sqrt(feature_dim)
 
     def linear(key):
         kernel, bias = jax.random.split(key)
         return {
-            "kernel": jax.random.uniform(kernel, (feature_dim, feature_dim), jnp.float32, -bound, bound),
-            "bias": jax.random.uniform(bias, (feature_dim,), jnp.float32, -bound, bound),
+            "kernel": lowrank.kaiming_uniform(kernel, (feature_dim, feature_dim), feature_dim),
+            "bias": lowrank.kaiming_uniform(bias, (feature_dim,), feature_dim),
         }
 
     return {
@@ -190,8 +189,10 @@ def train_tgp(tgp, means, held, ids, margin, key, *, epochs: int, batch_size: in
     labels = jnp.tile(jnp.arange(num_classes), num_clients)
     valid = held.reshape(-1)
     pair = (ids[:, None] * num_classes + jnp.arange(num_classes)).reshape(-1)
-    steps = (jnp.sum(valid) + batch_size - 1) // batch_size  # the batches that hold a prototype
+    num_held = jnp.sum(valid)
+    steps = (num_held + batch_size - 1) // batch_size  # the batches that hold a prototype
     grad = jax.grad(margin_loss)
+    sgd = optax.sgd(lr)
 
     def epoch(tgp, epoch_key):
         bits = jax.vmap(lambda n: jax.random.bits(jax.random.fold_in(epoch_key, n)))(pair)
@@ -199,9 +200,9 @@ def train_tgp(tgp, means, held, ids, margin, key, *, epochs: int, batch_size: in
 
         def step(b, tgp):
             rows = jax.lax.dynamic_slice(order, (b * batch_size,), (batch_size,))
-            real = (b * batch_size + jnp.arange(batch_size)) < jnp.sum(valid)  # the last batch: partial
-            g = grad(tgp, examples[rows], labels[rows], real, margin)
-            return jax.tree.map(lambda p, d: p - lr * d, tgp, g)
+            real = (b * batch_size + jnp.arange(batch_size)) < num_held  # the last batch: partial
+            updates, _ = sgd.update(grad(tgp, examples[rows], labels[rows], real, margin), sgd.init(tgp))
+            return optax.apply_updates(tgp, updates)
 
         return jax.lax.fori_loop(0, steps, step, tgp), None
 

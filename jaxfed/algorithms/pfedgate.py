@@ -65,7 +65,7 @@ from jaxfed.algorithms.records import GlobalParams
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit, per_key
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import weighted_mean
+from jaxfed.core import lowrank, weighted_mean
 from jaxfed.core.losses import masked_loss
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
@@ -183,8 +183,8 @@ class SwitchNorm(nn.Module):
 
 
 def torch_linear_bias(fan_in: int):
-    bound = 1.0 / math.sqrt(fan_in)
-    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+    """torch's ``nn.Linear`` bias initializer: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    return lambda key, shape, dtype=jnp.float32: lowrank.kaiming_uniform(key, shape, fan_in, dtype)
 
 
 class GatingLayer(nn.Module):
