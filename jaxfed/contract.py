@@ -283,12 +283,13 @@ class SentBytesFn(Protocol):
 
 
 class InitClientFn(Protocol):
-    def __call__(self, client_state: PyTree, client_id: jax.Array) -> PyTree:
+    def __call__(self, client_state: PyTree, client_id: jax.Array, tier: jax.Array) -> PyTree:
         """A client's own starting state, applied once per client at init.
 
         Args:
           client_state: the state ``init`` made (the same for every client).
           client_id: int32 scalar, the client's id.
+          tier: int32 scalar, the client's tier (0 for an algorithm without tiers).
 
         Returns:
           the client's starting state.

@@ -2,8 +2,10 @@
 # FedARA (lambda > 0), its lambda = 0 ablation and FedHM over the same tiers; and the homogeneous
 # setting (one full-rank tier, lambda 10 as the paper's) against FedAS (its best baseline there),
 # FedRep, FedBABU, FedALA and FedProto on the same model; and FedTGP, the paper's best heterogeneous
-# baseline on CIFAR-10 (89.39), every client on the full model (the paper gives its clients five
-# CNNs of decreasing size, which jaxfed's clients do not have: an upper bound of its setting).
+# baseline on CIFAR-10 (89.39), and FedProto and Local, in the paper's heterogeneous-model setting:
+# tier k's clients own cnn4 at FedARA's tier-k rank (model_tiers: the paper gives its baselines five
+# CNNs of decreasing size, FedARA five rank levels of the largest; here both get FedARA's levels),
+# and FedTGP with every client on the full model (an upper bound of that setting).
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
 #   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 10 variants),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
@@ -16,8 +18,11 @@ source "$here/../lib.sh"
 read_run_args fedara "$@"
 set -- "${extra_args[@]}"
 require_conf
-for variant in fedara fedara_lambda0 fedhm fedara_homogeneous fedas fedrep fedbabu fedala fedproto fedtgp; do
+tiers=1.0,0.5,0.25,0.125,0.0625  # FedARA's in $setting.conf, for the baselines' models
+for variant in fedara fedara_lambda0 fedhm fedara_homogeneous fedas fedrep fedbabu fedala fedproto fedtgp \
+  fedtgp_tiers fedproto_tiers local_tiers; do
   case $variant in
+    *_tiers) args=("${variant%_tiers}" --set "model_tiers=$tiers") ;;
     fedara_lambda0) args=(fedara --set lambda=0) ;;
     # the paper's homogeneous FedARA: every client full rank (FedARA*, its r = 0.5 variant: tiers=0.5)
     fedara_homogeneous) args=(fedara --set tiers=1.0 --set lambda=10) ;;
@@ -44,4 +49,5 @@ esac
 report_variants "$runs/$setting" "fedara>fedhm" "fedara>fedara_lambda0" "--paper=fedara=$paper_het" \
   "fedara_homogeneous>fedas" "fedara_homogeneous>fedrep" "fedara_homogeneous>fedbabu" "fedara_homogeneous>fedala" "fedara_homogeneous>fedproto" \
   "--paper=fedara_homogeneous=$paper_hom" "--paper=fedas=$paper_fedas" \
-  "fedara>fedtgp" "fedtgp>fedproto" ${paper_tgp:+"$paper_tgp"}
+  "fedara>fedtgp" "fedtgp>fedproto" ${paper_tgp:+"$paper_tgp"} \
+  "fedara>fedtgp_tiers" "fedara>fedproto_tiers" "fedara>local_tiers" "fedtgp_tiers>fedproto_tiers"

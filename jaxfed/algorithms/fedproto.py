@@ -10,7 +10,8 @@ each class over its training examples under the trained model, with the class co
 server's prototype of a class is the count-weighted mean of the round's uploaded prototypes of
 that class (Eq. 6); a class no client of the round holds has none that round.
 
-A client's personalized model is its own model; there is no global model. (The paper also
+A client's personalized model is its own model; there is no global model. With ``model_tiers``
+the clients' models are heterogeneous (:mod:`jaxfed.algorithms.model_tiers`). (The paper also
 classifies by the nearest global prototype; jaxfed evaluates the model's own head.)
 """
 
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from jaxfed.algorithms.features import class_means
+from jaxfed.algorithms.model_tiers import model_tiers_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -48,6 +50,7 @@ class FedProtoOptions(TrainingOptions):
         check=non_negative,
     )
     head: str = option("", "the classifier head (a Dense layer's key) whose input is the feature; empty = the last")
+    model_tiers: tuple[float, ...] = model_tiers_option()
 
 
 class Prototypes(NamedTuple):
@@ -120,7 +123,7 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
     def apply(server_state, total, info):
         return Prototypes(mean_of(total), total.weight > 0)
 
-    return FederatedAlgorithm(
+    algorithm = FederatedAlgorithm(
         name="fedproto",
         options=options,
         init=init,
@@ -130,6 +133,7 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
         eval_params=lambda server_state, client_state: {"params": client_state.params, **client_state.model_state},
         global_params=None,  # the models are private: there is no global model
     )
+    return with_model_tiers(algorithm, model, options.model_tiers, head)
 
 
 builtin("fedproto", FedProtoOptions, lambda model, options, config: fedproto(model, options))

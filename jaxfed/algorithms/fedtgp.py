@@ -51,6 +51,7 @@ import optax
 from jaxfed.algorithms import fedproto
 from jaxfed.algorithms.client_rows import with_id
 from jaxfed.algorithms.fedproto import FedProtoOptions, Prototypes
+from jaxfed.algorithms.model_tiers import with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
@@ -273,7 +274,7 @@ def fedtgp(model, options: FedTGPOptions | None = None, **overrides) -> Federate
         params = {"model": client_state.params, "prototypes": server_state.prototypes}
         return {"params": params, **client_state.model_state}
 
-    return FederatedAlgorithm(
+    algorithm = FederatedAlgorithm(
         name="fedtgp",
         options=options,
         init=init,
@@ -285,6 +286,7 @@ def fedtgp(model, options: FedTGPOptions | None = None, **overrides) -> Federate
         eval_model=NearestPrototype(model, head),
         init_client=with_id,
     )
+    return with_model_tiers(algorithm, model, options.model_tiers, head)
 
 
 builtin("fedtgp", FedTGPOptions, lambda model, options, config: fedtgp(model, options))

@@ -1,7 +1,8 @@
 """Local training: no communication; each client trains its own model on its own data.
 
 Every client starts from the same initialization; nothing is sent either way, so the server
-state never changes and there is no global model.
+state never changes and there is no global model. With ``model_tiers`` the clients' models are
+heterogeneous (:mod:`jaxfed.algorithms.model_tiers`).
 """
 
 from __future__ import annotations
@@ -9,15 +10,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from jaxfed.algorithms.model_tiers import model_tiers_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import Aggregation, FederatedAlgorithm
+from jaxfed.nn.layers import head_layer
 from jaxfed.options import TrainingOptions, resolve
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalOptions(TrainingOptions):
     """Client SGD only (nothing is communicated)."""
+
+    model_tiers: tuple[float, ...] = model_tiers_option()
 
 
 class ClientState(NamedTuple):
@@ -41,7 +46,7 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
     def eval_params(server_state, client_state):
         return client_state.variables
 
-    return FederatedAlgorithm(
+    algorithm = FederatedAlgorithm(
         name="local",
         options=options,
         init=init,
@@ -54,6 +59,11 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         eval_params=eval_params,
         global_params=None,  # every client's model is its own
     )
+    return with_model_tiers(
+        algorithm, model, options.model_tiers, head_layer(model, "", "local"),
+        params_of=lambda state: state.variables["params"],
+        with_params=lambda state, params: ClientState({**state.variables, "params": params}),
+    )  # fmt: skip
 
 
 builtin("local", LocalOptions, lambda model, options, config: local(model, options))

@@ -59,10 +59,10 @@ def oracle_logits(client_id, num_components: int, num_clusters: int) -> jax.Arra
 
 
 def oracle_init(num_components: int, num_clusters: int):
-    """An ``init_client(client_state, client_id)`` hook that sets the ``router`` field of a client
+    """An ``init_client(client_state, client_id, tier)`` hook that sets the ``router`` field of a client
     state record (a ``NamedTuple``) to the oracle's logits."""
 
-    def init_client(client_state, client_id):
+    def init_client(client_state, client_id, tier=0):
         return client_state._replace(router=oracle_logits(client_id, num_components, num_clusters))
 
     return init_client

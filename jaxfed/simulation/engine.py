@@ -286,7 +286,7 @@ class Simulation:
 
     def init(self) -> SimState:
         """The starting state: the algorithm's init, one client state stacked for every client
-        (then ``init_client(state, client_id)`` per client, where the algorithm has one)."""
+        (then ``init_client(state, client_id, tier)`` per client, where the algorithm has one)."""
         with self.precision():
             state = self._init_state()
         state = self.strategy.replicate(state)
@@ -316,7 +316,9 @@ class Simulation:
         server_state, client = self.algorithm.init(sampling.init_key(self.root))
         clients = stack_clients(client, self.num_clients)
         if self.algorithm.init_client is not None:
-            clients = jax.vmap(self.algorithm.init_client)(clients, jnp.arange(self.num_clients, dtype=jnp.int32))
+            ids = jnp.arange(self.num_clients, dtype=jnp.int32)
+            tiers = jnp.zeros_like(ids) if self.tiers is None else sampling.tier_of(ids, self.tiers)
+            clients = jax.vmap(self.algorithm.init_client)(clients, ids, tiers)
         return SimState(server=server_state, clients=clients, round=jnp.int32(0))
 
     def variant(self, root, algorithm: FederatedAlgorithm) -> Simulation:
