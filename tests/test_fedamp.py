@@ -95,7 +95,7 @@ def test_the_server_step_is_the_authors_cloud_models(sigma, mlp):
 def test_a_client_trains_its_own_model_pulled_toward_its_cloud_model(mlp, digits_federation):
     alg = fedamp(mlp, num_clients=3, lam=2.0, alpha_k=0.5, alpha_decay_every=0, **TRAIN)
     server, client = alg.init(jax.random.key(0))
-    client = alg.init_client(client, 1)
+    client = alg.init_client(client, 1, 0)
     own = jax.tree.map(lambda x: x + 0.05, client.params)
     clouds = jax.tree.map(lambda t: t.at[1].set(t[1] - 0.1), server.clouds)
     server, client = server._replace(clouds=clouds), client._replace(params=own)

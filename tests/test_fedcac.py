@@ -154,7 +154,7 @@ def test_collaboration_narrows_from_above_the_mean_overlap_to_the_largest():
 def test_a_client_trains_from_its_synced_model_and_marks_what_moved(mlp, digits_federation):
     alg = fedcac(mlp, num_clients=4, tau=0.3, **TRAIN)
     server, client = alg.init(jax.random.key(0))
-    client = alg.init_client(client, 2)
+    client = alg.init_client(client, 2, 0)
     customized, critical = random_uploads(server.params, 4, seed=1)
     server = server._replace(customized=customized, has_row=jnp.array([False, False, True, False]))
     client = client._replace(critical=jax.tree.map(lambda m: m[2], critical))

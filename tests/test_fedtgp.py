@@ -210,7 +210,7 @@ def test_the_client_is_fedprotos_from_its_start_and_its_upload_carries_its_id(ml
     _, client = alg.init(jax.random.key(0))
     _, own = reference.init(jax.random.key(0))
     chex.assert_trees_all_equal((client.params, client.model_state), (own.params, own.model_state))
-    client = alg.init_client(client, 2)
+    client = alg.init_client(client, 2, 0)
     prototypes = Prototypes(jax.random.normal(jax.random.key(1), (10, 200)), jnp.ones((10,), bool))
     data, rng = one_client(digits_federation, 2), jax.random.key(5)
     new, upload, _ = alg.client_update(prototypes, client, data, rng, round_info())

@@ -6,6 +6,7 @@ other tiers; the engine gives each client its tier; one full-rank tier is the pl
 from __future__ import annotations
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ from jaxfed.algorithms.fedtgp import fedtgp
 from jaxfed.algorithms.local import local
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
+from jaxfed.nn import Model, get_model
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import run
@@ -99,21 +101,78 @@ def test_a_clients_update_is_its_tiers_model_trained_on_its_own(small_cnn, digit
     assert not np.allclose(before["conv3"]["kernel"], trained["conv3"]["kernel"], atol=1e-3)
 
 
-def test_what_a_tier_does_not_own_stays_zero(small_cnn, digits_federation):
-    """The padding beyond a tier's rank and a switched-off kernel get no gradient."""
-    alg = fedproto(small_cnn, model_tiers=RATIOS, **OPTIONS)
-    _, client = alg.init(jax.random.key(0))
-    client = alg.init_client(client, jnp.int32(0), jnp.int32(2))
+OPTIMIZERS = [
+    {},
+    {"client_optimizer": "adam", "lr": 0.01, "weight_decay": 1e-3, "clip_norm": 1.0},
+    {"client_optimizer": "momentum", "momentum": 0.9, "weight_decay": 1e-3},
+    {"client_optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1},
+]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=["sgd", "adam", "momentum", "adamw"])
+def test_what_a_tier_does_not_own_stays_zero(small_cnn, digits_federation, optimizer):
+    """The padding beyond a tier's rank and a switched-off kernel get no gradient, under every
+    client optimizer (weight decay and clipping included); what the tier owns moves."""
+    alg = fedproto(small_cnn, model_tiers=RATIOS, **{**OPTIONS, **optimizer})
+    _, start = alg.init(jax.random.key(0))
     data = one_client(digits_federation, 0)
-    new, _, _ = alg.client_update(prototypes(), client, data, jax.random.key(1), round_info())
-    for key in default_decomposed_layers(small_cnn, "head"):
-        layer = lowrank.get_layer(new.inner.params, key)
-        rank = tier_rank(layer["kernel"].shape, RATIOS[2])
-        assert float(new.kernel_on[key]) == 0.0
-        np.testing.assert_array_equal(layer["kernel"], 0.0)
-        np.testing.assert_array_equal(layer["u"][..., rank:], 0.0)
-        np.testing.assert_array_equal(layer["v"][..., rank:], 0.0)
-        assert np.abs(layer["u"][..., :rank]).min() > 0
+    for tier, ratio in enumerate(RATIOS):
+        client = alg.init_client(start, jnp.int32(0), jnp.int32(tier))
+        new, _, _ = alg.client_update(prototypes(), client, data, jax.random.key(1), round_info())
+        for key in default_decomposed_layers(small_cnn, "head"):
+            layer, before = (lowrank.get_layer(c.inner.params, key) for c in (new, client))
+            rank = tier_rank(layer["kernel"].shape, ratio)
+            whole = rank >= min(lowrank.matrix_shape(layer["kernel"].shape))
+            assert float(new.kernel_on[key]) == float(whole)
+            owned = "kernel" if whole else "u"
+            assert not np.allclose(layer[owned], before[owned])
+            if whole:
+                np.testing.assert_array_equal(layer["u"], 0.0)
+                np.testing.assert_array_equal(layer["v"], 0.0)
+            else:
+                np.testing.assert_array_equal(layer["kernel"], 0.0)
+                np.testing.assert_array_equal(layer["u"][..., rank:], 0.0)
+                np.testing.assert_array_equal(layer["v"][..., rank:], 0.0)
+
+
+def test_a_dense_tier_trains_its_own_model_too(mlp, digits_federation):
+    """The MLP's decomposed Dense layer (padded_dense) against the tier's model unpadded."""
+    alg, plain = local(mlp, model_tiers=(1.0, 0.5, 0.1), **OPTIONS), local(mlp, **OPTIONS)
+    _, client = alg.init(jax.random.key(0))
+    _, own = plain.init(jax.random.key(0))
+    client = alg.init_client(client, jnp.int32(1), jnp.int32(2))
+    params = unpadded(mlp, client.inner.variables["params"], client.kernel_on, 0.1)
+    own = own._replace(variables={**own.variables, "params": params})
+    data, rng = one_client(digits_federation, 1), jax.random.key(2)
+    new, _, _ = jax.jit(alg.client_update)((), client, data, rng, round_info(tier=None))
+    with factorized_execution():
+        want, _, _ = jax.jit(plain.client_update)((), own, data, rng, round_info())
+    chex.assert_trees_all_close(
+        lowrank.reconstruct_layers(new.inner.variables["params"]),
+        lowrank.reconstruct_layers(want.variables["params"]),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+
+
+def test_local_without_tiers_needs_no_dense_head():
+    """Without model_tiers, Local builds on any model (a conv-only one has no head to find)."""
+
+    class ConvOnly(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False, mask=None):
+            return nn.Conv(10, (3, 3))(x).mean(axis=(1, 2))
+
+    model = Model("conv_only", ConvOnly(), (8, 8, 1))
+    assert local(model).num_tiers is None
+    with pytest.raises(ConfigError, match="local"):
+        local(model, model_tiers=(1.0, 0.5))
+
+
+def test_a_model_without_a_layer_to_decompose_is_refused(digits):
+    linear = get_model("linear", digits.input_shape, digits.num_classes)
+    with pytest.raises(ConfigError, match="^model_tiers: the model has no feature-extractor layer to decompose"):
+        local(linear, model_tiers=(1.0, 0.5))
 
 
 def client_accuracy(model, variables, fed, client):
@@ -170,3 +229,8 @@ def test_a_bad_ratio_is_one_line(value):
     with pytest.raises(ConfigError, match=r"model_tiers: every rank ratio must be in \(0, 1\]") as caught:
         Config(algorithm="fedproto").with_overrides([f"model_tiers={value}"]).validate()
     assert "\n" not in str(caught.value)
+
+
+def test_more_model_tiers_than_clients_is_one_line_naming_them():
+    with pytest.raises(ConfigError, match=r"^model_tiers: 3 tiers for 2 clients; every tier needs at least one client"):
+        Config(algorithm="local").with_overrides(["model_tiers=1,0.5,0.25", "num_clients=2"]).validate()

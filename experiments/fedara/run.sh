@@ -7,7 +7,7 @@
 # CNNs of decreasing size, FedARA five rank levels of the largest; here both get FedARA's levels),
 # and FedTGP with every client on the full model (an upper bound of that setting).
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
-#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 10 variants),
+#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 13 variants),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
 # std, per-seed values, spread plot, verdicts of the paper's claims).

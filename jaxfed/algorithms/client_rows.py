@@ -31,7 +31,7 @@ def with_rows(table, ids, rows, weights):
     return scatter_clients(table, jnp.where(weights > 0, ids, num_clients), rows)
 
 
-def with_id(client_state, client_id, tier=0):
+def with_id(client_state, client_id, tier):
     """``init_client``: the client's state holding its id."""
     return client_state._replace(id=jnp.asarray(client_id, jnp.int32))
 

@@ -14,7 +14,6 @@ from jaxfed.algorithms.model_tiers import model_tiers_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import Aggregation, FederatedAlgorithm
-from jaxfed.nn.layers import head_layer
 from jaxfed.options import TrainingOptions, resolve
 
 
@@ -60,7 +59,7 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         global_params=None,  # every client's model is its own
     )
     return with_model_tiers(
-        algorithm, model, options.model_tiers, head_layer(model, "", "local"),
+        algorithm, model, options.model_tiers,
         params_of=lambda state: state.variables["params"],
         with_params=lambda state, params: ClientState({**state.variables, "params": params}),
     )  # fmt: skip

@@ -32,8 +32,10 @@ from jaxfed.algorithms.fedara import default_decomposed_layers
 from jaxfed.algorithms.fedhm import tier_ranks
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
+from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template
 from jaxfed.nn.factorized import factorized_execution
+from jaxfed.nn.layers import head_layer
 from jaxfed.options import each, option, rank_ratio
 
 
@@ -62,6 +64,11 @@ class ModelTiers:
     def __init__(self, model, ratios, head: str):
         template, _ = model_template(model)
         layers = default_decomposed_layers(model, head)
+        if not layers:
+            raise ConfigError(
+                "model_tiers: the model has no feature-extractor layer to decompose (a Dense or Conv before the "
+                "head, after the first); leave model_tiers empty"
+            )
         self.num_tiers = len(ratios)
         self.ranks = tier_ranks(template, [layers] * self.num_tiers, ratios)
         self.union = lowrank.union_ranks(self.ranks)
@@ -82,11 +89,15 @@ class ModelTiers:
         return lowrank.pad_to_union(lowrank.factorize_layers(params, self.ranks[tier]), self.union)
 
 
+# hooks that would receive the wrapped client state without the wrapper knowing what they read
+UNWRAPPED_HOOKS = ("personalize", "message_bytes", "download_bytes", "sent_bytes")
+
+
 def with_model_tiers(
     algorithm: FederatedAlgorithm,
     model,
     ratios,
-    head: str,
+    head: str = "",
     *,
     params_of: Callable[[Any], Any] = lambda state: state.params,
     with_params: Callable[[Any, Any], Any] = lambda state, params: state._replace(params=params),
@@ -94,10 +105,13 @@ def with_model_tiers(
     """``algorithm`` with heterogeneous client models over ``len(ratios)`` tiers (``ratios``
     empty: ``algorithm`` itself). The wrapped client state holds the client's model parameters
     (``params_of`` / ``with_params`` read and replace them; default: a ``params`` field), and
-    the server never sees them."""
+    the server never sees them; ``head`` is the classifier layer's key (empty: the last Dense)."""
     if not ratios:
         return algorithm
-    tiers = ModelTiers(model, ratios, head)
+    for hook in UNWRAPPED_HOOKS:
+        if getattr(algorithm, hook) is not None:
+            raise ConfigError(f"model_tiers: {algorithm.name} has a {hook} hook, which model tiers do not support")
+    tiers = ModelTiers(model, ratios, head_layer(model, head, algorithm.name))
 
     def init(rng):
         server_state, client = algorithm.init(rng)
@@ -117,8 +131,8 @@ def with_model_tiers(
         return TieredClient(inner, client.kernel_on), upload, metrics
 
     def eval_params(server_state, client: TieredClient):
-        inner = client.inner
-        return algorithm.eval_params(server_state, with_params(inner, lowrank.reconstruct_layers(params_of(inner))))
+        whole = lowrank.reconstruct_padded(lowrank.Padded(params_of(client.inner), client.kernel_on))
+        return algorithm.eval_params(server_state, with_params(client.inner, whole))
 
     return algorithm._replace(
         init=init,

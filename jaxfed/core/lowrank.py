@@ -405,6 +405,16 @@ def pad_to_union(params, union: dict[str, int]) -> Padded:
     return Padded(params, kernel_on)
 
 
+def reconstruct_padded(padded: Padded):
+    """The whole kernels of padded layers as they run (:func:`factorized_execution` with the
+    switches): ``kernel_on * kernel + fold(u v^T)`` for each layer in ``padded.kernel_on``."""
+    params = padded.params
+    for key, on in padded.kernel_on.items():
+        layer = get_layer(params, key)
+        params = replace_layer(params, key, {**layer, "kernel": on * layer["kernel"]})
+    return reconstruct_layers(params)
+
+
 def init_loras(rng: jax.Array, params, ranks: dict[str, int], layout: str = "balanced") -> dict[str, LoRA]:
     """A fresh :class:`LoRA` (zero delta) for each layer in ``ranks``."""
     keys = jax.random.split(rng, max(len(ranks), 1))

@@ -62,7 +62,7 @@ def oracle_init(num_components: int, num_clusters: int):
     """An ``init_client(client_state, client_id, tier)`` hook that sets the ``router`` field of a client
     state record (a ``NamedTuple``) to the oracle's logits."""
 
-    def init_client(client_state, client_id, tier=0):
+    def init_client(client_state, client_id, tier):
         return client_state._replace(router=oracle_logits(client_id, num_components, num_clusters))
 
     return init_client

@@ -253,9 +253,14 @@ class Config(Options):
             raise ConfigError(_unknown_key_message(unknown[0], algorithm, options_class))
         return dataclasses.replace(self, **run_changes, options=options.with_values(option_values))
 
-    def tier_count(self) -> int:
-        """The number of client tiers of the selected algorithm (0 when it has none)."""
-        return len(getattr(self.options, "tiers", ()) or ())
+    def tier_option(self) -> tuple[str, int]:
+        """The option that sets the selected algorithm's client tiers (``tiers``, or ``model_tiers``
+        for heterogeneous client models) and how many it gives (0 when none)."""
+        for field in ("tiers", "model_tiers"):
+            count = len(getattr(self.options, field, ()) or ())
+            if count:
+                return field, count
+        return "tiers", 0
 
     def clustered(self) -> bool:
         """Whether clients have ground-truth clusters (client k in cluster ``k mod num_clusters``)."""
@@ -387,10 +392,10 @@ class Config(Options):
         from jaxfed.simulation.sampling import held_out
 
         held_out(self.held_out_ids(), self.num_clients)
-        tiers = self.tier_count()
+        field, tiers = self.tier_option()
         if tiers > self.num_clients:
             raise ConfigError(
-                f"tiers: {tiers} tiers for {self.num_clients} clients; every tier needs at least one client"
+                f"{field}: {tiers} tiers for {self.num_clients} clients; every tier needs at least one client"
             )
         self.options.validate()
 

@@ -314,11 +314,12 @@ class Simulation:
     def init_pure(self) -> SimState:
         """The starting state (pure, not jitted: for composing, e.g. vmapped over a sweep's members)."""
         server_state, client = self.algorithm.init(sampling.init_key(self.root))
-        clients = stack_clients(client, self.num_clients)
-        if self.algorithm.init_client is not None:
+        if self.algorithm.init_client is None:
+            clients = stack_clients(client, self.num_clients)
+        else:  # the one starting state unbatched: what it alone decides (a model tier's SVD) runs once
             ids = jnp.arange(self.num_clients, dtype=jnp.int32)
             tiers = jnp.zeros_like(ids) if self.tiers is None else sampling.tier_of(ids, self.tiers)
-            clients = jax.vmap(self.algorithm.init_client)(clients, ids, tiers)
+            clients = jax.vmap(self.algorithm.init_client, in_axes=(None, 0, 0))(client, ids, tiers)
         return SimState(server=server_state, clients=clients, round=jnp.int32(0))
 
     def variant(self, root, algorithm: FederatedAlgorithm) -> Simulation:
