@@ -26,12 +26,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxfed.algorithms.fedara import default_decomposed_layers
 from jaxfed.algorithms.fedhm import tier_ranks
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank
+from jaxfed.core import lowrank, stack_trees
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template
 from jaxfed.nn.factorized import factorized_execution
@@ -82,7 +81,7 @@ class ModelTiers:
         (:meth:`padded`) truncated to the tier's ranks, padded."""
         whole = lowrank.reconstruct_layers(padded_params)
         per_tier = [self.padded_tier(whole, t) for t in range(self.num_tiers)]
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves)[tier], *per_tier)
+        return jax.tree.map(lambda stacked: stacked[tier], stack_trees(per_tier))
 
     def padded_tier(self, params, tier: int) -> lowrank.Padded:
         """``params`` truncated to tier ``tier``'s ranks (static), in the padded form."""
