@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -49,6 +50,20 @@ _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(pre
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def client_accuracy(model: Model, variables, fed, client: int) -> float:
+    """The share of client ``client``'s test examples that ``model`` with ``variables`` classifies
+    right: a per-client reference for the engine's evaluation. The model runs on every test example
+    (one shape: compiled once, where each client's own slice would compile the model per client)."""
+    idx = np.asarray(fed.test_idx[client][: int(fed.test_count[client])])
+    logits = np.asarray(_jitted_apply(model)(variables, jnp.asarray(fed.x_test))[0])
+    return float(np.mean(np.argmax(logits[idx], -1) == np.asarray(fed.y_test)[idx]))
+
+
+@functools.cache
+def _jitted_apply(model: Model):
+    return jax.jit(model.apply)
 
 
 def round_info(round_: int = 0, tier: int | None = 0) -> RoundInfo:

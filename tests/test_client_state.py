@@ -77,7 +77,7 @@ def test_a_call_holds_only_the_clients_its_rounds_sample(digits, mlp):
 
 
 def test_a_host_held_run_resumes_as_the_device_held_run(tmp_path):
-    keys = {"algorithm": "feddecomp", "num_clients": CLIENTS, "participation": PARTICIPATION, "eval_every": 2,
+    keys = {"algorithm": "fedper", "num_clients": CLIENTS, "participation": PARTICIPATION, "eval_every": 2,
             "checkpoint_every": 1, "train_reduction": 0.3}  # fmt: skip
     jaxfed.run({**keys, "rounds": 1, "client_state": "host"}, tmp_path / "host", progress=False)
     jaxfed.run({**keys, "rounds": 2, "client_state": "host"}, tmp_path / "host", resume=True, progress=False)

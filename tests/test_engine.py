@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation, round_info
+from conftest import client_accuracy, make_federation, round_info
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
@@ -234,9 +234,7 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
     accuracies = []
     for k in cohort:
         variables = alg.eval_params(state.server, jax.tree.map(lambda a, k=k: a[k], state.clients))
-        idx = np.asarray(fed.test_idx[k][: int(fed.test_count[k])])
-        logits, _ = mlp.apply(variables, fed.x_test[idx])
-        accuracies.append(float(np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(fed.y_test)[idx])))
+        accuracies.append(client_accuracy(mlp, variables, fed, k))
     evaluation = sim.evaluate(state)
     got = evaluation["personalized_acc_mean"]
     np.testing.assert_allclose(got, np.mean(accuracies), rtol=1e-5)
@@ -328,12 +326,6 @@ def test_vmapped_members_run_their_clients_one_at_a_time_with_each_members_numbe
         assert f"length={members * n}" in text
 
 
-def _accuracy(model, variables, fed, k):
-    idx = np.asarray(fed.test_idx[k][: int(fed.test_count[k])])
-    logits, _ = model.apply(variables, fed.x_test[idx])
-    return float(np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(fed.y_test)[idx]))
-
-
 def test_new_clients_never_train_and_are_evaluated_after_their_own_local_update(mlp, digits_federation):
     """Held-out clients are never sampled and keep their initial states; evaluation reports them
     with the global model and after one local update from that state (nothing uploaded), each
@@ -358,9 +350,9 @@ def test_new_clients_never_train_and_are_evaluated_after_their_own_local_update(
         client = jax.tree.map(lambda a, k=k: a[k], state.clients)
         rng = jax.random.fold_in(jax.random.fold_in(key, k), 0)
         adapted, _, _ = update(alg.broadcast(state.server, info), client, _client_view(fed, k), rng, info)
-        adapted_acc.append(_accuracy(mlp, alg.eval_params(state.server, adapted), fed, k))
-        global_acc.append(_accuracy(mlp, alg.global_params(state.server), fed, k))
-        untouched.append(_accuracy(mlp, alg.eval_params(state.server, client), fed, k))
+        adapted_acc.append(client_accuracy(mlp, alg.eval_params(state.server, adapted), fed, k))
+        global_acc.append(client_accuracy(mlp, alg.global_params(state.server), fed, k))
+        untouched.append(client_accuracy(mlp, alg.eval_params(state.server, client), fed, k))
     np.testing.assert_allclose(per_client["new_acc"][new], adapted_acc, rtol=1e-5)
     np.testing.assert_allclose(per_client["new_global_acc"][new], global_acc, rtol=1e-5)
     assert evaluation["new_personalized_acc_mean"] == pytest.approx(np.mean(adapted_acc), rel=1e-5)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import metrics_rows, one_client, round_info
+from conftest import client_accuracy, one_client, round_info
 
 from jaxfed.algorithms.fedara import default_decomposed_layers
 from jaxfed.algorithms.fedhm import tier_rank
@@ -22,8 +22,8 @@ from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
 from jaxfed.nn import Model, get_model
 from jaxfed.nn.factorized import factorized_execution
+from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
-from jaxfed.runs.driver import run
 from jaxfed.simulation import Simulation, sampling
 
 RATIOS = (1.0, 0.5, 0.25)
@@ -176,13 +176,6 @@ def test_a_model_without_a_layer_to_decompose_is_refused(digits):
         local(linear, model_tiers=(1.0, 0.5))
 
 
-def client_accuracy(model, variables, fed, client):
-    """The share of client ``client``'s test examples its model classifies right."""
-    idx = np.asarray(fed.test_idx[client][: int(fed.test_count[client])])
-    logits = model.apply(variables, jnp.asarray(fed.x_test)[idx])[0]
-    return float(np.mean(np.argmax(logits, -1) == np.asarray(fed.y_test)[idx]))
-
-
 def test_the_engine_gives_each_client_its_tier_and_evaluates_its_own_model(small_cnn, digits_federation):
     """Local with three tiers over 10 clients: each client starts at its tier's ranks (the engine's
     equal contiguous blocks) and is evaluated on its own model, reconstructed."""
@@ -205,15 +198,17 @@ def test_the_engine_gives_each_client_its_tier_and_evaluates_its_own_model(small
     np.testing.assert_allclose(sim.evaluate(state)["personalized_acc_mean"], np.mean(accuracies), rtol=1e-6)
 
 
-def test_one_full_rank_tier_is_the_plain_algorithm(tmp_path):
+def test_one_full_rank_tier_is_the_plain_algorithm():
     """``model_tiers=1``: one tier whose model is the whole one, the same numbers as without."""
-    rows = []
-    for name, extra in (("plain", []), ("tiered", ["model_tiers=1"])):
-        config = Config(algorithm="fedproto").with_overrides(["rounds=3", "eval_every=3", "seed=1", *extra])
-        run(config, tmp_path / name, progress=False)
-        rows.append(metrics_rows(tmp_path / name)[-1])
-    for key in ("personalized_acc_mean", "personalized_loss", "train_loss"):
-        assert rows[0][key] == rows[1][key], key
+    results = []
+    for extra in ([], ["model_tiers=1"]):
+        sim = build(Config(algorithm="fedproto").with_overrides(["seed=1", *extra]).validate()).simulation
+        state, metrics = sim.run_rounds(sim.init(), 2)
+        results.append((np.asarray(metrics["train_loss"]), sim.evaluate(state)))
+    (plain_loss, plain), (tiered_loss, tiered) = results
+    np.testing.assert_array_equal(tiered_loss, plain_loss)
+    for key in ("personalized_acc_mean", "personalized_loss"):
+        assert tiered[key] == plain[key], key
 
 
 def test_fedtgps_clients_take_tiers_and_keep_their_ids(mlp):

@@ -148,6 +148,12 @@ def show(value, key: str = "") -> str:
     return ",".join(map(show, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
+# Fixed margins for the two-panel figures: matplotlib's constrained layout measured every tick label
+# first and took half of a run's plotting time (0.19 of 0.41 s a figure), paid at the end of every
+# run and sweep member. These fit the labels the panels have (tick labels up to about 6 characters).
+TWO_PANELS = {"left": 0.065, "right": 0.985, "bottom": 0.13, "top": 0.92, "wspace": 0.22}
+
+
 def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_mean") -> Path:
     """Write a two-panel PNG (``metric`` vs round, vs cumulative bytes up) for ``run_dirs``."""
     if metric not in METRICS:
@@ -160,7 +166,7 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_me
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw=TWO_PANELS)
     drawn, smallest_mb = 0, float("inf")
     for (_, rows), label in zip(runs, labels):
         points = [r for r in rows if r.get(metric) is not None]
@@ -212,7 +218,7 @@ def plot_client_distribution(run_dirs, out_file: str | Path, name: str = "") -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (final, spread) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    fig, (final, spread) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw=TWO_PANELS)
     drawn = 0
     for (_, per_round), label in zip(runs, labels):
         rounds = [r for r in sorted(per_round) if name in per_round[r]]
