@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import BatchNormNet, make_federation, module_features, one_client, round_info
+from conftest import BatchNormNet, client_accuracy, make_federation, module_features, one_client, round_info
 
 from jaxfed.algorithms.ditto import ditto
 from jaxfed.algorithms.features import class_counts
@@ -419,13 +419,11 @@ def test_fedbabu_is_evaluated_after_each_client_fine_tunes_the_global_model(mlp,
     key = personalization_key(sim.root, state.round)
     accuracies = []
     for k in range(fed.num_clients):
-        train, test = fed.train_data(jnp.array([k])), fed.test_data(jnp.array([k]))
+        train = fed.train_data(jnp.array([k]))
         own = ClientData(train.x, train.y, train.indices[0], train.count[0])
         tuned, _ = train_classifier(mlp, sgd(0.1), {"params": global_params}, own, jax.random.fold_in(key, k), epochs=2,
                                     batch_size=32)  # fmt: skip
-        real = np.asarray(test.indices[0])[: int(test.count[0])]
-        logits, _ = mlp.apply(tuned, fed.x_test[real])
-        accuracies.append(np.mean(np.argmax(logits, -1) == np.asarray(fed.y_test)[real]))
+        accuracies.append(client_accuracy(mlp, tuned, fed, k))
     np.testing.assert_allclose(got["personalized_acc_mean"], np.mean(accuracies), atol=1e-6)
 
 
