@@ -68,6 +68,7 @@ PRIVATE = {
     "fedas": ("params", "model_state"),
     "pfedgate": ("gate", "gate_state", "model_state"),  # the gating layer, its statistics, the model's
     "fedtgp": ("params", "model_state"),  # its own model (its prototypes are disclosed, below)
+    "fedkd": ("params", "model_state", "mentee_state", "projection"),  # the mentor, W_h, both models' statistics
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -79,6 +80,8 @@ FROZEN |= {"fedspu"}
 FROZEN |= {"fedas"}
 # A pFedGate client's gating layer scales the shared model it trains (frozen: lr 0 stops both).
 FROZEN |= {"pfedgate"}
+# A FedKD client's mentor and W_h distil into the mentee it trains (frozen: lr 0 stops all three).
+FROZEN |= {"fedkd"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

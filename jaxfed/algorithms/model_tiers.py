@@ -17,7 +17,7 @@ the tiers run as one vmapped group. Evaluation sees the reconstructed kernels, s
 and evaluation run unchanged.
 
 :func:`with_model_tiers` wraps an algorithm whose client state holds the client's own model
-(FedProto, FedTGP, Local); :func:`model_tiers_option` is the option field.
+(FedProto, FedTGP, Local, FedKD's mentors); :func:`model_tiers_option` is the option field.
 """
 
 from __future__ import annotations
@@ -57,19 +57,25 @@ class TieredClient(NamedTuple):
     kernel_on: Any  # {layer: float32 scalar}: 1 where the client's tier runs the layer's kernel
 
 
+def rank_levels(model, ratios, head: str, field: str) -> list[dict[str, int]]:
+    """``{layer: rank}`` of FedARA's decomposed layers (every feature-extractor layer but the first)
+    at each rank ratio of ``ratios`` (a layer a ratio keeps whole is left out); a model without
+    such a layer is a one-line ConfigError naming ``field``."""
+    layers = default_decomposed_layers(model, head)
+    if not layers:
+        raise ConfigError(
+            f"{field}: the model has no feature-extractor layer to decompose (a Dense or Conv before the "
+            f"head, after the first); leave {field} at its default"
+        )
+    return tier_ranks(model_template(model)[0], [layers] * len(ratios), ratios)
+
+
 class ModelTiers:
     """The tiers' ranks over a model's decomposed layers, and the padded form every tier shares."""
 
     def __init__(self, model, ratios, head: str):
-        template, _ = model_template(model)
-        layers = default_decomposed_layers(model, head)
-        if not layers:
-            raise ConfigError(
-                "model_tiers: the model has no feature-extractor layer to decompose (a Dense or Conv before the "
-                "head, after the first); leave model_tiers empty"
-            )
         self.num_tiers = len(ratios)
-        self.ranks = tier_ranks(template, [layers] * self.num_tiers, ratios)
+        self.ranks = rank_levels(model, ratios, head, "model_tiers")
         self.union = lowrank.union_ranks(self.ranks)
 
     def padded(self, params) -> lowrank.Padded:
@@ -88,8 +94,8 @@ class ModelTiers:
         return lowrank.pad_to_union(lowrank.factorize_layers(params, self.ranks[tier]), self.union)
 
 
-# hooks that would receive the wrapped client state without the wrapper knowing what they read
-UNWRAPPED_HOOKS = ("personalize", "message_bytes", "download_bytes", "sent_bytes")
+# a hook that would read the wrapped client's model, which the wrapper holds padded
+UNWRAPPED_HOOKS = ("personalize",)
 
 
 def with_model_tiers(
@@ -133,11 +139,16 @@ def with_model_tiers(
         whole = lowrank.reconstruct_padded(lowrank.Padded(params_of(client.inner), client.kernel_on))
         return algorithm.eval_params(server_state, with_params(client.inner, whole))
 
+    def on_inner(hook):  # an accounting hook (message, client_state, info) sees the wrapped state
+        return None if hook is None else (lambda message, client, info: hook(message, client.inner, info))
+
     return algorithm._replace(
         init=init,
         init_client=init_client,
         client_update=client_update,
         eval_params=eval_params,
+        download_bytes=on_inner(algorithm.download_bytes),
+        sent_bytes=on_inner(algorithm.sent_bytes),
         num_tiers=tiers.num_tiers,
         pad_tier=lambda message, info: message,  # every tier receives the same message: one group
     )

@@ -82,6 +82,7 @@ BUILTINS = {
     "fedas": "fedas",
     "pfedgate": "pfedgate",
     "fedtgp": "fedtgp",
+    "fedkd": "fedkd",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -124,6 +125,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedas", "global body aligned to local prototypes, Fisher-weighted (Yang et al., CVPR 2024)"),
         ("pfedgate", "a private gating layer scales/prunes the model's blocks (Chen et al., ICML 2023)"),
         ("fedtgp", "trainable global prototypes, adaptive-margin loss (Zhang et al., AAAI 2024)"),
+        ("fedkd", "private mentors distil a shared mentee, sent SVD-compressed (Wu et al. 2022)"),
     ],
 }
 

@@ -1,7 +1,7 @@
 """Low-rank primitives shared by every low-rank algorithm (FedLoRU family, FedHM, FedDecomp,
-FedARA, FLoRAL): conv-kernel matricization, truncated-SVD factorization, rank rules, LoRA
-factors and layer addressing in parameter trees (running a factorized layer is
-:mod:`jaxfed.nn.factorized`'s).
+FedARA, FLoRAL, FedKD): conv-kernel matricization, truncated-SVD factorization (to a rank or to
+an energy share), rank rules, LoRA factors and layer addressing in parameter trees (running a
+factorized layer is :mod:`jaxfed.nn.factorized`'s).
 
 A kernel is a Dense ``[in, out]`` or a Conv ``[kh, kw, cin, cout]`` (Flax layout). A conv kernel
 is matricized as ``M[(kh*cin), (kw*cout)]`` (transpose to ``[kh, cin, kw, cout]``, reshape), the
@@ -188,6 +188,25 @@ def factorize(matrix: jax.Array, rank: int, method: str = "svd") -> Factors:
 
 def reconstruct(factors: Factors) -> jax.Array:
     return factors.u @ factors.v.T
+
+
+def energy_rank(singular: jax.Array, energy) -> jax.Array:
+    """The smallest ``k`` with ``sum_{i<=k} s_i^2 >= energy * sum_i s_i^2`` (int32; 0 for a zero
+    matrix): how many of the singular values ``singular`` (descending) keep an ``energy`` share of
+    the matrix's squared Frobenius norm. ``energy`` may be traced."""
+    squared = jnp.square(singular)
+    total = jnp.sum(squared)
+    below = jnp.sum(jnp.cumsum(squared) < energy * total)  # the prefixes short of the share
+    return jnp.where(total > 0, jnp.minimum(below + 1, singular.shape[0]), 0).astype(jnp.int32)
+
+
+def energy_truncation(matrix: jax.Array, energy, method: str = "svd") -> tuple[jax.Array, jax.Array]:
+    """``(M_k, k)``: ``matrix``'s SVD truncated to its :func:`energy_rank` ``k`` largest singular
+    values (FedKD's dynamic gradient approximation), in the matrix's shape; ``method`` as :func:`decompose`."""
+    parts = decompose(matrix, method)
+    k = energy_rank(parts.singular, energy)
+    kept = jnp.where(jnp.arange(parts.singular.shape[0]) < k, parts.singular, 0.0)
+    return (parts.left * kept) @ parts.right.T, k
 
 
 @jax.custom_vjp
