@@ -61,6 +61,17 @@ def client_accuracy(model: Model, variables, fed, client: int) -> float:
     return float(np.mean(np.argmax(logits[idx], -1) == np.asarray(fed.y_test)[idx]))
 
 
+@pytest.fixture(autouse=True)
+def _run_directories_without_plots(request, monkeypatch):
+    """A finished run directory skips its PNGs (accuracy.png, global_accuracy.png: about 0.3 s a
+    run, with matplotlib's import the first time) except in tests marked ``plots``, which check
+    them (tests/test_plots.py draws every figure). Subprocesses a test starts still draw them."""
+    if request.node.get_closest_marker("plots") is None:
+        from jaxfed.runs import rundir
+
+        monkeypatch.setattr(rundir, "write_plots", lambda out, rows, log: None)
+
+
 @functools.cache
 def _jitted_apply(model: Model):
     return jax.jit(model.apply)

@@ -26,6 +26,7 @@ SUMMARY_KEYS = {
 }
 
 
+@pytest.mark.plots
 def test_default_run_writes_the_run_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["run"]) == 0

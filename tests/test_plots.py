@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from jaxfed.cli import main
 from jaxfed.runs.plots import read_run, run_labels
 
+pytestmark = pytest.mark.plots  # every test here draws its figures (tests/conftest.py)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

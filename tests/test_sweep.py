@@ -52,6 +52,7 @@ def test_member_names_tell_distinct_values_apart_and_keep_the_short_form_where_i
     ]
 
 
+@pytest.mark.plots
 def test_members_match_their_sequential_runs(tmp_path):
     """One after another in one program (member_chunk=1), fedprox's mu traced as lr is (an option
     a round takes as a number: one program for the grid); vmapped members' numbers are checked

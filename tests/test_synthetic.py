@@ -84,6 +84,7 @@ def test_masked_mse_and_per_client_evaluation_match_numpy():
     assert "personalized_acc_mean" not in metrics
 
 
+@pytest.mark.plots
 def test_a_synthetic_run_reports_mse_and_floral_oracle_beats_fedavg(tmp_path, capsys):
     common = [
         "--dataset", "synthetic_linear", "--set", "num_clients=6", "--set", "num_clusters=2",
