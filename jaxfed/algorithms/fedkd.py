@@ -41,7 +41,8 @@ from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import Aggregation, FederatedAlgorithm
 from jaxfed.core import lowrank, mean_of, tree_bytes, weighted_share
-from jaxfed.core.losses import masked_loss, masked_mean
+from jaxfed.core.losses import kl_divergence, masked_loss, masked_mean
+from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_input, head_layer
@@ -51,6 +52,7 @@ PAPER = "Wu et al. (Nat. Commun. 2022), FedKD"
 HTFL = "HtFLlib (TsingZ0/HtFLlib, FedARA's heterogeneous baselines) system/main.py"
 SENT_WHOLE = -1  # the rank recorded for a parameter that travels uncompressed (a vector)
 NOT_HELD = -1  # a client's `held` before it first received the mentee
+MIN_TASK_LOSS = 1e-12  # the floor of the distillation's divisor CE_t + CE_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +70,15 @@ class FedKDOptions(TrainingOptions):
     )
     energy_start: float = option(
         0.95,
-        "the energy threshold T in round 1: each compressed matrix keeps the fewest singular values holding "
-        "this share of its squared norm",
+        "the energy threshold T starts from this (each compressed matrix keeps the fewest singular values "
+        "holding a share T of its squared norm); in round r (1-based) T = energy_start + "
+        "min(r / energy_rounds, 1) (energy_end - energy_start), as the authors' run.py",
         source=PAPER + " (T_start 0.95; HtFLlib -Ts 0.95)",
         check=ratio,
     )
     energy_end: float = option(
-        0.98, "the energy threshold from round energy_rounds on", source=PAPER + " (T_end 0.98; HtFLlib -Te 0.98)",
-        check=ratio,
+        0.98, "the energy threshold T from round energy_rounds on (at least energy_start)",
+        source=PAPER + " (T_end 0.98; HtFLlib -Te 0.98)", check=ratio,
     )  # fmt: skip
     energy_rounds: int = option(
         100,
@@ -89,6 +92,14 @@ class FedKDOptions(TrainingOptions):
                        check=non_negative)  # fmt: skip
     batch_size: int = option(10, "local batch size", source=HTFL + " (-lbs 10)", check=at_least(1))
     local_epochs: int = option(1, "local epochs per round", source=HTFL + " (-ls 1)", check=at_least(1))
+
+    def check(self):
+        super().check()
+        if self.energy_end < self.energy_start:
+            raise ConfigError(
+                f"energy_end: {self.energy_end} is below energy_start {self.energy_start}; the threshold rises "
+                "(set energy_end at least energy_start)"
+            )
 
 
 class ServerState(NamedTuple):
@@ -157,11 +168,6 @@ def compressed_bytes(update, ranks) -> jax.Array:
     return total
 
 
-def kl_divergence(log_p, log_q):
-    """Per example ``KL(p || q) = sum p (log p - log q)`` from log-probabilities."""
-    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-
-
 def mutual_distillation(model, head: str):
     """``loss(trainable, states, batch)``: ``L_t + L_s`` (the module's docstring) of a
     :class:`Trainable` on a batch, and both models' new non-trainable collections."""
@@ -181,7 +187,8 @@ def mutual_distillation(model, head: str):
         log_t, log_s = jax.nn.log_softmax(logits_t), jax.nn.log_softmax(logits_s)
         kl_both = masked_mean(kl_divergence(log_s, log_t) + kl_divergence(log_t, log_s), batch.mask)
         hidden = masked_mean(jnp.mean(jnp.square(h_t - h_s @ trainable.projection), axis=-1), batch.mask)
-        total = ce_t + ce_s + (kl_both + 2.0 * hidden) / (ce_t + ce_s)
+        # both models fitting the batch exactly (float32 cross-entropies of 0) would divide by 0
+        total = ce_t + ce_s + (kl_both + 2.0 * hidden) / jnp.maximum(ce_t + ce_s, MIN_TASK_LOSS)
         return total, {"mentor": mentor_state, "mentee": mentee_state}
 
     return loss
@@ -193,7 +200,8 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
     head = head_layer(model, options.head, "fedkd")
     template, private_stats = model_template(model)
     feature_dim = lowrank.get_layer(template, head)["kernel"].shape[0]
-    ranks = rank_levels(model, [options.mentee_ratio], head, "mentee_ratio")[0] if options.mentee_ratio < 1 else {}
+    whole = options.mentee_ratio == 1
+    mentee_ranks = {} if whole else rank_levels(model, [options.mentee_ratio], head, "mentee_ratio")[0]
     loss = mutual_distillation(model, head)
 
     def init(rng):
@@ -201,7 +209,7 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
         params, model_state = split_variables(model.init(mentor_rng))
         mentee, mentee_state = split_variables(model.init(mentee_rng))
         projection = lowrank.kaiming_uniform(projection_rng, (feature_dim, feature_dim), feature_dim)  # torch's Linear
-        server = ServerState(lowrank.factorize_layers(mentee, ranks), jnp.float32(0.0))
+        server = ServerState(lowrank.factorize_layers(mentee, mentee_ranks), jnp.float32(0.0))
         return server, ClientState(params, model_state, mentee_state, projection, jnp.int32(NOT_HELD))
 
     def client_update(message: ServerState, client: ClientState, data, rng, info):
@@ -224,9 +232,12 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
         mentee = jax.tree.map(jnp.add, server_state.mentee, update)
         return ServerState(mentee, compressed_bytes(update, ranks_kept))
 
+    def sent_bytes(message: ServerState, client: ClientState, info):
+        return jnp.float32(tree_bytes(message.mentee))  # update_bytes is the simulation's bookkeeping
+
     def download_bytes(message: ServerState, client: ClientState, info):
         had_last = (client.held != NOT_HELD) & (client.held == info.round - 1)
-        return jnp.where(had_last, message.update_bytes, jnp.float32(tree_bytes(message)))
+        return jnp.where(had_last, message.update_bytes, sent_bytes(message, client, info))
 
     def global_params(server_state: ServerState):
         return {"params": lowrank.reconstruct_layers(server_state.mentee)}
@@ -241,6 +252,7 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
         eval_params=lambda server_state, client: {"params": client.params, **client.model_state},
         global_params=None if private_stats else global_params,  # the mentee has no global statistics
         message_bytes=lambda upload: compressed_bytes(upload.update, upload.ranks),
+        sent_bytes=sent_bytes,
         download_bytes=download_bytes,
     )
     return with_model_tiers(algorithm, model, options.model_tiers, head)

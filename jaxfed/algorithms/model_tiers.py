@@ -139,7 +139,9 @@ def with_model_tiers(
         whole = lowrank.reconstruct_padded(lowrank.Padded(params_of(client.inner), client.kernel_on))
         return algorithm.eval_params(server_state, with_params(client.inner, whole))
 
-    def on_inner(hook):  # an accounting hook (message, client_state, info) sees the wrapped state
+    # an accounting hook (message, client_state, info) sees the wrapped state, its model padded
+    # (FedKD's counts read only its round counter; personalize, which would train the model, is refused)
+    def on_inner(hook):
         return None if hook is None else (lambda message, client, info: hook(message, client.inner, info))
 
     return algorithm._replace(

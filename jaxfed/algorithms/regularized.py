@@ -44,7 +44,7 @@ from jaxfed.algorithms.records import ClientStats, GlobalParams, global_model
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core.losses import masked_loss, masked_mean
+from jaxfed.core.losses import kl_divergence, masked_loss, masked_mean
 from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import head_input, head_layer
 from jaxfed.options import TrainingOptions, non_negative, option, positive, resolve
@@ -75,7 +75,7 @@ def not_true_distillation(logits, global_logits, labels, tau: float):
     """FedNTD's ``KL(q_g || q_l)`` per example over the not-true classes at temperature ``tau``."""
     log_q_local = jax.nn.log_softmax(not_true(logits, labels) / tau, -1)
     log_q_global = jax.nn.log_softmax(not_true(global_logits, labels) / tau, -1)
-    return jnp.sum(jnp.exp(log_q_global) * (log_q_global - log_q_local), -1)
+    return kl_divergence(log_q_global, log_q_local)
 
 
 PFEDSD = "the FedDecomp authors' pFedSD (Fling, flzoo/cifar10/cifar10_pfedsd_resnet_config.py: lamda 0.5, tau 3)"
@@ -129,7 +129,7 @@ def self_distillation(logits, previous_logits, tau: float):
     """pFedSD's ``tau^2 KL(q_prev || q)`` per example, ``q`` the softmax at temperature ``tau``."""
     log_q = jax.nn.log_softmax(logits / tau, -1)
     log_q_previous = jax.nn.log_softmax(previous_logits / tau, -1)
-    return tau**2 * jnp.sum(jnp.exp(log_q_previous) * (log_q_previous - log_q), -1)
+    return tau**2 * kl_divergence(log_q_previous, log_q)
 
 
 def with_global_model(model, options, *, name: str, loss_for, init_client, keep) -> FederatedAlgorithm:

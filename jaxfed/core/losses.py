@@ -1,5 +1,5 @@
 """The losses the engine and every algorithm share: cross-entropy for labels, squared error for
-float targets, and their mean over an example mask."""
+float targets, their mean over an example mask, and the KL divergence the distillations take."""
 
 from __future__ import annotations
 
@@ -29,3 +29,8 @@ def masked_mean(values, mask):
 def masked_loss(outputs, targets, mask):
     """Mean :func:`example_losses` over the examples where ``mask`` is True (0 when there are none)."""
     return masked_mean(example_losses(outputs, targets), mask)
+
+
+def kl_divergence(log_p, log_q):
+    """Per example ``KL(p || q) = sum_c p_c (log p_c - log q_c)`` from log-probabilities over the last axis."""
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
