@@ -132,9 +132,21 @@ def test_the_energy_threshold_rises_linearly_then_stays():
     np.testing.assert_allclose(got, [0.92, 0.94, 0.96, 0.98, 0.98, 0.98], rtol=1e-6)
 
 
-def numpy_softmax(logits):
-    z = logits - logits.max(-1, keepdims=True)
-    return np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+def papers_loss(xp, logits_t, logits_s, h_t, h_s, projection, y):
+    """``L_t + L_s`` (the paper's two losses, summed) over a batch of real examples, in ``xp``:
+    numpy for float64 values, jax.numpy for the gradient."""
+    rows = xp.arange(len(y))
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - xp.log(xp.exp(z).sum(-1, keepdims=True))
+
+    log_t, log_s = log_softmax(logits_t), log_softmax(logits_s)
+    ce_t, ce_s = -xp.mean(log_t[rows, y]), -xp.mean(log_s[rows, y])
+    kl_s_t = xp.mean(xp.sum(xp.exp(log_s) * (log_s - log_t), -1))  # KL(y_s, y_t): the mentor's
+    kl_t_s = xp.mean(xp.sum(xp.exp(log_t) * (log_t - log_s), -1))  # KL(y_t, y_s): the mentee's
+    hidden = xp.mean((h_t - h_s @ projection) ** 2)
+    return ce_t + (kl_s_t + hidden) / (ce_t + ce_s) + ce_s + (kl_t_s + hidden) / (ce_t + ce_s)
 
 
 def test_the_loss_is_the_mentors_and_the_mentees_losses_summed(mlp, digits):
@@ -155,28 +167,15 @@ def test_the_loss_is_the_mentors_and_the_mentees_losses_summed(mlp, digits):
         return logits, np.asarray(module_features(mlp, params, x), np.float64)[:8]
 
     (logits_t, h_t), (logits_s, h_s) = outputs(params_t), outputs(params_s)
-    q_t, q_s, labels = numpy_softmax(logits_t), numpy_softmax(logits_s), np.asarray(y[:8])
-    ce_t = -np.mean(np.log(q_t[np.arange(8), labels]))
-    ce_s = -np.mean(np.log(q_s[np.arange(8), labels]))
-    kl_s_t = np.mean(np.sum(q_s * (np.log(q_s) - np.log(q_t)), -1))  # KL(y_s, y_t): the mentor's
-    kl_t_s = np.mean(np.sum(q_t * (np.log(q_t) - np.log(q_s)), -1))  # KL(y_t, y_s): the mentee's
-    hidden = np.mean((h_t - h_s @ np.asarray(projection, np.float64)) ** 2)
-    mentor = ce_t + (kl_s_t + hidden) / (ce_t + ce_s)
-    mentee = ce_s + (kl_t_s + hidden) / (ce_t + ce_s)
-    np.testing.assert_allclose(float(got), mentor + mentee, rtol=1e-5)
+    want = papers_loss(np, logits_t, logits_s, h_t, h_s, np.asarray(projection, np.float64), np.asarray(y[:8]))
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
 
 
 def reference_loss(model, trainable: Trainable, x, y):
-    """``L_t + L_s`` written out in jnp over a batch of real examples (for its gradient)."""
-    logits_t = model.apply({"params": trainable.mentor}, x)[0]
-    logits_s = model.apply({"params": trainable.mentee}, x)[0]
-    h_t, h_s = module_features(model, trainable.mentor, x), module_features(model, trainable.mentee, x)
-    log_t, log_s = jax.nn.log_softmax(logits_t), jax.nn.log_softmax(logits_s)
-    ce_t, ce_s = -jnp.mean(log_t[jnp.arange(len(y)), y]), -jnp.mean(log_s[jnp.arange(len(y)), y])
-    kl_s_t = jnp.mean(jnp.sum(jnp.exp(log_s) * (log_s - log_t), -1))
-    kl_t_s = jnp.mean(jnp.sum(jnp.exp(log_t) * (log_t - log_s), -1))
-    hidden = jnp.mean((h_t - h_s @ trainable.projection) ** 2)
-    return ce_t + (kl_s_t + hidden) / (ce_t + ce_s) + ce_s + (kl_t_s + hidden) / (ce_t + ce_s)
+    """:func:`papers_loss` of a :class:`Trainable`'s two models on a batch (jax.numpy: for its gradient)."""
+    outputs = [(model.apply({"params": p}, x)[0], module_features(model, p, x)) for p in trainable[:2]]
+    (logits_t, h_t), (logits_s, h_s) = outputs
+    return papers_loss(jnp, logits_t, logits_s, h_t, h_s, trainable.projection, y)
 
 
 def test_one_step_trains_mentor_mentee_and_projection_down_the_losses_gradient(mlp, digits):

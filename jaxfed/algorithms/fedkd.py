@@ -200,8 +200,9 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
     head = head_layer(model, options.head, "fedkd")
     template, private_stats = model_template(model)
     feature_dim = lowrank.get_layer(template, head)["kernel"].shape[0]
-    whole = options.mentee_ratio == 1
-    mentee_ranks = {} if whole else rank_levels(model, [options.mentee_ratio], head, "mentee_ratio")[0]
+    mentee_ranks = (
+        rank_levels(model, [options.mentee_ratio], head, "mentee_ratio")[0] if options.mentee_ratio < 1 else {}
+    )
     loss = mutual_distillation(model, head)
 
     def init(rng):
