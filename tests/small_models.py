@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from jaxfed.nn.models import Norm
+from jaxfed.nn.models import HtCNN, Norm
 
 
 class BatchNormNet(nn.Module):
@@ -21,3 +21,47 @@ class BatchNormNet(nn.Module):
         h = nn.relu(Norm("batch")(nn.Dense(self.width)(x.reshape(x.shape[0], -1)), train, mask))
         h = nn.relu(nn.Dense(self.width, name="hidden")(h))
         return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class TinyHtCNN(HtCNN):
+    """Yi et al.'s heterogeneous CNN shrunk for 8x8 digits (3x3 SAME convs of 4 and 8 filters,
+    Dense 24 and 12): the largest of a family of tier models that nest in it."""
+
+    channels: tuple = (4, 8)
+    hidden: tuple = (24, 12)
+    kernel: int = 3
+    padding: str = "SAME"
+
+
+class TinyHtCNNNarrowConv(TinyHtCNN):
+    """conv2 with half the filters (the flattened conv output feeding fc1 narrows: htcnn2's change)."""
+
+    channels: tuple = (4, 4)
+
+
+class TinyHtCNNNarrowDense(TinyHtCNN):
+    """fc1 a third as wide (htcnn3..htcnn5's change)."""
+
+    hidden: tuple = (8, 12)
+
+
+class TinyHtCNNFewerFeatures(TinyHtCNN):
+    """fc2 narrower: the head gets 6 features instead of 12."""
+
+    hidden: tuple = (24, 6)
+
+
+class SigmoidNet(nn.Module):
+    """A Dense of ``width`` sigmoid units then the head: a padded unit outputs 0.5, not 0."""
+
+    num_classes: int
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x, train=False, mask=None, features=False):
+        h = nn.sigmoid(nn.Dense(self.width, name="hidden")(x.reshape(x.shape[0], -1)))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class NarrowSigmoidNet(SigmoidNet):
+    width: int = 8

@@ -7,8 +7,11 @@
 # CNNs of decreasing size, FedARA five rank levels of the largest; here both get FedARA's levels),
 # and FedTGP with every client on the full model (an upper bound of that setting); FedKD, the
 # paper's best heterogeneous baseline on CIFAR-100 (48.75), with its mentors at the same levels.
+# The *_htcnn variants are the paper's heterogeneous setting itself: FedARA's rank levels of CNN1
+# (htcnn1) against FedTGP, FedProto, Local and FedKD on five distinct CNNs (tier_models=htcnn1..5,
+# Yi et al.'s CNN-1..CNN-5, the family of pFedES / pFedAFM which the paper compares against).
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
-#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 14 variants),
+#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 19 variants),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
 # std, per-seed values, spread plot, verdicts of the paper's claims).
@@ -20,10 +23,13 @@ read_run_args fedara "$@"
 set -- "${extra_args[@]}"
 require_conf
 tiers=1.0,0.5,0.25,0.125,0.0625  # FedARA's in $setting.conf, for the baselines' models
+htcnn=htcnn1,htcnn2,htcnn3,htcnn4,htcnn5  # the paper's CNN1-CNN5, largest first as FedARA's tiers
 for variant in fedara fedara_lambda0 fedhm fedara_homogeneous fedas fedrep fedbabu fedala fedproto fedtgp \
-  fedtgp_tiers fedproto_tiers local_tiers fedkd_tiers; do
+  fedtgp_tiers fedproto_tiers local_tiers fedkd_tiers fedara_htcnn fedtgp_htcnn fedproto_htcnn local_htcnn fedkd_htcnn; do
   case $variant in
     *_tiers) args=("${variant%_tiers}" --set "model_tiers=$tiers") ;;
+    fedara_htcnn) args=(fedara --set model=htcnn1) ;;
+    *_htcnn) args=("${variant%_htcnn}" --set model=htcnn1 --set "tier_models=$htcnn") ;;
     fedara_lambda0) args=(fedara --set lambda=0) ;;
     # the paper's homogeneous FedARA: every client full rank (FedARA*, its r = 0.5 variant: tiers=0.5)
     fedara_homogeneous) args=(fedara --set tiers=1.0 --set lambda=10) ;;
@@ -44,8 +50,8 @@ case $setting in
   *) paper_het="90.84 (CIFAR-10 Dir)"; paper_hom="88.21 (CIFAR-10, homogeneous)"; paper_fedas="86.77 (CIFAR-10, homogeneous)" ;;
 esac
 case $setting in
-  cifar10_dir | reduced) paper_tgp="--paper=fedtgp=89.39 (CIFAR-10 Dir, heterogeneous models)" ;;
-  cifar100_dir) paper_tgp="--paper=fedkd_tiers=48.75 (CIFAR-100 Dir, heterogeneous models)" ;;
+  cifar10_dir | reduced) paper_tgp="--paper=fedtgp_htcnn=89.39 (CIFAR-10 Dir, heterogeneous models)" ;;
+  cifar100_dir) paper_tgp="--paper=fedkd_htcnn=48.75 (CIFAR-100 Dir, heterogeneous models)" ;;
   *) paper_tgp="" ;;
 esac
 report_variants "$runs/$setting" "fedara>fedhm" "fedara>fedara_lambda0" "--paper=fedara=$paper_het" \
@@ -53,4 +59,6 @@ report_variants "$runs/$setting" "fedara>fedhm" "fedara>fedara_lambda0" "--paper
   "--paper=fedara_homogeneous=$paper_hom" "--paper=fedas=$paper_fedas" \
   "fedara>fedtgp" "fedtgp>fedproto" ${paper_tgp:+"$paper_tgp"} \
   "fedara>fedtgp_tiers" "fedara>fedproto_tiers" "fedara>local_tiers" "fedtgp_tiers>fedproto_tiers" \
-  "fedara>fedkd_tiers"
+  "fedara>fedkd_tiers" \
+  "fedara_htcnn>fedtgp_htcnn" "fedara_htcnn>fedproto_htcnn" "fedara_htcnn>local_htcnn" "fedara_htcnn>fedkd_htcnn" \
+  "--paper=fedara_htcnn=$paper_het"

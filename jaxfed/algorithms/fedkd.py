@@ -1,12 +1,12 @@
 """FedKD (Wu et al., Nature Communications 2022): a private mentor and a shared mentee learn from
 each other; only the mentee's update travels, compressed by SVD to a share of its energy.
 
-Every client keeps its mentor (the run's model; with ``model_tiers`` its tier's rank level, as
-FedARA's other heterogeneous baselines) and a projection ``W_h`` (``[d, d]``, no bias) of the
-mentee's features onto the mentor's. The mentee is shared: the run's model with FedARA's
-decomposed layers (every feature-extractor layer but the first) at ``mentee_ratio`` (1: the whole
-model). A round: the client takes the global mentee and trains mentor, mentee and ``W_h`` together
-for ``local_epochs`` on the sum of the two models' losses
+Every client keeps its mentor (the run's model; with ``model_tiers`` its tier's rank level, with
+``tier_models`` its tier's model, as FedARA's other heterogeneous baselines) and a projection
+``W_h`` (``[d, d]``, no bias) of the mentee's features onto the mentor's. The mentee is shared:
+the run's model with FedARA's decomposed layers (every feature-extractor layer but the first) at
+``mentee_ratio`` (1: the whole model). A round: the client takes the global mentee and trains
+mentor, mentee and ``W_h`` together for ``local_epochs`` on the sum of the two models' losses
 
     L_t = CE_t + (KL(q_s || q_t) + L_h) / (CE_t + CE_s)     (the mentor's)
     L_s = CE_s + (KL(q_t || q_s) + L_h) / (CE_t + CE_s)     (the mentee's),  L_h = MSE(h_t, h_s W_h)
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.model_tiers import model_tiers_option, rank_levels, with_model_tiers
+from jaxfed.algorithms.model_tiers import model_tiers_option, rank_levels, tier_models_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -88,6 +88,7 @@ class FedKDOptions(TrainingOptions):
     )
     head: str = option("", "the classifier head (a Dense layer's key) whose input is the feature; empty = the last")
     model_tiers: tuple[float, ...] = model_tiers_option()
+    tier_models: tuple[str, ...] = tier_models_option()
     lr: float = option(0.01, "client learning rate (0 freezes the models)", source=HTFL + " (-lr 0.01)",
                        check=non_negative)  # fmt: skip
     batch_size: int = option(10, "local batch size", source=HTFL + " (-lbs 10)", check=at_least(1))
@@ -256,7 +257,7 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
         sent_bytes=sent_bytes,
         download_bytes=download_bytes,
     )
-    return with_model_tiers(algorithm, model, options.model_tiers, head)
+    return with_model_tiers(algorithm, model, options.model_tiers, head, tier_models=options.tier_models)
 
 
 builtin("fedkd", FedKDOptions, lambda model, options, config: fedkd(model, options))

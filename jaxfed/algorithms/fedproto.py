@@ -11,8 +11,9 @@ server's prototype of a class is the count-weighted mean of the round's uploaded
 that class (Eq. 6); a class no client of the round holds has none that round.
 
 A client's personalized model is its own model; there is no global model. With ``model_tiers``
-the clients' models are heterogeneous (:mod:`jaxfed.algorithms.model_tiers`). (The paper also
-classifies by the nearest global prototype; jaxfed evaluates the model's own head.)
+(rank levels) or ``tier_models`` (architectures) the clients' models are heterogeneous
+(:mod:`jaxfed.algorithms.model_tiers`). (The paper also classifies by the nearest global
+prototype; jaxfed evaluates the model's own head.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from jaxfed.algorithms.features import class_means
-from jaxfed.algorithms.model_tiers import model_tiers_option, with_model_tiers
+from jaxfed.algorithms.model_tiers import model_tiers_option, tier_models_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -51,6 +52,7 @@ class FedProtoOptions(TrainingOptions):
     )
     head: str = option("", "the classifier head (a Dense layer's key) whose input is the feature; empty = the last")
     model_tiers: tuple[float, ...] = model_tiers_option()
+    tier_models: tuple[str, ...] = tier_models_option()
 
 
 class Prototypes(NamedTuple):
@@ -133,7 +135,9 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
         eval_params=lambda server_state, client_state: {"params": client_state.params, **client_state.model_state},
         global_params=None,  # the models are private: there is no global model
     )
-    return with_model_tiers(algorithm, model, options.model_tiers, head)
+    return with_model_tiers(
+        algorithm, model, options.model_tiers, head, tier_models=options.tier_models, same_features=True
+    )
 
 
 builtin("fedproto", FedProtoOptions, lambda model, options, config: fedproto(model, options))

@@ -27,10 +27,11 @@ Defaults are the authors' command (``run_me.sh``: lr 0.01, batch 10, one local e
 code (``server_learning_rate = args.local_learning_rate``). Where jaxfed differs from their code
 (``TsingZ0/FedTGP``): the distance is ``sqrt(max(d^2, 1e-12))`` (theirs takes the square root of
 a difference that rounding may make negative: NaN); the server's key derives from the run's seed
-and the round (theirs from torch's global generator); the models are one architecture (the paper
-pairs FedTGP with a different architecture per client, which jaxfed's clients do not have); a
-client's batches are shuffled every epoch and keep the last partial one (theirs: the same order,
-``drop_last``; ``--set drop_last=true`` drops it); a client's prototypes are the means over all
+and the round (theirs from torch's global generator); the clients' models are one architecture
+unless ``model_tiers`` / ``tier_models`` give tiers of them (the paper's: one architecture per
+client group, :mod:`jaxfed.algorithms.model_tiers`); a client's batches are shuffled every epoch
+and keep the last partial one (theirs: the same order, ``drop_last``; ``--set drop_last=true``
+drops it); a client's prototypes are the means over all
 its training examples (theirs go through the same ``drop_last`` loader: the last partial batch's
 examples are left out); the server trains at ``lr`` itself, also under ``lr_schedule=cosine``
 (theirs at the clients' initial lr: the same with their constant one). The loss reported at
@@ -286,7 +287,9 @@ def fedtgp(model, options: FedTGPOptions | None = None, **overrides) -> Federate
         eval_model=NearestPrototype(model, head),
         init_client=with_id,
     )
-    return with_model_tiers(algorithm, model, options.model_tiers, head)
+    return with_model_tiers(
+        algorithm, model, options.model_tiers, head, tier_models=options.tier_models, same_features=True
+    )
 
 
 builtin("fedtgp", FedTGPOptions, lambda model, options, config: fedtgp(model, options))

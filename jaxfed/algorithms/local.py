@@ -1,8 +1,8 @@
 """Local training: no communication; each client trains its own model on its own data.
 
 Every client starts from the same initialization; nothing is sent either way, so the server
-state never changes and there is no global model. With ``model_tiers`` the clients' models are
-heterogeneous (:mod:`jaxfed.algorithms.model_tiers`).
+state never changes and there is no global model. With ``model_tiers`` (rank levels) or
+``tier_models`` (architectures) the clients' models are heterogeneous (:mod:`jaxfed.algorithms.model_tiers`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from jaxfed.algorithms.model_tiers import model_tiers_option, with_model_tiers
+from jaxfed.algorithms.model_tiers import model_tiers_option, tier_models_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -22,6 +22,7 @@ class LocalOptions(TrainingOptions):
     """Client SGD only (nothing is communicated)."""
 
     model_tiers: tuple[float, ...] = model_tiers_option()
+    tier_models: tuple[str, ...] = tier_models_option()
 
 
 class ClientState(NamedTuple):
@@ -59,7 +60,7 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         global_params=None,  # every client's model is its own
     )
     return with_model_tiers(
-        algorithm, model, options.model_tiers,
+        algorithm, model, options.model_tiers, tier_models=options.tier_models,
         params_of=lambda state: state.variables["params"],
         with_params=lambda state, params: ClientState({**state.variables, "params": params}),
     )  # fmt: skip

@@ -18,6 +18,13 @@ and evaluation run unchanged.
 
 :func:`with_model_tiers` wraps an algorithm whose client state holds the client's own model
 (FedProto, FedTGP, Local, FedKD's mentors); :func:`model_tiers_option` is the option field.
+
+With ``tier_models`` instead (one model per tier, e.g. ``htcnn1,...,htcnn5``: the five CNNs of
+decreasing complexity that FedARA's heterogeneous baselines run), tier k's clients own a model
+of its own architecture: it sits in the run's model (the largest, of the same layer names) with
+its parameters in the leading units and zeros elsewhere (:mod:`jaxfed.nn.nesting`), so the tiers
+again share one shape and one vmapped group, and the padding gets no gradient. A client starts
+at its tier model's own initialization (one draw per tier and run) and is evaluated on it.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ from jaxfed.algorithms.fedhm import tier_ranks
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank, stack_trees
 from jaxfed.errors import ConfigError
-from jaxfed.nn import model_template
+from jaxfed.nn import CONV_IMPLS, MODELS, Model, get_model, model_template, user
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_layer
+from jaxfed.nn.nesting import nesting
 from jaxfed.options import each, option, rank_ratio
 
 
@@ -47,6 +55,25 @@ def model_tiers_option():
         "empty = every client owns the full model",
         source="FedARA paper §5 (heterogeneous models of decreasing complexity)",
         check=each(rank_ratio),
+    )
+
+
+def model_name(value):
+    """A check: ``value`` names a built-in model or a user's Flax module spec."""
+    if value in MODELS or user.is_spec(value):
+        return None
+    return f"a model must be a built-in ({', '.join(MODELS)}) or {user.FORMS}"
+
+
+def tier_models_option():
+    """The ``tier_models`` option field of an algorithm wrapped by :func:`with_model_tiers`."""
+    return option(
+        (),
+        "heterogeneous client models by architecture: one model per tier (e.g. htcnn1,htcnn2,htcnn3,htcnn4,htcnn5, "
+        "FedARA's CNN1-CNN5); each sits in the run's model, which must be the largest with the same layer names; "
+        "empty = every client owns the run's model",
+        source="FedARA paper §5 (its baselines' five CNNs of decreasing complexity: Yi et al.'s CNN-1..CNN-5)",
+        check=each(model_name),
     )
 
 
@@ -94,6 +121,58 @@ class ModelTiers:
         return lowrank.pad_to_union(lowrank.factorize_layers(params, self.ranks[tier]), self.union)
 
 
+class ArchitectureClient(NamedTuple):
+    """A client state of an algorithm with tiers of different architectures: the wrapped
+    algorithm's (its model in the run's model's shapes), and the key its tier's start was drawn from."""
+
+    inner: Any
+    start_key: jax.Array  # uint32 key data: tier k's model starts at its initialization from fold_in(key, k)
+
+
+class ArchitectureTiers:
+    """One model per tier, each nested in the run's model (:func:`jaxfed.nn.nesting.nesting`)."""
+
+    FIELD = "tier_models"
+
+    def __init__(self, model: Model, names, head: str, same_features: bool):
+        features, classes = _head_shape(model, head)
+        self.models = [_tier_model(name, model, classes) for name in names]
+        self.nestings = [nesting(tier, model, self.FIELD, name) for tier, name in zip(self.models, names)]
+        for name, tier, nested in zip(names, self.models, self.nestings):
+            nested.check(head, self.FIELD, name)
+            width = _head_shape(tier, head)[0]
+            if same_features and width != features:  # the clients exchange features
+                raise ConfigError(
+                    f"{self.FIELD}: {name} gives its head {width} features, the run's model {model.name} {features}; "
+                    "this algorithm exchanges features, so every tier's must match"
+                )
+        self.num_tiers = len(self.models)
+
+    def start(self, key_data, tier):
+        """The embedded parameters a client of ``tier`` (traced) starts at."""
+        key = jax.random.wrap_key_data(key_data)
+        starts = [
+            nested.embed(tier_model.init(jax.random.fold_in(key, k))["params"])
+            for k, (tier_model, nested) in enumerate(zip(self.models, self.nestings))
+        ]
+        return jax.tree.map(lambda stacked: stacked[tier], stack_trees(starts))
+
+
+def _head_shape(model: Model, head: str) -> tuple[int, int]:
+    """``(features, outputs)`` of ``model``'s head layer."""
+    return tuple(lowrank.get_layer(model_template(model)[0], head)["kernel"].shape)
+
+
+def _tier_model(name: str, model: Model, classes: int) -> Model:
+    """The model ``name`` for the run's inputs and ``classes`` outputs, its convolutions run as the
+    run's model's (a ConfigError naming tier_models)."""
+    conv = getattr(model.module, "conv", "patches")
+    try:
+        return get_model(name, model.input_shape, classes, conv=conv if conv in CONV_IMPLS else "patches")
+    except ConfigError as err:
+        raise ConfigError(f"{ArchitectureTiers.FIELD}: {str(err).partition(': ')[2]}") from None
+
+
 # a hook that would read the wrapped client's model, which the wrapper holds padded
 UNWRAPPED_HOOKS = ("personalize",)
 
@@ -104,19 +183,30 @@ def with_model_tiers(
     ratios,
     head: str = "",
     *,
+    tier_models=(),
+    same_features: bool = False,
     params_of: Callable[[Any], Any] = lambda state: state.params,
     with_params: Callable[[Any, Any], Any] = lambda state, params: state._replace(params=params),
 ) -> FederatedAlgorithm:
-    """``algorithm`` with heterogeneous client models over ``len(ratios)`` tiers (``ratios``
-    empty: ``algorithm`` itself). The wrapped client state holds the client's model parameters
-    (``params_of`` / ``with_params`` read and replace them; default: a ``params`` field), and
-    the server never sees them; ``head`` is the classifier layer's key (empty: the last Dense)."""
-    if not ratios:
+    """``algorithm`` with heterogeneous client models over ``len(ratios)`` tiers of rank levels, or
+    ``len(tier_models)`` tiers of those models (both empty: ``algorithm`` itself). The wrapped
+    client state holds the client's model parameters (``params_of`` / ``with_params`` read and
+    replace them; default: a ``params`` field), and the server never sees them; ``head`` is the
+    classifier layer's key (empty: the last Dense). ``same_features``: the algorithm exchanges
+    features (prototypes), so every tier model must give the head as many as the run's model."""
+    if not ratios and not tier_models:
         return algorithm
+    if ratios and tier_models:
+        raise ConfigError("model_tiers, tier_models: set one (rank levels of the run's model, or models per tier)")
+    field = "model_tiers" if ratios else ArchitectureTiers.FIELD
     for hook in UNWRAPPED_HOOKS:
         if getattr(algorithm, hook) is not None:
-            raise ConfigError(f"model_tiers: {algorithm.name} has a {hook} hook, which model tiers do not support")
-    tiers = ModelTiers(model, ratios, head_layer(model, head, algorithm.name))
+            raise ConfigError(f"{field}: {algorithm.name} has a {hook} hook, which model tiers do not support")
+    head = head_layer(model, head, algorithm.name)
+    if tier_models:
+        tiers = ArchitectureTiers(model, tier_models, head, same_features)
+        return _with_architectures(algorithm, tiers, with_params)
+    tiers = ModelTiers(model, ratios, head)
 
     def init(rng):
         server_state, client = algorithm.init(rng)
@@ -139,18 +229,49 @@ def with_model_tiers(
         whole = lowrank.reconstruct_padded(lowrank.Padded(params_of(client.inner), client.kernel_on))
         return algorithm.eval_params(server_state, with_params(client.inner, whole))
 
-    # an accounting hook (message, client_state, info) sees the wrapped state, its model padded
-    # (FedKD's counts read only its round counter; personalize, which would train the model, is refused)
-    def on_inner(hook):
-        return None if hook is None else (lambda message, client, info: hook(message, client.inner, info))
-
     return algorithm._replace(
         init=init,
         init_client=init_client,
         client_update=client_update,
         eval_params=eval_params,
-        download_bytes=on_inner(algorithm.download_bytes),
-        sent_bytes=on_inner(algorithm.sent_bytes),
+        download_bytes=_on_inner(algorithm.download_bytes),
+        sent_bytes=_on_inner(algorithm.sent_bytes),
         num_tiers=tiers.num_tiers,
         pad_tier=lambda message, info: message,  # every tier receives the same message: one group
     )
+
+
+def _with_architectures(algorithm: FederatedAlgorithm, tiers: ArchitectureTiers, with_params):
+    """``algorithm`` whose tier-k clients own ``tiers.models[k]``, held in the run's model's shapes:
+    the wrapped algorithm trains and evaluates it unchanged (the padding stays zero)."""
+
+    def init(rng):
+        server_state, client = algorithm.init(rng)
+        return server_state, ArchitectureClient(client, jax.random.key_data(jax.random.fold_in(rng, 1)))
+
+    def init_client(client: ArchitectureClient, client_id, tier):
+        inner = client.inner
+        if algorithm.init_client is not None:
+            inner = algorithm.init_client(inner, client_id, tier)
+        return ArchitectureClient(with_params(inner, tiers.start(client.start_key, tier)), client.start_key)
+
+    def client_update(message, client: ArchitectureClient, data, rng, info):
+        inner, upload, metrics = algorithm.client_update(message, client.inner, data, rng, info)
+        return client._replace(inner=inner), upload, metrics
+
+    return algorithm._replace(
+        init=init,
+        init_client=init_client,
+        client_update=client_update,
+        eval_params=lambda server_state, client: algorithm.eval_params(server_state, client.inner),
+        download_bytes=_on_inner(algorithm.download_bytes),
+        sent_bytes=_on_inner(algorithm.sent_bytes),
+        num_tiers=tiers.num_tiers,
+        pad_tier=lambda message, info: message,
+    )
+
+
+def _on_inner(hook):
+    """An accounting hook (message, client_state, info) on the wrapped state: FedKD's counts read only
+    its round counter (personalize, which would train the model, is refused)."""
+    return None if hook is None else (lambda message, client, info: hook(message, client.inner, info))

@@ -95,6 +95,41 @@ class CNN4(nn.Module):
         return h if features else nn.Dense(self.num_classes, name="head")(h)
 
 
+class HtCNN(nn.Module):
+    """The heterogeneous CNNs of Yi et al. (FedGH, pFedES, pFedAFM; FedARA's CNN1-CNN5): two
+    convs (``channels``, 5x5 VALID, each ReLU + 2x2 max-pool), two ReLU Dense layers (``hidden``)
+    and the head. ``htcnn1``..``htcnn5`` differ only in conv2's filters and fc1's width, so each
+    nests in ``htcnn1`` and all five give the head 500 features."""
+
+    num_classes: int
+    channels: Sequence[int] = (16, 32)
+    hidden: Sequence[int] = (2000, 500)
+    kernel: int = 5
+    padding: str = "VALID"
+    conv: str = "patches"
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, features: bool = False):
+        h = x
+        for i, width in enumerate(self.channels):
+            layer = Conv(width, (self.kernel, self.kernel), padding=self.padding, impl=self.conv, name=f"conv{i + 1}")
+            h = max_pool_2x2(nn.relu(layer(h)))
+        h = h.reshape(h.shape[0], -1)
+        for i, width in enumerate(self.hidden):
+            h = nn.relu(nn.Dense(width, name=f"fc{i + 1}")(h))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+# Yi et al.'s CNN-1..CNN-5 as (conv channels, hidden widths)
+HTCNN = {
+    "htcnn1": ((16, 32), (2000, 500)),
+    "htcnn2": ((16, 16), (2000, 500)),
+    "htcnn3": ((16, 32), (1000, 500)),
+    "htcnn4": ((16, 32), (800, 500)),
+    "htcnn5": ((16, 32), (500, 500)),
+}
+
+
 class BasicBlock(nn.Module):
     width: int
     stride: int
@@ -174,6 +209,10 @@ MODELS: dict[str, Callable[[int, str, str], nn.Module]] = {
     "resnet10": _resnet((1, 1, 1, 1), (64, 128, 256, 512)),
     "resnet18": _resnet((2, 2, 2, 2), (64, 128, 256, 512)),
     "vgg8": lambda num_classes, norm, conv: VGG8(num_classes, norm=norm, conv=conv),
+    **{
+        name: functools.partial(lambda c, h, num_classes, norm, conv: HtCNN(num_classes, c, h, conv=conv), c, h)
+        for name, (c, h) in HTCNN.items()
+    },
 }
 
 

@@ -254,9 +254,9 @@ class Config(Options):
         return dataclasses.replace(self, **run_changes, options=options.with_values(option_values))
 
     def tier_option(self) -> tuple[str, int]:
-        """The option that sets the selected algorithm's client tiers (``tiers``, or ``model_tiers``
-        for heterogeneous client models) and how many it gives (0 when none)."""
-        for field in ("tiers", "model_tiers"):
+        """The option that sets the selected algorithm's client tiers (``tiers``, or ``model_tiers`` /
+        ``tier_models`` for heterogeneous client models) and how many it gives (0 when none)."""
+        for field in ("tiers", "model_tiers", "tier_models"):
             count = len(getattr(self.options, field, ()) or ())
             if count:
                 return field, count

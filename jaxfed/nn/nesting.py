@@ -1,0 +1,145 @@
+"""A smaller model inside a larger one of the same layers: the larger model holding the smaller
+one's parameters in its leading units, and zeros everywhere else, computes the smaller model.
+
+This is how clients of different architectures share one shape (and one vmapped group): each
+client holds the large model's parameters, its own model's embedded (:func:`nesting`). A padded
+unit's incoming weights and bias are zero, so its output is zero after a ReLU, and its outgoing
+weights are zero: it gets no gradient, and the client trains exactly its own model. A Dense
+layer fed by a convolution's flattened output reads that output channel-fastest (NHWC), so its
+rows are embedded per position. :meth:`Nesting.check` verifies both properties numerically for
+the model at hand (outputs equal to the small model's, no gradient on what the small model does
+not own), so a model that breaks them (an activation with ``f(0) != 0``, a layer that reads its
+input another way) is refused in one line instead of training something else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfed.errors import ConfigError
+from jaxfed.nn.layers import head_input, layers_in_call_order
+from jaxfed.nn.models import Model, model_template
+
+
+class Nesting(NamedTuple):
+    """Where a small model's parameters sit in a large one's: per parameter, the embedding's
+    ``(rows, channels)`` split of a flattened conv output (``None``: the leading entries of each axis)."""
+
+    small: Model
+    large: Model
+    flattened: dict[str, tuple[int, int, int] | None]  # leaf path -> (positions, small channels, large channels)
+
+    def embed(self, small_params):
+        """``small_params`` in the large model's shapes: the small model's entries leading, zeros elsewhere."""
+        large = model_template(self.large)[0]
+        return _map_with_path(
+            lambda path, p, like: _embed_leaf(p, like.shape, self.flattened[path]), small_params, large
+        )
+
+    def owned(self):
+        """The large model's parameters as float32 masks: 1 where the small model's parameters sit."""
+        small = model_template(self.small)[0]
+        return self.embed(jax.tree.map(lambda s: jnp.ones(s.shape, jnp.float32), small))
+
+    def check(self, head: str, field: str, name: str) -> None:
+        """A one-line ConfigError naming ``field`` unless the large model holding the small model's
+        (random) parameters gives the small model's outputs, and no gradient of a loss on its
+        outputs and features (the input of the layer ``head``) reaches what the small model does
+        not own."""
+        key_init, key_x, key_out, key_feat = jax.random.split(jax.random.key(0), 4)
+        variables = self.small.init(key_init)
+        embedded = self.embed(variables["params"])
+        large_state = {k: v for k, v in self.large.init(key_init).items() if k != "params"}
+        x = jax.random.normal(key_x, (2, *self.small.input_shape)).astype(self.small.input_dtype)
+        want, _ = self.small.apply(variables, x)
+        got, _ = self.large.apply({"params": embedded, **large_state}, x)
+        scale = float(jnp.max(jnp.abs(want))) + 1e-6
+        if not np.allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-4 * scale):
+            raise ConfigError(
+                f"{field}: {name} does not nest in the run's model {self.large.name}: with its parameters in "
+                "the leading units (zeros elsewhere) the run's model computes something else"
+            )
+
+        def loss(params):
+            (features, outputs), _ = head_input(self.large, head, {"params": params, **large_state}, x)
+            r_out = jax.random.normal(key_out, outputs.shape)
+            r_feat = jax.random.normal(key_feat, features.shape)
+            return jnp.sum(outputs * r_out) + jnp.sum(features * r_feat)
+
+        grads = jax.grad(loss)(embedded)
+        leaked = [
+            bool(jnp.any((g != 0) & (m == 0))) for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(self.owned()))
+        ]
+        if any(leaked):
+            raise ConfigError(
+                f"{field}: {name}'s units padded into the run's model {self.large.name} would train (an activation "
+                "with f(0) != 0?); tiers of different architectures need units that stay zero"
+            )
+
+
+def nesting(small: Model, large: Model, field: str, name: str) -> Nesting:
+    """How ``small`` (named ``name`` in errors) sits in ``large``: the same parameter names, every
+    parameter at most as large on each axis; else a one-line ConfigError naming ``field``."""
+    small_params, large_params = model_template(small)[0], model_template(large)[0]
+    small_paths, large_paths = _paths(small_params), _paths(large_params)
+    if set(small_paths) != set(large_paths):
+        differ = sorted(set(small_paths) ^ set(large_paths))[0]
+        raise ConfigError(
+            f"{field}: {name} and the run's model {large.name} have different layers ('{differ}' is in one only); "
+            "tiers of different architectures need the same layer names"
+        )
+    for path, leaf in small_paths.items():
+        big = large_paths[path].shape
+        if len(leaf.shape) != len(big) or any(s > b for s, b in zip(leaf.shape, big)):
+            raise ConfigError(
+                f"{field}: {name}'s {path} {tuple(leaf.shape)} does not fit the run's model {large.name}'s "
+                f"{tuple(big)}; the run's model must be the largest (set model= to it)"
+            )
+    flattened = {path: _flattened_rows(path, small_paths, large_paths, large) for path in small_paths}
+    return Nesting(small, large, flattened)
+
+
+def _flattened_rows(path, small_paths, large_paths, large) -> tuple[int, int, int] | None:
+    """``(positions, small channels, large channels)`` when ``path`` is the kernel of a Dense layer
+    that follows a conv (in call order) whose channels differ and both row counts are a whole
+    number of the same positions; ``None`` otherwise."""
+    layer, leaf = path.rpartition("/")[::2]
+    small, big = small_paths[path].shape, large_paths[path].shape
+    if leaf != "kernel" or len(small) != 2 or small[0] == big[0]:
+        return None
+    order = layers_in_call_order(large)
+    key = layer.replace("/", ".")
+    if key not in order or order.index(key) == 0:
+        return None
+    before = order[order.index(key) - 1].replace(".", "/") + "/kernel"
+    if before not in large_paths or len(large_paths[before].shape) != 4:
+        return None
+    c_small, c_large = small_paths[before].shape[-1], large_paths[before].shape[-1]
+    if small[0] % c_small or big[0] % c_large or small[0] // c_small != big[0] // c_large:
+        return None
+    return small[0] // c_small, c_small, c_large
+
+
+def _embed_leaf(param, shape, flattened):
+    if flattened is not None:  # rows (position, channel), channel fastest: pad the channels per position
+        positions, c_small, c_large = flattened
+        cols = param.shape[1]
+        param = jnp.pad(param.reshape(positions, c_small, cols), ((0, 0), (0, c_large - c_small), (0, 0)))
+        param = param.reshape(positions * c_large, cols)
+    return jnp.pad(param, [(0, b - s) for s, b in zip(param.shape, shape)])
+
+
+def _paths(tree) -> dict:
+    return {_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _key(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _map_with_path(fn, tree, like):
+    return jax.tree_util.tree_map_with_path(lambda path, a, b: fn(_key(path), a, b), tree, like)
