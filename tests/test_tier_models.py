@@ -270,3 +270,10 @@ def test_the_config_counts_tier_models_as_tiers():
         config.with_overrides(["num_clients=2"]).validate()
     with pytest.raises(ConfigError, match="^tier_models: every model must be a built-in"):
         Config(algorithm="fedproto").with_overrides(["tier_models=htcnn1,no such model"]).validate()
+
+
+def test_the_algorithm_builds_inside_a_trace(models):
+    """A sweep builds each member's algorithm inside a trace (its seed traced): the build's check
+    runs eagerly there, and the start key is the traced seed's."""
+    shapes = jax.eval_shape(lambda key: local(models[LARGE], tier_models=FAMILY).init(key)[1], jax.random.key(0))
+    assert shapes.start_key.dtype == jnp.uint32

@@ -48,8 +48,12 @@ class Nesting(NamedTuple):
     def check(self, head: str, field: str, name: str) -> None:
         """A one-line ConfigError naming ``field`` unless the large model holding the small model's
         (random) parameters gives the small model's outputs, and no gradient of a loss on its
-        outputs and features (the input of the layer ``head``) reaches what the small model does
-        not own."""
+        outputs and features (the input of the layer ``head``) in training mode reaches what the
+        small model does not own. (Computed eagerly: a sweep builds its members' algorithms inside a trace.)"""
+        with jax.ensure_compile_time_eval():
+            self._check(head, field, name)
+
+    def _check(self, head: str, field: str, name: str) -> None:
         key_init, key_x, key_out, key_feat = jax.random.split(jax.random.key(0), 4)
         variables = self.small.init(key_init)
         embedded = self.embed(variables["params"])
@@ -64,8 +68,9 @@ class Nesting(NamedTuple):
                 "the leading units (zeros elsewhere) the run's model computes something else"
             )
 
-        def loss(params):
-            (features, outputs), _ = head_input(self.large, head, {"params": params, **large_state}, x)
+        def loss(params):  # in training mode, as clients train (BatchNorm's batch statistics, dropout)
+            variables = {"params": params, **large_state}
+            (features, outputs), _ = head_input(self.large, head, variables, x, train=True, rng=key_out)
             r_out = jax.random.normal(key_out, outputs.shape)
             r_feat = jax.random.normal(key_feat, features.shape)
             return jnp.sum(outputs * r_out) + jnp.sum(features * r_feat)
