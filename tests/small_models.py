@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
+from jaxfed.nn.conv import max_pool_2x2
 from jaxfed.nn.models import HtCNN, Norm
 
 
@@ -65,3 +66,33 @@ class SigmoidNet(nn.Module):
 
 class NarrowSigmoidNet(SigmoidNet):
     width: int = 8
+
+
+class TinyNormCNN(nn.Module):
+    """Two 3x3 convs (``channels``), each followed by jaxfed's ``Norm`` (``norm``: batch or group)
+    and ReLU and 2x2 max-pool, then a ReLU Dense ``fc1`` and the head: tier models with norm layers."""
+
+    num_classes: int
+    channels: tuple = (4, 8)
+    norm: str = "batch"
+
+    @nn.compact
+    def __call__(self, x, train=False, mask=None, features=False):
+        h = x
+        for i, width in enumerate(self.channels):
+            h = nn.Conv(width, (3, 3), name=f"conv{i + 1}")(h)
+            h = max_pool_2x2(nn.relu(Norm(self.norm, name=f"norm{i + 1}")(h, train, mask)))
+        h = nn.relu(nn.Dense(12, name="fc1")(h.reshape(h.shape[0], -1)))
+        return h if features else nn.Dense(self.num_classes, name="head")(h)
+
+
+class TinyNormCNNNarrow(TinyNormCNN):
+    channels: tuple = (4, 4)
+
+
+class TinyGroupNormCNN(TinyNormCNN):
+    norm: str = "group"
+
+
+class TinyGroupNormCNNNarrow(TinyGroupNormCNN):
+    channels: tuple = (4, 4)

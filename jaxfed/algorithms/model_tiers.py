@@ -39,7 +39,7 @@ from jaxfed.algorithms.fedhm import tier_ranks
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank, stack_trees
 from jaxfed.errors import ConfigError
-from jaxfed.nn import CONV_IMPLS, MODELS, Model, get_model, model_template, user
+from jaxfed.nn import CONV_IMPLS, MODELS, NORMS, Model, get_model, model_template, user
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_layer
 from jaxfed.nn.nesting import nesting
@@ -141,10 +141,10 @@ class ArchitectureTiers:
         for name, tier, nested in zip(names, self.models, self.nestings):
             nested.check(head, self.FIELD, name)
             width = _head_shape(tier, head)[0]
-            if same_features and width != features:  # the clients exchange features
+            if same_features and width != features:
                 raise ConfigError(
                     f"{self.FIELD}: {name} gives its head {width} features, the run's model {model.name} {features}; "
-                    "this algorithm exchanges features, so every tier's must match"
+                    "this algorithm's losses span the run's features, so every tier's must match"
                 )
         self.num_tiers = len(self.models)
 
@@ -164,13 +164,16 @@ def _head_shape(model: Model, head: str) -> tuple[int, int]:
 
 
 def _tier_model(name: str, model: Model, classes: int) -> Model:
-    """The model ``name`` for the run's inputs and ``classes`` outputs, its convolutions run as the
-    run's model's (a ConfigError naming tier_models)."""
-    conv = getattr(model.module, "conv", "patches")
+    """The model ``name`` for the run's inputs and ``classes`` outputs, with the run's model's
+    normalization and convolutions where it is a built-in (a ConfigError naming tier_models)."""
+    norm, conv = getattr(model.module, "norm", "group"), getattr(model.module, "conv", "patches")
     try:
-        return get_model(name, model.input_shape, classes, conv=conv if conv in CONV_IMPLS else "patches")
-    except ConfigError as err:
-        raise ConfigError(f"{ArchitectureTiers.FIELD}: {str(err).partition(': ')[2]}") from None
+        return get_model(
+            name, model.input_shape, classes,
+            norm=norm if norm in NORMS else "group", conv=conv if conv in CONV_IMPLS else "patches",
+        )  # fmt: skip
+    except ConfigError as err:  # "model: ..." about the tier's model
+        raise ConfigError(f"{ArchitectureTiers.FIELD}: {str(err).removeprefix('model: ')}") from None
 
 
 # a hook that would read the wrapped client's model, which the wrapper holds padded
@@ -192,8 +195,9 @@ def with_model_tiers(
     ``len(tier_models)`` tiers of those models (both empty: ``algorithm`` itself). The wrapped
     client state holds the client's model parameters (``params_of`` / ``with_params`` read and
     replace them; default: a ``params`` field), and the server never sees them; ``head`` is the
-    classifier layer's key (empty: the last Dense). ``same_features``: the algorithm exchanges
-    features (prototypes), so every tier model must give the head as many as the run's model."""
+    classifier layer's key (empty: the last Dense). ``same_features``: the algorithm's losses span
+    the run's features (exchanged prototypes, FedKD's projection), so every tier model must give
+    the head as many as the run's model (a narrower one's padded features would enter them)."""
     if not ratios and not tier_models:
         return algorithm
     if ratios and tier_models:
@@ -214,9 +218,7 @@ def with_model_tiers(
         return server_state, TieredClient(with_params(client, padded.params), padded.kernel_on)
 
     def init_client(client: TieredClient, client_id, tier):
-        inner = client.inner
-        if algorithm.init_client is not None:
-            inner = algorithm.init_client(inner, client_id, tier)
+        inner = _inner_init(algorithm, client.inner, client_id, tier)
         own = tiers.start(params_of(inner), tier)
         return TieredClient(with_params(inner, own.params), own.kernel_on)
 
@@ -229,16 +231,7 @@ def with_model_tiers(
         whole = lowrank.reconstruct_padded(lowrank.Padded(params_of(client.inner), client.kernel_on))
         return algorithm.eval_params(server_state, with_params(client.inner, whole))
 
-    return algorithm._replace(
-        init=init,
-        init_client=init_client,
-        client_update=client_update,
-        eval_params=eval_params,
-        download_bytes=_on_inner(algorithm.download_bytes),
-        sent_bytes=_on_inner(algorithm.sent_bytes),
-        num_tiers=tiers.num_tiers,
-        pad_tier=lambda message, info: message,  # every tier receives the same message: one group
-    )
+    return _tiered(algorithm, tiers.num_tiers, init, init_client, client_update, eval_params)
 
 
 def _with_architectures(algorithm: FederatedAlgorithm, tiers: ArchitectureTiers, with_params):
@@ -250,28 +243,41 @@ def _with_architectures(algorithm: FederatedAlgorithm, tiers: ArchitectureTiers,
         return server_state, ArchitectureClient(client, jax.random.key_data(jax.random.fold_in(rng, 1)))
 
     def init_client(client: ArchitectureClient, client_id, tier):
-        inner = client.inner
-        if algorithm.init_client is not None:
-            inner = algorithm.init_client(inner, client_id, tier)
+        inner = _inner_init(algorithm, client.inner, client_id, tier)
         return ArchitectureClient(with_params(inner, tiers.start(client.start_key, tier)), client.start_key)
 
     def client_update(message, client: ArchitectureClient, data, rng, info):
         inner, upload, metrics = algorithm.client_update(message, client.inner, data, rng, info)
         return client._replace(inner=inner), upload, metrics
 
+    def eval_params(server_state, client: ArchitectureClient):
+        return algorithm.eval_params(server_state, client.inner)
+
+    return _tiered(algorithm, tiers.num_tiers, init, init_client, client_update, eval_params)
+
+
+def _inner_init(algorithm: FederatedAlgorithm, inner, client_id, tier):
+    """The wrapped algorithm's own start of a client (its ``init_client``, where it has one)."""
+    return inner if algorithm.init_client is None else algorithm.init_client(inner, client_id, tier)
+
+
+def _tiered(algorithm: FederatedAlgorithm, num_tiers: int, init, init_client, client_update, eval_params):
+    """``algorithm`` over ``num_tiers`` tiers of client models, its client state wrapped (the
+    wrapped algorithm's as ``.inner``) by the given hooks. Every tier receives the same message, so
+    the tiers run as one group; an accounting hook (message, client_state, info) sees the wrapped
+    state (FedKD's counts read only its round counter; personalize, which would train the model,
+    is refused)."""
+
+    def on_inner(hook):
+        return None if hook is None else (lambda message, client, info: hook(message, client.inner, info))
+
     return algorithm._replace(
         init=init,
         init_client=init_client,
         client_update=client_update,
-        eval_params=lambda server_state, client: algorithm.eval_params(server_state, client.inner),
-        download_bytes=_on_inner(algorithm.download_bytes),
-        sent_bytes=_on_inner(algorithm.sent_bytes),
-        num_tiers=tiers.num_tiers,
+        eval_params=eval_params,
+        download_bytes=on_inner(algorithm.download_bytes),
+        sent_bytes=on_inner(algorithm.sent_bytes),
+        num_tiers=num_tiers,
         pad_tier=lambda message, info: message,
     )
-
-
-def _on_inner(hook):
-    """An accounting hook (message, client_state, info) on the wrapped state: FedKD's counts read only
-    its round counter (personalize, which would train the model, is refused)."""
-    return None if hook is None else (lambda message, client, info: hook(message, client.inner, info))

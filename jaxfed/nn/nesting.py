@@ -65,7 +65,8 @@ class Nesting(NamedTuple):
         if not np.allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-4 * scale):
             raise ConfigError(
                 f"{field}: {name} does not nest in the run's model {self.large.name}: with its parameters in "
-                "the leading units (zeros elsewhere) the run's model computes something else"
+                "the leading units (zeros elsewhere) the run's model computes something else (a normalization "
+                "across units, such as GroupNorm or LayerNorm?)"
             )
 
         def loss(params):  # in training mode, as clients train (BatchNorm's batch statistics, dropout)

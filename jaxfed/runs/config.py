@@ -201,6 +201,11 @@ class Config(Options):
             options_class = _options_class(self.algorithm, missing_ok=True)
             if options_class is not None:
                 object.__setattr__(self, "options", options_class.for_dataset(self.dataset))
+        if getattr(self.options, "tier_models", ()):  # model files, as model's
+            from jaxfed.nn.user import recorded_spec
+
+            recorded = tuple(recorded_spec(spec) for spec in self.options.tier_models)
+            object.__setattr__(self, "options", dataclasses.replace(self.options, tier_models=recorded))
 
     # ----- keys ----------------------------------------------------------------------------------
 

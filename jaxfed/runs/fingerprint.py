@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.errors import ConfigError
+from jaxfed.nn import user
 from jaxfed.options import Options
 
 EXAMPLES = ("x_train", "y_train", "x_test", "y_test")
@@ -110,12 +111,15 @@ def _definitions(obj):
 
 def code_files(sim) -> dict[str, str]:
     """``{file path: 12 hex digits of its sha256}`` of each file of user code ``sim`` runs: the
-    files, outside jaxfed and the installed packages, that define its model's Module class and
-    its algorithm's functions (a ``model=path.py:Class`` file, a ``--plugin``; not the modules
-    those import), as they are on disk now. Empty for a built-in algorithm on a built-in model."""
+    files, outside jaxfed and the installed packages, that define its model's Module class (and
+    its ``tier_models``') and its algorithm's functions (a ``model=path.py:Class`` file, a
+    ``--plugin``; not the modules those import), as they are on disk now. Empty for a built-in
+    algorithm on a built-in model."""
     module = getattr(sim.model, "module", sim.model)
+    tier_models = getattr(getattr(sim.algorithm, "options", None), "tier_models", ())
+    tier_classes = [user.load_class(spec) for spec in tier_models if user.is_spec(spec)]
     roots, files = _installed_roots(), {}
-    for definition in [type(module), *_definitions(tuple(sim.algorithm))]:
+    for definition in [type(module), *tier_classes, *_definitions(tuple(sim.algorithm))]:
         try:
             source = inspect.getsourcefile(definition)
         except TypeError:  # a builtin: no file of its own
