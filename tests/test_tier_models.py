@@ -124,10 +124,10 @@ def test_the_htcnn_family_has_yi_et_als_layers():
             "fc2": (fc1, 500),
             "head": (500, 10),
         }, name
-    # on Fashion-MNIST's images htcnn2 (conv2 narrower: fc1's rows per position) computes itself in htcnn1
+    # on Fashion-MNIST's images htcnn2's fc1 rows sit per position of the 4x4 map (16 of 32 channels
+    # each; that the rule computes the smaller model: the TinyHtCNNNarrowConv case below)
     nested = nesting.nesting(get_model("htcnn2", (28, 28, 1), 10), get_model("htcnn1", (28, 28, 1), 10), "m", "htcnn2")
     assert nested.flattened["fc1/kernel"] == (16, 16, 32)
-    nested.check("head", "m", "htcnn2")
 
 
 @pytest.mark.parametrize("name", FAMILY[1:] + (spec("TinyHtCNNFewerFeatures"),))
@@ -197,21 +197,20 @@ OPTIMIZERS = [{}, {"client_optimizer": "adam", "lr": 0.01, "weight_decay": 1e-3,
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=["sgd", "adam"])
 def test_the_padding_stays_exactly_zero_under_every_client_optimizer(models, digits_federation, optimizer):
-    """FedKD's mentors (trained beside the mentee, its projection and both distillation terms) and
-    Local's models: what the tier's model does not own never moves, what it owns does."""
+    """FedKD's mentors (trained beside the mentee, its projection and both distillation terms; the
+    other algorithms' clients: the tests above): what the tier's model does not own never moves,
+    what it owns does."""
     large = models[LARGE]
-    for build in (fedkd, local):
-        alg = build(large, tier_models=FAMILY, **{**OPTIONS, **optimizer})
-        server, template = alg.init(jax.random.key(0))
-        message = alg.broadcast(server, round_info())
-        data = one_client(digits_federation, 0)
-        for tier in (1, 2):
-            client = alg.init_client(template, jnp.int32(0), jnp.int32(tier))
-            new, _, _ = alg.client_update(message, client, data, jax.random.key(1), round_info())
-            before, after = (alg.eval_params(server, c)["params"] for c in (client, new))
-            small = models[FAMILY[tier]]
-            assert np.all(not_owned(after, small) == 0), build.__name__
-            assert not np.allclose(after["fc1"]["kernel"], before["fc1"]["kernel"])
+    alg = fedkd(large, tier_models=FAMILY, **{**OPTIONS, **optimizer})
+    server, template = alg.init(jax.random.key(0))
+    message = alg.broadcast(server, round_info())
+    data = one_client(digits_federation, 0)
+    for tier in (1, 2):
+        client = alg.init_client(template, jnp.int32(0), jnp.int32(tier))
+        new, _, _ = alg.client_update(message, client, data, jax.random.key(1), round_info())
+        before, after = (alg.eval_params(server, c)["params"] for c in (client, new))
+        assert np.all(not_owned(after, models[FAMILY[tier]]) == 0)
+        assert not np.allclose(after["fc1"]["kernel"], before["fc1"]["kernel"])
 
 
 def test_the_engine_gives_each_client_its_tier_and_evaluates_its_own_model(models, digits):

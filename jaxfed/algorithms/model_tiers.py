@@ -138,14 +138,15 @@ class ArchitectureTiers:
         features, classes = _head_shape(model, head)
         self.models = [_tier_model(name, model, classes) for name in names]
         self.nestings = [nesting(tier, model, self.FIELD, name) for tier, name in zip(self.models, names)]
-        for name, tier, nested in zip(names, self.models, self.nestings):
-            nested.check(head, self.FIELD, name)
+        for name, tier in zip(names, self.models):
             width = _head_shape(tier, head)[0]
             if same_features and width != features:
                 raise ConfigError(
                     f"{self.FIELD}: {name} gives its head {width} features, the run's model {model.name} {features}; "
                     "this algorithm's losses span the run's features, so every tier's must match"
                 )
+        for name, nested in zip(names, self.nestings):
+            nested.check(head, self.FIELD, name)
         self.num_tiers = len(self.models)
 
     def start(self, key_data, tier):
