@@ -127,7 +127,7 @@ def test_the_htcnn_family_has_yi_et_als_layers():
     # on Fashion-MNIST's images htcnn2's fc1 rows sit per position of the 4x4 map (16 of 32 channels
     # each; that the rule computes the smaller model: the TinyHtCNNNarrowConv case below)
     nested = nesting.nesting(get_model("htcnn2", (28, 28, 1), 10), get_model("htcnn1", (28, 28, 1), 10), "m", "htcnn2")
-    assert nested.flattened["fc1/kernel"] == (16, 16, 32)
+    assert nested.flattened["fc1.kernel"] == (16, 16, 32)
 
 
 @pytest.mark.parametrize("name", FAMILY[1:] + (spec("TinyHtCNNFewerFeatures"),))
@@ -253,7 +253,7 @@ def test_mistakes_are_one_line(models, digits):
     )
     one_line_error(
         lambda: local(models[FAMILY[1]], tier_models=FAMILY),
-        r"^tier_models: .*TinyHtCNN's conv2/bias \(8,\) does not fit",
+        r"^tier_models: .*TinyHtCNN's conv2.bias \(8,\) does not fit",
     )
     one_line_error(
         lambda: local(large, tier_models=("mlp",)), "^tier_models: mlp and the run's model .* have different layers"

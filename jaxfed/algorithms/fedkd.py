@@ -258,9 +258,7 @@ def fedkd(model, options: FedKDOptions | None = None, **overrides) -> FederatedA
         download_bytes=download_bytes,
     )
     # the projection W_h and L_h span the run's features: a mentor with fewer would be fit on padding
-    return with_model_tiers(
-        algorithm, model, options.model_tiers, head, tier_models=options.tier_models, same_features=True
-    )
+    return with_model_tiers(algorithm, model, options, head, same_features=True)
 
 
 builtin("fedkd", FedKDOptions, lambda model, options, config: fedkd(model, options))

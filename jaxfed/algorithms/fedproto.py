@@ -135,9 +135,7 @@ def fedproto(model, options: FedProtoOptions | None = None, **overrides) -> Fede
         eval_params=lambda server_state, client_state: {"params": client_state.params, **client_state.model_state},
         global_params=None,  # the models are private: there is no global model
     )
-    return with_model_tiers(
-        algorithm, model, options.model_tiers, head, tier_models=options.tier_models, same_features=True
-    )
+    return with_model_tiers(algorithm, model, options, head, same_features=True)
 
 
 builtin("fedproto", FedProtoOptions, lambda model, options, config: fedproto(model, options))

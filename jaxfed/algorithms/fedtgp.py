@@ -287,9 +287,7 @@ def fedtgp(model, options: FedTGPOptions | None = None, **overrides) -> Federate
         eval_model=NearestPrototype(model, head),
         init_client=with_id,
     )
-    return with_model_tiers(
-        algorithm, model, options.model_tiers, head, tier_models=options.tier_models, same_features=True
-    )
+    return with_model_tiers(algorithm, model, options, head, same_features=True)
 
 
 builtin("fedtgp", FedTGPOptions, lambda model, options, config: fedtgp(model, options))

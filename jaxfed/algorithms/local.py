@@ -60,7 +60,7 @@ def local(model, options: LocalOptions | None = None, **overrides) -> FederatedA
         global_params=None,  # every client's model is its own
     )
     return with_model_tiers(
-        algorithm, model, options.model_tiers, tier_models=options.tier_models,
+        algorithm, model, options,
         params_of=lambda state: state.variables["params"],
         with_params=lambda state, params: ClientState({**state.variables, "params": params}),
     )  # fmt: skip

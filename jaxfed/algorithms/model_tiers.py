@@ -184,21 +184,22 @@ UNWRAPPED_HOOKS = ("personalize",)
 def with_model_tiers(
     algorithm: FederatedAlgorithm,
     model,
-    ratios,
+    options,
     head: str = "",
     *,
-    tier_models=(),
     same_features: bool = False,
     params_of: Callable[[Any], Any] = lambda state: state.params,
     with_params: Callable[[Any, Any], Any] = lambda state, params: state._replace(params=params),
 ) -> FederatedAlgorithm:
-    """``algorithm`` with heterogeneous client models over ``len(ratios)`` tiers of rank levels, or
-    ``len(tier_models)`` tiers of those models (both empty: ``algorithm`` itself). The wrapped
+    """``algorithm`` with heterogeneous client models over the tiers its ``options`` give: rank
+    levels of the run's model (``model_tiers``) or models (``tier_models``; both empty:
+    ``algorithm`` itself). The wrapped
     client state holds the client's model parameters (``params_of`` / ``with_params`` read and
     replace them; default: a ``params`` field), and the server never sees them; ``head`` is the
     classifier layer's key (empty: the last Dense). ``same_features``: the algorithm's losses span
     the run's features (exchanged prototypes, FedKD's projection), so every tier model must give
     the head as many as the run's model (a narrower one's padded features would enter them)."""
+    ratios, tier_models = options.model_tiers, options.tier_models
     if not ratios and not tier_models:
         return algorithm
     if ratios and tier_models:

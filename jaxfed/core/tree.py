@@ -14,6 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def path_name(path) -> str:
+    """``server.params.fc1.kernel``: a tree path (of ``jax.tree_util.tree_flatten_with_path``:
+    dict keys, attribute and field names, sequence positions) joined with dots."""
+    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return ".".join(str(part) for part in parts)
+
+
+def leaves_by_path(tree) -> dict:
+    """``{path_name: leaf}`` of every leaf of ``tree``."""
+    return {path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def stack_clients(tree, num_clients: int):
     """Repeat one client's pytree ``num_clients`` times along a new leading axis."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfed.core.tree import leaves_by_path, path_name
 from jaxfed.errors import ConfigError
 from jaxfed.nn.layers import head_input, layers_in_call_order
 from jaxfed.nn.models import Model, model_template
@@ -31,13 +32,13 @@ class Nesting(NamedTuple):
 
     small: Model
     large: Model
-    flattened: dict[str, tuple[int, int, int] | None]  # leaf path -> (positions, small channels, large channels)
+    flattened: dict[str, tuple[int, int, int] | None]  # "fc1.kernel" -> (positions, small channels, large channels)
 
     def embed(self, small_params):
         """``small_params`` in the large model's shapes: the small model's entries leading, zeros elsewhere."""
         large = model_template(self.large)[0]
-        return _map_with_path(
-            lambda path, p, like: _embed_leaf(p, like.shape, self.flattened[path]), small_params, large
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p, like: _embed_leaf(p, like.shape, self.flattened[path_name(path)]), small_params, large
         )
 
     def owned(self):
@@ -90,8 +91,7 @@ class Nesting(NamedTuple):
 def nesting(small: Model, large: Model, field: str, name: str) -> Nesting:
     """How ``small`` (named ``name`` in errors) sits in ``large``: the same parameter names, every
     parameter at most as large on each axis; else a one-line ConfigError naming ``field``."""
-    small_params, large_params = model_template(small)[0], model_template(large)[0]
-    small_paths, large_paths = _paths(small_params), _paths(large_params)
+    small_paths, large_paths = leaves_by_path(model_template(small)[0]), leaves_by_path(model_template(large)[0])
     if set(small_paths) != set(large_paths):
         differ = sorted(set(small_paths) ^ set(large_paths))[0]
         raise ConfigError(
@@ -113,15 +113,14 @@ def _flattened_rows(path, small_paths, large_paths, large) -> tuple[int, int, in
     """``(positions, small channels, large channels)`` when ``path`` is the kernel of a Dense layer
     that follows a conv (in call order) whose channels differ and both row counts are a whole
     number of the same positions; ``None`` otherwise."""
-    layer, leaf = path.rpartition("/")[::2]
+    layer, leaf = path.rpartition(".")[::2]
     small, big = small_paths[path].shape, large_paths[path].shape
     if leaf != "kernel" or len(small) != 2 or small[0] == big[0]:
         return None
     order = layers_in_call_order(large)
-    key = layer.replace("/", ".")
-    if key not in order or order.index(key) == 0:
+    if layer not in order or order.index(layer) == 0:
         return None
-    before = order[order.index(key) - 1].replace(".", "/") + "/kernel"
+    before = order[order.index(layer) - 1] + ".kernel"
     if before not in large_paths or len(large_paths[before].shape) != 4:
         return None
     c_small, c_large = small_paths[before].shape[-1], large_paths[before].shape[-1]
@@ -137,15 +136,3 @@ def _embed_leaf(param, shape, flattened):
         param = jnp.pad(param.reshape(positions, c_small, cols), ((0, 0), (0, c_large - c_small), (0, 0)))
         param = param.reshape(positions * c_large, cols)
     return jnp.pad(param, [(0, b - s) for s, b in zip(param.shape, shape)])
-
-
-def _paths(tree) -> dict:
-    return {_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _key(path) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in path)
-
-
-def _map_with_path(fn, tree, like):
-    return jax.tree_util.tree_map_with_path(lambda path, a, b: fn(_key(path), a, b), tree, like)

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxfed.core.tree import leaves_by_path
 from jaxfed.errors import ConfigError, first_line
 
 STATE, RECORD = "state", "run"
@@ -64,14 +65,7 @@ def state_signature(tree) -> dict[str, str]:
             shape, dtype = data.shape, data.dtype
         return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
 
-    return {_path_name(path): signature(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _path_name(path) -> str:
-    """``server.params.fc1.kernel``: a tree path (dict keys, attribute and field names, sequence
-    positions)."""
-    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    return ".".join(str(part) for part in parts)
+    return {name: signature(leaf) for name, leaf in leaves_by_path(tree).items()}
 
 
 def signature_difference(saved: dict[str, str], expected: dict[str, str]) -> str | None:
