@@ -67,8 +67,9 @@ def test_the_summed_contributions_equal_reducing_every_upload_at_once(name, mlp,
 
 
 # Their servers compare every pair of the round's uploads (FedAMP's attention, FedCAC's overlaps),
-# or train on every upload (FedTGP's global prototypes: one training example per client and class).
-NEEDS_EVERY_UPLOAD = {"fedamp", "fedcac", "fedtgp"}
+# or train on every upload (FedTGP's global prototypes, FedGH's head: one training example per client
+# and class).
+NEEDS_EVERY_UPLOAD = {"fedamp", "fedcac", "fedtgp", "fedgh"}
 
 
 def test_every_builtin_gives_an_aggregation_but_those_that_compare_uploads(mlp, digits):

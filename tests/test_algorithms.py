@@ -116,6 +116,9 @@ LEFT_OUT |= {"fedas"}
 # A pFedGate client keeps the model it uploads (its last trained model, evaluated gated); its gating
 # layer is private (tests/test_privacy.py), its server step FedAvg's (tests/test_pfedgate.py).
 LEFT_OUT |= {"pfedgate"}
+# An LG-FedAvg client keeps the head it uploads (in its whole model, replaced by the global head
+# next round); tests/test_global_head.py checks its round.
+LEFT_OUT |= {"lg_fedavg"}
 
 
 @pytest.mark.parametrize("name", sorted(set(registry.names()) - LEFT_OUT))

@@ -22,12 +22,12 @@ from jaxfed.algorithms.fedtgp import (
     adaptive_margin,
     class_gaps,
     fedtgp,
-    held_order,
     init_tgp,
     margin_loss,
     tgp_prototypes,
     train_tgp,
 )
+from jaxfed.algorithms.prototype_sgd import held_order
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config

@@ -69,6 +69,9 @@ PRIVATE = {
     "pfedgate": ("gate", "gate_state", "model_state"),  # the gating layer, its statistics, the model's
     "fedtgp": ("params", "model_state"),  # its own model (its prototypes are disclosed, below)
     "fedkd": ("params", "model_state", "mentee_state", "projection"),  # the mentor, W_h, both models' statistics
+    "fedgh": ("params", "model_state"),  # its own model (its prototypes are disclosed, below)
+    # An LG-FedAvg client's extractor and statistics; its head it uploads (replaced next round).
+    "lg_fedavg": ("params", "model_state"),
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -82,6 +85,8 @@ FROZEN |= {"fedas"}
 FROZEN |= {"pfedgate"}
 # A FedKD client's mentor and W_h distil into the mentee it trains (frozen: lr 0 stops all three).
 FROZEN |= {"fedkd"}
+# An LG-FedAvg client's extractor shapes the gradient of the head it uploads (frozen: lr 0 stops both).
+FROZEN |= {"lg_fedavg"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.
@@ -92,6 +97,7 @@ DISCLOSED = {
     "ensemble": ("mixture_weights",),
     "fedproto": ("means",),
     "fedtgp": ("means",),  # FedProto's prototypes
+    "fedgh": ("means",),  # FedProto's prototypes
     "fedas": ("fisher",),
 }
 SETTINGS = {

@@ -18,6 +18,7 @@ from conftest import client_accuracy, make_federation, one_client, round_info
 from jaxfed.algorithms.fedkd import fedkd
 from jaxfed.algorithms.fedproto import Prototypes, fedproto
 from jaxfed.algorithms.fedtgp import fedtgp
+from jaxfed.algorithms.global_head import fedgh, lg_fedavg
 from jaxfed.algorithms.local import local
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model, model_template, nesting
@@ -148,11 +149,19 @@ def prototypes(width=12, seed=1):
     return Prototypes(jax.random.normal(jax.random.key(seed), (10, width)), jnp.ones((10,), bool))
 
 
-@pytest.mark.parametrize("build, tier", [(fedproto, 0), (fedproto, 1), (fedproto, 2), (fedtgp, 1)])
+def global_head(width=12, seed=2):
+    kernel, bias = jax.random.split(jax.random.key(seed))
+    return {"kernel": jax.random.normal(kernel, (width, 10)), "bias": jax.random.normal(bias, (10,))}
+
+
+TIERED = [(fedproto, 0), (fedproto, 1), (fedproto, 2), (fedtgp, 1), (fedgh, 1), (lg_fedavg, 2)]
+
+
+@pytest.mark.parametrize("build, tier", TIERED, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_clients_update_is_its_tier_model_trained_on_its_own(models, digits_federation, build, tier):
-    """FedProto's (and FedTGP's) client of each tier against the plain algorithm built on the
-    tier's model, from the same start: the same trained model (read back out of the run's model),
-    the same prototypes, and the padding still exactly zero."""
+    """FedProto's (FedTGP's, FedGH's, LG-FedAvg's) client of each tier against the plain algorithm
+    built on the tier's model, from the same start: the same trained model (read back out of the
+    run's model), the same upload, and the padding still exactly zero."""
     large, small = models[LARGE], models[FAMILY[tier]]
     alg, plain = build(large, tier_models=FAMILY, **OPTIONS), build(small, **OPTIONS)
     _, template = alg.init(jax.random.key(0))
@@ -163,8 +172,9 @@ def test_a_clients_update_is_its_tier_model_trained_on_its_own(models, digits_fe
     own = own._replace(params=reference_unembed(client.inner.params, small))
     assert np.all(not_owned(client.inner.params, small) == 0)
     data, rng = one_client(digits_federation, 3), jax.random.key(5)
-    new, upload, _ = jax.jit(alg.client_update)(prototypes(), client, data, rng, round_info(tier=None))
-    want, want_upload, _ = jax.jit(plain.client_update)(prototypes(), own, data, rng, round_info())
+    message = global_head() if build in (fedgh, lg_fedavg) else prototypes()
+    new, upload, _ = jax.jit(alg.client_update)(message, client, data, rng, round_info(tier=None))
+    want, want_upload, _ = jax.jit(plain.client_update)(message, own, data, rng, round_info())
     trained = reference_unembed(new.inner.params, small)
     chex.assert_trees_all_close(trained, want.params, rtol=1e-4, atol=1e-6)
     chex.assert_trees_all_close(upload, want_upload, rtol=1e-4, atol=1e-6)

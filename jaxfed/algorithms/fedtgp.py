@@ -47,12 +47,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxfed.algorithms import fedproto
 from jaxfed.algorithms.client_rows import with_id
 from jaxfed.algorithms.fedproto import FedProtoOptions, Prototypes
 from jaxfed.algorithms.model_tiers import with_model_tiers
+from jaxfed.algorithms.prototype_sgd import train_on_prototypes
 from jaxfed.algorithms.registry import builtin
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
@@ -173,42 +173,15 @@ def margin_loss(tgp, prototypes, labels, mask, margin):
     return masked_loss(-distance, labels, mask)
 
 
-def held_order(valid, pair, bits):
-    """The order a server epoch visits the prototypes in: the held ones (``valid``) by their
-    random ``bits``, a tie broken by ``pair`` (``id * classes + class``), then the others."""
-    return jnp.lexsort((pair, bits, ~valid))
-
-
 def train_tgp(tgp, means, held, ids, margin, key, *, epochs: int, batch_size: int, lr):
-    """The TGP after ``epochs`` epochs of SGD at ``lr`` over the held prototypes (``means``
-    ``[clients, classes, features]`` where ``held``; ``ids`` ``[clients]`` the senders): each epoch
-    a new shuffle of them, in batches of ``batch_size``, the last partial (torch's ``DataLoader``,
-    ``drop_last=False``). The shuffle (:func:`held_order`) sorts the held prototypes by random bits
-    from ``fold_in(epoch_key, id * classes + class)``: a function of who sent what, not of the order
-    the uploads come in or of the padding rows among them."""
-    num_clients, num_classes, feature_dim = means.shape
-    examples = means.reshape(-1, feature_dim)
-    labels = jnp.tile(jnp.arange(num_classes), num_clients)
-    valid = held.reshape(-1)
-    pair = (ids[:, None] * num_classes + jnp.arange(num_classes)).reshape(-1)
-    num_held = jnp.sum(valid)
-    steps = (num_held + batch_size - 1) // batch_size  # the batches that hold a prototype
-    grad = jax.grad(margin_loss)
-    sgd = optax.sgd(lr)
+    """The TGP after ``epochs`` epochs of SGD at ``lr`` on :func:`margin_loss` over the held
+    prototypes (``means`` ``[clients, classes, features]`` where ``held``; ``ids`` ``[clients]`` the
+    senders), shuffled each epoch and batched as :func:`~jaxfed.algorithms.prototype_sgd.train_on_prototypes` does."""
 
-    def epoch(tgp, epoch_key):
-        bits = jax.vmap(lambda n: jax.random.bits(jax.random.fold_in(epoch_key, n)))(pair)
-        order = jnp.concatenate([held_order(valid, pair, bits), jnp.zeros((batch_size,), jnp.int32)])
+    def loss(tgp, prototypes, labels, mask):
+        return margin_loss(tgp, prototypes, labels, mask, margin)
 
-        def step(b, tgp):
-            rows = jax.lax.dynamic_slice(order, (b * batch_size,), (batch_size,))
-            real = (b * batch_size + jnp.arange(batch_size)) < num_held  # the last batch: partial
-            updates, _ = sgd.update(grad(tgp, examples[rows], labels[rows], real, margin), sgd.init(tgp))
-            return optax.apply_updates(tgp, updates)
-
-        return jax.lax.fori_loop(0, steps, step, tgp), None
-
-    return jax.lax.scan(epoch, tgp, jax.random.split(key, epochs))[0]
+    return train_on_prototypes(tgp, loss, means, held, ids, key, epochs=epochs, batch_size=batch_size, lr=lr)
 
 
 class NearestPrototype(NamedTuple):

@@ -83,6 +83,8 @@ BUILTINS = {
     "pfedgate": "pfedgate",
     "fedtgp": "fedtgp",
     "fedkd": "fedkd",
+    "lg_fedavg": "global_head",
+    "fedgh": "global_head",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -126,6 +128,8 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("pfedgate", "a private gating layer scales/prunes the model's blocks (Chen et al., ICML 2023)"),
         ("fedtgp", "trainable global prototypes, adaptive-margin loss (Zhang et al., AAAI 2024)"),
         ("fedkd", "private mentors distil a shared mentee, sent SVD-compressed (Wu et al. 2022)"),
+        ("lg_fedavg", "private extractors, the classifier head averaged (Liang et al. 2020)"),
+        ("fedgh", "private extractors, a global head trained on their prototypes (Yi et al., MM 2023)"),
     ],
 }
 
