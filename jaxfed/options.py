@@ -107,6 +107,11 @@ def unit_interval(value):
     return None if 0 <= value < 1 else "must be in [0, 1)"
 
 
+def weight_share(value):
+    """A check: a weight of one term against its complement (``w A + (1 - w) B``), in [0, 1]."""
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
 def one_of(*allowed: str) -> Check:
     def check(value):
         if value in allowed:

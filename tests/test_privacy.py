@@ -72,6 +72,7 @@ PRIVATE = {
     "fedgh": ("params", "model_state"),  # its own model (its prototypes are disclosed, below)
     # An LG-FedAvg client's extractor and statistics; its head it uploads (replaced next round).
     "lg_fedavg": ("params", "model_state"),
+    "fml": ("params", "model_state", "meme_state"),  # the local model, both models' statistics
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -87,6 +88,8 @@ FROZEN |= {"pfedgate"}
 FROZEN |= {"fedkd"}
 # An LG-FedAvg client's extractor shapes the gradient of the head it uploads (frozen: lr 0 stops both).
 FROZEN |= {"lg_fedavg"}
+# An FML client's local model distils into the meme it uploads (frozen: lr 0 stops both).
+FROZEN |= {"fml"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

@@ -85,6 +85,7 @@ BUILTINS = {
     "fedkd": "fedkd",
     "lg_fedavg": "global_head",
     "fedgh": "global_head",
+    "fml": "fml",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -130,6 +131,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedkd", "private mentors distil a shared mentee, sent SVD-compressed (Wu et al. 2022)"),
         ("lg_fedavg", "private extractors, the classifier head averaged (Liang et al. 2020)"),
         ("fedgh", "private extractors, a global head trained on their prototypes (Yi et al., MM 2023)"),
+        ("fml", "a private model and a shared meme model learn from each other (Shen et al. 2020)"),
     ],
 }
 
