@@ -1,6 +1,6 @@
 """FML against its loss written out (log-softmax by its log-sum-exp, the KL as its sum), a client's
-round as that loss's gradient steps on both models, the server as the sample-weighted mean of the
-memes, and an engine round as its clients one by one, then the server."""
+round as that loss's gradient steps on both models, the server as the plain mean of the memes
+(HtFLlib's), and an engine round as its clients one by one, then the server."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_the_distillation_couples_the_models(mlp, digits_federation):
     assert not np.allclose(locals_[1][0]["head"]["kernel"], locals_[1][1]["head"]["kernel"], atol=1e-4)
 
 
-def test_an_engine_round_is_the_clients_one_by_one_then_the_memes_weighted_mean(mlp, digits):
+def test_an_engine_round_is_the_clients_one_by_one_then_the_memes_plain_mean(mlp, digits):
     fed = make_federation(digits, num_clients=5, alpha=0.5)
     alg = fml(mlp, lr=0.05, batch_size=16)
     sim = Simulation(alg, mlp, fed, participation=0.6)
@@ -88,15 +88,14 @@ def test_an_engine_round_is_the_clients_one_by_one_then_the_memes_weighted_mean(
             view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
             key = sampling.client_keys(sampling.round_key(sim.root, round_), jnp.array([i]))[0]
             memes.append(jax.jit(alg.client_update)(state.server, client, view, key, round_info(round_))[1])
-        weights = np.asarray(fed.train_count[ids], np.float64)
-        want = jax.tree.map(
-            lambda *m: sum(w * np.asarray(x, np.float64) for w, x in zip(weights, m)) / weights.sum(), *memes
-        )
+        want = jax.tree.map(lambda *m: np.mean([np.asarray(x, np.float64) for x in m], axis=0), *memes)
         state, _ = jax.jit(sim.round)(state, fed)
         chex.assert_trees_all_close(state.server.params, want, rtol=1e-4, atol=1e-5)
         stacked = jax.tree.map(lambda *m: jnp.stack(m), *memes)
-        chex.assert_trees_all_close(server_step(alg, Meme(memes[0]), stacked, jnp.asarray(weights)).params, want,
-                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+        weights = jnp.asarray(fed.train_count[ids], jnp.float32)  # the clients' sizes count nothing
+        padded = jax.tree.map(lambda x: jnp.concatenate([x, 100 + x[:1]]), stacked)  # a padding row, weight 0
+        got = server_step(alg, Meme(memes[0]), padded, jnp.append(weights, 0.0)).params
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
     variables = alg.global_params(state.server)
     chex.assert_trees_all_equal(variables["params"], state.server.params)  # the global model is the meme
 

@@ -18,13 +18,12 @@ from jaxfed.algorithms.global_head import (
     FedGHOptions,
     GlobalHead,
     GlobalHeadOptions,
-    Prototypes,
     fedgh,
     head_loss,
     lg_fedavg,
 )
 from jaxfed.algorithms.local import local
-from jaxfed.algorithms.prototype_sgd import train_on_prototypes
+from jaxfed.algorithms.prototype_sgd import Upload, train_on_prototypes
 from jaxfed.core import lowrank
 from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
@@ -57,7 +56,7 @@ def test_a_client_trains_its_own_extractor_under_the_received_head(name, mlp, di
     want, _, _ = jax.jit(reference.client_update)((), reference.init(jax.random.key(0))[1]._replace(
         variables={"params": under}), data, rng, round_info(3))  # fmt: skip
     chex.assert_trees_all_equal(new.params, want.variables["params"])
-    assert not np.allclose(new.params["head"]["kernel"], client.params["head"]["kernel"], atol=1e-2)
+    assert not np.allclose(new.params["head"]["kernel"], received["kernel"], atol=1e-3)  # trained from it
     if name == "lg_fedavg":
         chex.assert_trees_all_equal(upload, new.params["head"])
         return
@@ -119,14 +118,14 @@ def test_fedghs_server_step_trains_at_its_own_lr_and_epochs_with_the_rounds_key(
     means = jnp.asarray(rng.normal(size=(3, 10, 200)), jnp.float32)
     counts = jnp.asarray(rng.integers(0, 3, size=(3, 10)), jnp.float32)
     ids, weights = jnp.asarray([6, 1, 3]), jnp.asarray([4.0, 0.0, 2.0])
-    new = server_step(alg, server, Prototypes(means, counts, ids), weights, round_=5)
+    new = server_step(alg, server, Upload(means, counts, ids), weights, round_=5)
     held = (np.asarray(counts) > 0) & (np.asarray(weights) > 0)[:, None]
     key = jax.random.fold_in(jax.random.wrap_key_data(server.key_data), 5)
     want = train_on_prototypes(
         server.head, head_loss, means, jnp.asarray(held), ids, key, epochs=2, batch_size=8, lr=0.2
     )
     chex.assert_trees_all_close(new.head, want, rtol=1e-5, atol=1e-7)
-    again = server_step(alg, server, Prototypes(means, counts, ids), weights, round_=6)
+    again = server_step(alg, server, Upload(means, counts, ids), weights, round_=6)
     assert not np.allclose(again.head["kernel"], new.head["kernel"])  # another round, another shuffle
 
 

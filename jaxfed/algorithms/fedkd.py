@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.model_tiers import model_tiers_option, rank_levels, tier_models_option, with_model_tiers
+from jaxfed.algorithms.model_tiers import HTFLLIB, model_tiers_option, rank_levels, tier_models_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -49,7 +49,6 @@ from jaxfed.nn.layers import head_input, head_layer
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, rank_ratio, ratio, resolve
 
 PAPER = "Wu et al. (Nat. Commun. 2022), FedKD"
-HTFL = "HtFLlib (TsingZ0/HtFLlib, FedARA's heterogeneous baselines) system/main.py"
 SENT_WHOLE = -1  # the rank recorded for a parameter that travels uncompressed (a vector)
 NOT_HELD = -1  # a client's `held` before it first received the mentee
 MIN_TASK_LOSS = 1e-12  # the floor of the distillation's divisor CE_t + CE_s
@@ -65,7 +64,7 @@ class FedKDOptions(TrainingOptions):
         1.0,
         "the shared mentee: the model with every feature-extractor layer but the first at this rank ratio; "
         "1 = the whole model",
-        source=HTFL + " (the mentee is the model family's first model; FedARA's first tier is 1.0)",
+        source=HTFLLIB + " (the mentee is the model family's first model; FedARA's first tier is 1.0)",
         check=rank_ratio,
     )
     energy_start: float = option(
@@ -89,10 +88,10 @@ class FedKDOptions(TrainingOptions):
     head: str = option("", "the classifier head (a Dense layer's key) whose input is the feature; empty = the last")
     model_tiers: tuple[float, ...] = model_tiers_option()
     tier_models: tuple[str, ...] = tier_models_option()
-    lr: float = option(0.01, "client learning rate (0 freezes the models)", source=HTFL + " (-lr 0.01)",
+    lr: float = option(0.01, "client learning rate (0 freezes the models)", source=HTFLLIB + " (-lr 0.01)",
                        check=non_negative)  # fmt: skip
-    batch_size: int = option(10, "local batch size", source=HTFL + " (-lbs 10)", check=at_least(1))
-    local_epochs: int = option(1, "local epochs per round", source=HTFL + " (-ls 1)", check=at_least(1))
+    batch_size: int = option(10, "local batch size", source=HTFLLIB + " (-lbs 10)", check=at_least(1))
+    local_epochs: int = option(1, "local epochs per round", source=HTFLLIB + " (-ls 1)", check=at_least(1))
 
     def check(self):
         super().check()

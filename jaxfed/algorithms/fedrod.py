@@ -33,7 +33,7 @@ from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss
 from jaxfed.nn import model_template, split_variables
-from jaxfed.nn.layers import head_input, head_layer
+from jaxfed.nn.layers import dense, head_input, head_layer
 from jaxfed.options import TrainingOptions, option, resolve
 
 PAPER = "Chen & Chao (ICLR 2022), Fed-RoD §4"
@@ -64,10 +64,6 @@ def balanced_softmax_loss(logits, labels, counts, mask):
     finite ``log 0`` (``NO_CLASS``): no probability, and a padding row's loss stays finite under its zero mask."""
     log_prior = jnp.where(counts > 0, jnp.log(jnp.maximum(counts, 1.0)), NO_CLASS)
     return masked_loss(logits + log_prior, labels, mask)
-
-
-def dense(layer, x):
-    return x @ layer["kernel"] + layer["bias"]
 
 
 def summed_head(params, head: str, personal):

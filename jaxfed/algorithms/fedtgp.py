@@ -52,7 +52,7 @@ from jaxfed.algorithms import fedproto
 from jaxfed.algorithms.client_rows import with_id
 from jaxfed.algorithms.fedproto import FedProtoOptions, Prototypes
 from jaxfed.algorithms.model_tiers import with_model_tiers
-from jaxfed.algorithms.prototype_sgd import train_on_prototypes
+from jaxfed.algorithms.prototype_sgd import ClientState, Upload, held_prototypes, server_key, train_on_prototypes
 from jaxfed.algorithms.registry import builtin
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
@@ -99,18 +99,6 @@ class FedTGPOptions(FedProtoOptions):
         10, "local batch size; the server's batches of prototypes too", source=CODE + " (-lbs 10)", check=at_least(1)
     )
     local_epochs: int = option(1, "local epochs per round", source=CODE + " (-ls 1)", check=at_least(1))
-
-
-class ClientState(NamedTuple):
-    params: Any  # the client's own model
-    model_state: Any  # its non-trainable collections (BatchNorm statistics), {} when none
-    id: jax.Array  # int32 scalar: the client's id, which its upload carries
-
-
-class Upload(NamedTuple):
-    means: Any  # [classes, features]: the client's mean feature of each class (0 where it has none)
-    counts: Any  # [classes]: its training examples of each class
-    id: jax.Array  # int32 scalar: who sent it (the server's shuffle is one of (client, class) pairs)
 
 
 class ServerState(NamedTuple):
@@ -234,9 +222,9 @@ def fedtgp(model, options: FedTGPOptions | None = None, **overrides) -> Federate
         return ClientState(new.params, new.model_state, me), Upload(upload.means, upload.counts, me), metrics
 
     def server_update(server_state, uploads: Upload, weights, info):
-        held = (uploads.counts > 0) & (weights[:, None] > 0)
+        held = held_prototypes(uploads, weights)
         margin = adaptive_margin(class_gaps(uploads.means, held), options.margin_threshold)
-        key = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), info.round)
+        key = server_key(server_state.key_data, info.round)
         tgp = train_tgp(
             server_state.tgp, uploads.means, held, uploads.id, margin, key,
             epochs=options.server_epochs, batch_size=options.batch_size, lr=options.lr,

@@ -12,17 +12,18 @@ model, shared. A round: the client takes the global meme and trains both models 
 
 ``p`` each model's softmax, the KL summed over classes and averaged over the batch (the paper's); as
 in HtFLlib's code neither model's softmax is detached in the other's loss, so one gradient of the
-sum trains both. It uploads the trained meme; the server's new meme is the sample-weighted mean of
-the round's memes (FedAvg). A client's personalized model is its local model; the global model is
-the meme (none with BatchNorm statistics, which stay on the clients, each its own for the meme).
+sum trains both. It uploads the trained meme; the server's new meme is the plain mean of the
+round's memes (HtFLlib's ``serverfml``: each client counted once, whatever its size). A client's
+personalized model is its local model; the global model is the meme (none with BatchNorm
+statistics, which stay on the clients, each its own for the meme).
 
 ``alpha`` and ``beta`` are the options ``local_ce_weight`` and ``meme_ce_weight`` (``alpha`` is the
 run's Dirichlet concentration). Defaults: the paper's ``alpha = beta = 0.5``, HtFLlib's training
 (``system/main.py``: lr 0.01, batch 10, one local epoch). Where jaxfed differs from HtFLlib: its
 defaults ``-al 1 -bt 1`` turn the distillation off (jaxfed takes the paper's 0.5); its KL is
 torch's ``KLDivLoss()`` mean over batch and classes (1/C of the paper's); it clips each model's
-gradient norm to 10 (jaxfed: ``clip_norm``, one norm over both, 0 = off); its loaders keep one
-order and drop the last partial batch (``drop_last`` is an option).
+gradient norm to 10 (jaxfed: ``clip_norm``, one norm over both, by default 0: no clipping); its
+loaders keep one order and drop the last partial batch (``drop_last`` is an option).
 """
 
 from __future__ import annotations
@@ -33,18 +34,16 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxfed.algorithms.aggregation import averaging
-from jaxfed.algorithms.model_tiers import model_tiers_option, tier_models_option, with_model_tiers
+from jaxfed.algorithms.aggregation import uniform_averaging
+from jaxfed.algorithms.model_tiers import HTFLLIB, model_tiers_option, tier_models_option, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core.losses import kl_divergence, masked_loss, masked_mean
 from jaxfed.nn import model_template, split_variables
-from jaxfed.nn.factorized import factorized_execution
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve, weight_share
 
 PAPER = "Shen et al. 2020, Federated Mutual Learning (alpha = beta = 0.5)"
-HTFL = "HtFLlib (TsingZ0/HtFLlib, FedARA's heterogeneous baselines) system/main.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +60,10 @@ class FMLOptions(TrainingOptions):
         0.5, "the paper's beta: the meme's weight on its cross-entropy (1 - beta on the KL from the local model)",
         source=PAPER + "; HtFLlib's -bt default 1 turns the distillation off", check=weight_share,
     )  # fmt: skip
-    lr: float = option(0.01, "client learning rate (0 freezes both models)", source=HTFL + " (-lr 0.01)",
+    lr: float = option(0.01, "client learning rate (0 freezes both models)", source=HTFLLIB + " (-lr 0.01)",
                        check=non_negative)  # fmt: skip
-    batch_size: int = option(10, "local batch size", source=HTFL + " (-lbs 10)", check=at_least(1))
-    local_epochs: int = option(1, "local epochs per round", source=HTFL + " (-ls 1)", check=at_least(1))
+    batch_size: int = option(10, "local batch size", source=HTFLLIB + " (-lbs 10)", check=at_least(1))
+    local_epochs: int = option(1, "local epochs per round", source=HTFLLIB + " (-ls 1)", check=at_least(1))
     model_tiers: tuple[float, ...] = model_tiers_option()
     tier_models: tuple[str, ...] = tier_models_option()
 
@@ -94,11 +93,10 @@ def mutual_learning(model, options: FMLOptions):
         logits_local, local_state = model.apply(
             {"params": pair.local, **states["local"]}, batch.x, train=True, mask=batch.mask, rng=batch.key
         )
-        with factorized_execution():  # the meme is the run's model, whatever the local model's tier
-            logits_meme, meme_state = model.apply(
-                {"params": pair.meme, **states["meme"]}, batch.x,
-                train=True, mask=batch.mask, rng=jax.random.fold_in(batch.key, 1),
-            )  # fmt: skip
+        logits_meme, meme_state = model.apply(
+            {"params": pair.meme, **states["meme"]}, batch.x,
+            train=True, mask=batch.mask, rng=jax.random.fold_in(batch.key, 1),
+        )  # fmt: skip
         log_local, log_meme = jax.nn.log_softmax(logits_local), jax.nn.log_softmax(logits_meme)
         alpha, beta = options.local_ce_weight, options.meme_ce_weight
         ce_local, ce_meme = (
@@ -140,7 +138,7 @@ def fml(model, options: FMLOptions | None = None, **overrides) -> FederatedAlgor
         init=init,
         broadcast=lambda server_state, info: server_state,
         client_update=client_update,
-        aggregation=averaging(lambda server_state, mean, info: Meme(mean)),
+        aggregation=uniform_averaging(lambda server_state, mean, info: Meme(mean)),  # HtFLlib's plain mean
         eval_params=lambda server_state, client: {"params": client.params, **client.model_state},
         global_params=None if private_stats else (lambda server_state: {"params": server_state.params}),
     )

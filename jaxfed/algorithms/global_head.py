@@ -18,12 +18,12 @@ whole model for ``local_epochs`` on cross-entropy, and uploads
 
 The server's first head is the shared initialization's (HtFLlib: client 0's). A client's
 personalized model is its own extractor under the server's current head, the model it would start
-its next round from (HtFLlib evaluates each round after sending the head: at full participation,
-this model). There is no global model. Every tier's features must be as wide as the run's model's
-(the head is shared). Defaults are HtFLlib's (``system/main.py``: lr 0.01, batch 10, one local
-epoch; FedGH ``-se 100 -slr 0.01``). Where jaxfed differs from HtFLlib: a client's batches are
-shuffled every epoch and keep the last partial one (theirs: the same order, ``drop_last``; an
-option here), its prototypes are means over all its training examples, and the server's key
+its next round from (HtFLlib sends the head to every client, then evaluates: the same model). There
+is no global model. Every tier's features must be as wide as the run's model's (the head is
+shared). Defaults are HtFLlib's (``system/main.py``: lr 0.01, batch 10, one local epoch; FedGH
+``-se 100 -slr 0.01``). Where jaxfed differs from HtFLlib: a client's batches are shuffled every
+epoch and keep the last partial one (theirs: the same order, ``drop_last``; an option here), its
+prototypes are means over all its training examples, and the server's key
 derives from the run's seed and the round.
 """
 
@@ -39,29 +39,28 @@ import jax.numpy as jnp
 from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.client_rows import with_id
 from jaxfed.algorithms.features import class_means
-from jaxfed.algorithms.model_tiers import model_tiers_option, tier_models_option, with_model_tiers
-from jaxfed.algorithms.prototype_sgd import train_on_prototypes
+from jaxfed.algorithms.model_tiers import HTFLLIB, model_tiers_option, tier_models_option, with_model_tiers
+from jaxfed.algorithms.prototype_sgd import ClientState, Upload, held_prototypes, server_key, train_on_prototypes
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss
 from jaxfed.nn import split_variables
-from jaxfed.nn.layers import head_layer
+from jaxfed.nn.layers import dense, head_layer
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve
-
-HTFL = "HtFLlib (TsingZ0/HtFLlib, FedARA's heterogeneous baselines) system/main.py"
 
 
 @dataclasses.dataclass(frozen=True)
 class GlobalHeadOptions(TrainingOptions):
-    """LG-FedAvg's options: the shared head layer, HtFLlib's training defaults, the client tiers."""
+    """LG-FedAvg's options (FedGH's extend them): the shared head layer, HtFLlib's training defaults,
+    the client tiers."""
 
     head: str = option("", "the classifier head (a Dense layer's key) the clients share; empty = the last")
-    lr: float = option(0.01, "client learning rate (0 freezes the model)", source=HTFL + " (-lr 0.01)",
+    lr: float = option(0.01, "client learning rate (0 freezes the model)", source=HTFLLIB + " (-lr 0.01)",
                        check=non_negative)  # fmt: skip
-    batch_size: int = option(10, "local batch size", source=HTFL + " (-lbs 10)", check=at_least(1))
-    local_epochs: int = option(1, "local epochs per round", source=HTFL + " (-ls 1)", check=at_least(1))
+    batch_size: int = option(10, "local batch size", source=HTFLLIB + " (-lbs 10)", check=at_least(1))
+    local_epochs: int = option(1, "local epochs per round", source=HTFLLIB + " (-ls 1)", check=at_least(1))
     model_tiers: tuple[float, ...] = model_tiers_option()
     tier_models: tuple[str, ...] = tier_models_option()
 
@@ -74,26 +73,12 @@ class FedGHOptions(GlobalHeadOptions):
 
     server_epochs: int = option(
         100, "epochs of SGD the server trains the global head on the round's prototypes",
-        source=HTFL + " (-se 100)", check=at_least(1),
+        source=HTFLLIB + " (-se 100)", check=at_least(1),
     )  # fmt: skip
     server_lr: float = option(
         0.01, "the server's learning rate for the head (its batches are batch_size prototypes)",
-        source=HTFL + " (-slr 0.01)", check=non_negative,
+        source=HTFLLIB + " (-slr 0.01)", check=non_negative,
     )  # fmt: skip
-
-
-class ClientState(NamedTuple):
-    params: Any  # the client's own model (its head: the one it trained last, replaced each round)
-    model_state: Any  # its non-trainable collections (BatchNorm statistics), {} when none
-    id: jax.Array  # int32 scalar: the client's id, which a FedGH upload carries
-
-
-class Prototypes(NamedTuple):
-    """A FedGH upload."""
-
-    means: Any  # [classes, features]: the client's mean feature of each class (0 where it has none)
-    counts: Any  # [classes]: its training examples of each class
-    id: jax.Array  # int32 scalar: who sent it (the server's shuffle is one of (client, class) pairs)
 
 
 class GlobalHead(NamedTuple):
@@ -103,6 +88,8 @@ class GlobalHead(NamedTuple):
 
 
 class FedGHServer(NamedTuple):
+    """FedGH's server state."""
+
     head: Any  # the global head, the message down
     key_data: Any  # the server's key (shuffling), as raw key data
 
@@ -112,14 +99,9 @@ def under_head(params, head: str, global_head):
     return lowrank.replace_layer(params, head, global_head)
 
 
-def head_logits(layer, features):
-    """A Dense head's outputs for ``features`` ``[B, features]``."""
-    return features @ layer["kernel"] + layer.get("bias", 0.0)
-
-
 def head_loss(layer, prototypes, labels, mask):
     """FedGH's server loss: the masked mean cross-entropy of the head's outputs for a batch of prototypes."""
-    return masked_loss(head_logits(layer, prototypes), labels, mask)
+    return masked_loss(dense(layer, prototypes), labels, mask)
 
 
 def _global_head_algorithm(name, model, options, head, *, init_server, upload_of, **server) -> FederatedAlgorithm:
@@ -177,13 +159,12 @@ def fedgh(model, options: FedGHOptions | None = None, **overrides) -> FederatedA
 
     def upload_of(params, model_state, data, client_state):
         means, counts = class_means(model, head, {"params": params, **model_state}, data, options.batch_size)
-        return Prototypes(means, counts, client_state.id)
+        return Upload(means, counts, client_state.id)
 
-    def server_update(server_state: FedGHServer, uploads: Prototypes, weights, info):
-        held = (uploads.counts > 0) & (weights[:, None] > 0)
-        key = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), info.round)
+    def server_update(server_state: FedGHServer, uploads: Upload, weights, info):
         layer = train_on_prototypes(
-            server_state.head, head_loss, uploads.means, held, uploads.id, key,
+            server_state.head, head_loss, uploads.means, held_prototypes(uploads, weights), uploads.id,
+            server_key(server_state.key_data, info.round),
             epochs=options.server_epochs, batch_size=options.batch_size, lr=options.server_lr,
         )  # fmt: skip
         return server_state._replace(head=layer)

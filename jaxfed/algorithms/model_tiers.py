@@ -45,6 +45,8 @@ from jaxfed.nn.layers import head_layer
 from jaxfed.nn.nesting import nesting
 from jaxfed.options import each, option, rank_ratio
 
+HTFLLIB = "HtFLlib (TsingZ0/HtFLlib, FedARA's heterogeneous baselines) system/main.py"
+
 
 def model_tiers_option():
     """The ``model_tiers`` option field of an algorithm wrapped by :func:`with_model_tiers`."""

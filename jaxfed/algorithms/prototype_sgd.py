@@ -12,10 +12,38 @@ among them, so the engine's client order and chunking leave it unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+
+class ClientState(NamedTuple):
+    """A client of FedTGP or FedGH: its own model, and its id, which its upload carries."""
+
+    params: Any  # the client's own model
+    model_state: Any  # its non-trainable collections (BatchNorm statistics), {} when none
+    id: jax.Array  # int32 scalar: the client's id
+
+
+class Upload(NamedTuple):
+    """What a FedTGP or FedGH client sends: its class prototypes, with who sent them."""
+
+    means: Any  # [classes, features]: the client's mean feature of each class (0 where it has none)
+    counts: Any  # [classes]: its training examples of each class
+    id: jax.Array  # int32 scalar: who sent it (the server's shuffle is one of (client, class) pairs)
+
+
+def held_prototypes(uploads: Upload, weights):
+    """``[clients, classes]`` bool: the uploaded prototypes the server trains on, those of a class
+    the client holds from a row that carries weight (not padding, not a skipped client)."""
+    return (uploads.counts > 0) & (weights[:, None] > 0)
+
+
+def server_key(key_data, round_):
+    """The server's key for round ``round_``, from its key data (the run's seed)."""
+    return jax.random.fold_in(jax.random.wrap_key_data(key_data), round_)
 
 
 def held_order(valid, pair, bits):

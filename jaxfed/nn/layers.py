@@ -151,3 +151,8 @@ def choose_layers(model, layers, algorithm: str, field: str = "layers") -> list[
             f"{field}: {', '.join(unknown)} not Dense/Conv layers of the model; allowed: {', '.join(available)}"
         )
     return keys
+
+
+def dense(layer, x):
+    """A Dense layer's outputs for ``x`` from its parameters: ``x @ kernel + bias``."""
+    return x @ layer["kernel"] + layer["bias"]
