@@ -35,19 +35,19 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxfed.algorithms.aggregation import uniform_averaging
-from jaxfed.algorithms.model_tiers import HTFLLIB, model_tiers_option, tier_models_option, with_model_tiers
+from jaxfed.algorithms.model_tiers import HtFLlibTraining, with_model_tiers
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core.losses import kl_divergence, masked_loss, masked_mean
 from jaxfed.nn import model_template, split_variables
-from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve, weight_share
+from jaxfed.options import option, resolve, weight_share
 
 PAPER = "Shen et al. 2020, Federated Mutual Learning (alpha = beta = 0.5)"
 
 
 @dataclasses.dataclass(frozen=True)
-class FMLOptions(TrainingOptions):
+class FMLOptions(HtFLlibTraining):
     """FML's options: each model's weight on its own cross-entropy against the distillation."""
 
     tasks: typing.ClassVar[tuple[str, ...]] = ("classification",)  # distillation between softmaxes
@@ -60,12 +60,6 @@ class FMLOptions(TrainingOptions):
         0.5, "the paper's beta: the meme's weight on its cross-entropy (1 - beta on the KL from the local model)",
         source=PAPER + "; HtFLlib's -bt default 1 turns the distillation off", check=weight_share,
     )  # fmt: skip
-    lr: float = option(0.01, "client learning rate (0 freezes both models)", source=HTFLLIB + " (-lr 0.01)",
-                       check=non_negative)  # fmt: skip
-    batch_size: int = option(10, "local batch size", source=HTFLLIB + " (-lbs 10)", check=at_least(1))
-    local_epochs: int = option(1, "local epochs per round", source=HTFLLIB + " (-ls 1)", check=at_least(1))
-    model_tiers: tuple[float, ...] = model_tiers_option()
-    tier_models: tuple[str, ...] = tier_models_option()
 
 
 class Meme(NamedTuple):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.client_rows import with_id
 from jaxfed.algorithms.features import class_means
-from jaxfed.algorithms.model_tiers import HTFLLIB, model_tiers_option, tier_models_option, with_model_tiers
+from jaxfed.algorithms.model_tiers import HTFLLIB, HtFLlibTraining, with_model_tiers
 from jaxfed.algorithms.prototype_sgd import ClientState, Upload, held_prototypes, server_key, train_on_prototypes
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
@@ -48,21 +48,15 @@ from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss
 from jaxfed.nn import split_variables
 from jaxfed.nn.layers import dense, head_layer
-from jaxfed.options import TrainingOptions, at_least, non_negative, option, resolve
+from jaxfed.options import at_least, non_negative, option, resolve
 
 
 @dataclasses.dataclass(frozen=True)
-class GlobalHeadOptions(TrainingOptions):
+class GlobalHeadOptions(HtFLlibTraining):
     """LG-FedAvg's options (FedGH's extend them): the shared head layer, HtFLlib's training defaults,
     the client tiers."""
 
     head: str = option("", "the classifier head (a Dense layer's key) the clients share; empty = the last")
-    lr: float = option(0.01, "client learning rate (0 freezes the model)", source=HTFLLIB + " (-lr 0.01)",
-                       check=non_negative)  # fmt: skip
-    batch_size: int = option(10, "local batch size", source=HTFLLIB + " (-lbs 10)", check=at_least(1))
-    local_epochs: int = option(1, "local epochs per round", source=HTFLLIB + " (-ls 1)", check=at_least(1))
-    model_tiers: tuple[float, ...] = model_tiers_option()
-    tier_models: tuple[str, ...] = tier_models_option()
 
 
 @dataclasses.dataclass(frozen=True)

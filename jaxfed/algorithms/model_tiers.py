@@ -29,6 +29,7 @@ at its tier model's own initialization (one draw per tier and run) and is evalua
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,7 +44,7 @@ from jaxfed.nn import CONV_IMPLS, MODELS, NORMS, Model, get_model, model_templat
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_layer
 from jaxfed.nn.nesting import nesting
-from jaxfed.options import each, option, rank_ratio
+from jaxfed.options import TrainingOptions, at_least, each, non_negative, option, rank_ratio
 
 HTFLLIB = "HtFLlib (TsingZ0/HtFLlib, FedARA's heterogeneous baselines) system/main.py"
 
@@ -77,6 +78,19 @@ def tier_models_option():
         source="FedARA paper §5 (its baselines' five CNNs of decreasing complexity: Yi et al.'s CNN-1..CNN-5)",
         check=each(model_name),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class HtFLlibTraining(TrainingOptions):
+    """The client training of HtFLlib's heterogeneous baselines (``system/main.py``: lr 0.01, batch
+    10, one local epoch) and the client tiers: the options LG-FedAvg, FedGH and FML build on."""
+
+    lr: float = option(0.01, "client learning rate (0 freezes what the client trains)", source=HTFLLIB + " (-lr 0.01)",
+                       check=non_negative)  # fmt: skip
+    batch_size: int = option(10, "local batch size", source=HTFLLIB + " (-lbs 10)", check=at_least(1))
+    local_epochs: int = option(1, "local epochs per round", source=HTFLLIB + " (-ls 1)", check=at_least(1))
+    model_tiers: tuple[float, ...] = model_tiers_option()
+    tier_models: tuple[str, ...] = tier_models_option()
 
 
 class TieredClient(NamedTuple):
