@@ -19,6 +19,7 @@ from jaxfed.core import lowrank
 from jaxfed.data import ClientData, federate, load_dataset, partition
 from jaxfed.nn import get_model
 from jaxfed.nn.models import CNN4, Model
+from jaxfed.simulation import sampling
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # The FedLoRU family's mechanism tests were written without gradient clipping and weight decay,
@@ -113,6 +114,23 @@ def one_client(fed, client: int):
     """Client ``client``'s training view (``ClientData``, unstacked): what ``client_update`` gets."""
     data = fed.train_data(jnp.array([client]))
     return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
+
+
+def clients_one_by_one(sim, state, fed):
+    """Round ``state.round``'s sampled clients (in id order) each updated by itself, as the engine's
+    reference: ``(ids, [(new client state, upload), ...])`` from the server's broadcast, each
+    client's data and the engine's key for it."""
+    round_ = int(state.round)
+    ids = np.sort(np.asarray(sim.sampled_ids(round_)))
+    message = sim.algorithm.broadcast(state.server, round_info(round_))
+    update = jax.jit(sim.algorithm.client_update)
+    results = []
+    for i in ids:
+        client = jax.tree.map(lambda x: x[i], state.clients)  # noqa: B023
+        key = sampling.client_keys(sampling.round_key(sim.root, round_), jnp.array([i]))[0]
+        new, upload, _ = update(message, client, one_client(fed, int(i)), key, round_info(round_))
+        results.append((new, upload))
+    return ids, results
 
 
 @pytest.fixture(scope="session")

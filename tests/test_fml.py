@@ -9,14 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation, one_client, round_info
+from conftest import clients_one_by_one, make_federation, one_client, round_info
 
 from jaxfed import server_step
 from jaxfed.algorithms.fml import FMLOptions, Meme, fml
-from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
-from jaxfed.simulation import Simulation, sampling
+from jaxfed.simulation import Simulation
 
 
 def log_softmax(logits):
@@ -79,15 +78,8 @@ def test_an_engine_round_is_the_clients_one_by_one_then_the_memes_plain_mean(mlp
     sim = Simulation(alg, mlp, fed, participation=0.6)
     state = sim.init()
     for _ in range(2):
-        round_ = int(state.round)
-        ids = np.sort(np.asarray(sim.sampled_ids(round_)))
-        memes = []
-        for i in ids:
-            client = jax.tree.map(lambda x: x[i], state.clients)  # noqa: B023
-            data = fed.train_data(jnp.array([i]))
-            view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-            key = sampling.client_keys(sampling.round_key(sim.root, round_), jnp.array([i]))[0]
-            memes.append(jax.jit(alg.client_update)(state.server, client, view, key, round_info(round_))[1])
+        ids, results = clients_one_by_one(sim, state, fed)
+        memes = [upload for _, upload in results]
         want = jax.tree.map(lambda *m: np.mean([np.asarray(x, np.float64) for x in m], axis=0), *memes)
         state, _ = jax.jit(sim.round)(state, fed)
         chex.assert_trees_all_close(state.server.params, want, rtol=1e-4, atol=1e-5)

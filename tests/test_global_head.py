@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_federation, module_features, one_client, round_info
+from conftest import clients_one_by_one, make_federation, module_features, one_client, round_info
 
 from jaxfed import server_step
 from jaxfed.algorithms.global_head import (
@@ -25,10 +25,9 @@ from jaxfed.algorithms.global_head import (
 from jaxfed.algorithms.local import local
 from jaxfed.algorithms.prototype_sgd import Upload, train_on_prototypes
 from jaxfed.core import lowrank
-from jaxfed.data import ClientData
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
-from jaxfed.simulation import Simulation, sampling
+from jaxfed.simulation import Simulation
 
 OPTIONS = {"lr": 0.1, "local_epochs": 2, "batch_size": 16}
 BUILDERS = {"lg_fedavg": lg_fedavg, "fedgh": fedgh}
@@ -153,17 +152,8 @@ def test_an_engine_round_is_the_clients_one_by_one_then_the_server(name, mlp, di
     state = sim.init()
     for _ in range(2):
         round_ = int(state.round)
-        ids = np.sort(np.asarray(sim.sampled_ids(round_)))
-        message = alg.broadcast(state.server, round_info(round_))
-        uploads, clients = [], []
-        for i in ids:
-            client = jax.tree.map(lambda x: x[i], state.clients)  # noqa: B023
-            data = fed.train_data(jnp.array([i]))
-            view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
-            key = sampling.client_keys(sampling.round_key(sim.root, round_), jnp.array([i]))[0]
-            new, upload, _ = jax.jit(alg.client_update)(message, client, view, key, round_info(round_))
-            uploads.append(upload)
-            clients.append(new)
+        ids, results = clients_one_by_one(sim, state, fed)
+        clients, uploads = zip(*results)
         stacked = jax.tree.map(lambda *u: jnp.stack(u), *uploads)
         weights = jnp.asarray(fed.train_count[ids], jnp.float32)
         want = server_step(alg, state.server, stacked, weights, round_=round_)
