@@ -25,6 +25,14 @@ from jaxfed.errors import ConfigError
 from jaxfed.nn.layers import head_input, layers_in_call_order
 from jaxfed.nn.models import Model, model_template
 
+# The (small, large, head) pairs whose check passed in this process (see Nesting.check).
+_PASSED: set[tuple] = set()
+
+
+def _model_key(model: Model) -> tuple:
+    """What a model computes is its module's class and fields (its repr) and its input's shape and dtype."""
+    return type(model.module), repr(model.module), tuple(model.input_shape), str(model.input_dtype)
+
 
 class Nesting(NamedTuple):
     """Where a small model's parameters sit in a large one's: per parameter, the embedding's
@@ -50,9 +58,14 @@ class Nesting(NamedTuple):
         """A one-line ConfigError naming ``field`` unless the large model holding the small model's
         (random) parameters gives the small model's outputs, and no gradient of a loss on its
         outputs and features (the input of the layer ``head``) in training mode reaches what the
-        small model does not own. (Computed eagerly: a sweep builds its members' algorithms inside a trace.)"""
+        small model does not own. (Computed eagerly: a sweep builds its members' algorithms inside a trace.
+        A pair that passed is not checked again in the process: each sweep member builds the same tiers.)"""
+        key = (_model_key(self.small), _model_key(self.large), head)
+        if key in _PASSED:
+            return
         with jax.ensure_compile_time_eval():
             self._check(head, field, name)
+        _PASSED.add(key)
 
     def _check(self, head: str, field: str, name: str) -> None:
         key_init, key_x, key_out, key_feat = jax.random.split(jax.random.key(0), 4)
