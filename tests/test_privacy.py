@@ -73,6 +73,8 @@ PRIVATE = {
     # An LG-FedAvg client's extractor and statistics; its head it uploads (replaced next round).
     "lg_fedavg": ("params", "model_state"),
     "fml": ("params", "model_state", "meme_state"),  # the local model, both models' statistics
+    # A pFedAFM client's local model, its mixing weights, both extractors' statistics.
+    "pfedafm": ("params", "model_state", "mix", "extractor_state"),
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -90,6 +92,8 @@ FROZEN |= {"fedkd"}
 FROZEN |= {"lg_fedavg"}
 # An FML client's local model distils into the meme it uploads (frozen: lr 0 stops both).
 FROZEN |= {"fml"}
+# A pFedAFM client's local head trains the extractor G it uploads (frozen: lr 0 stops both).
+FROZEN |= {"pfedafm"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

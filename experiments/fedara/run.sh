@@ -8,10 +8,10 @@
 # and FedTGP with every client on the full model (an upper bound of that setting); FedKD, the
 # paper's best heterogeneous baseline on CIFAR-100 (48.75), with its mentors at the same levels.
 # The *_htcnn variants are the paper's heterogeneous setting itself: FedARA's rank levels of CNN1
-# (htcnn1) against FedTGP, FedProto, Local, FedKD, FedGH, LG-FedAvg and FML on five distinct CNNs (tier_models=htcnn1..5,
+# (htcnn1) against FedTGP, FedProto, Local, FedKD, FedGH, LG-FedAvg, FML and pFedAFM on five distinct CNNs (tier_models=htcnn1..5,
 # Yi et al.'s CNN-1..CNN-5, the family of pFedES / pFedAFM which the paper compares against).
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
-#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 22 variants),
+#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 23 variants),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
 # std, per-seed values, spread plot, verdicts of the paper's claims).
@@ -26,10 +26,12 @@ tiers=1.0,0.5,0.25,0.125,0.0625  # FedARA's in $setting.conf, for the baselines'
 htcnn=htcnn1,htcnn2,htcnn3,htcnn4,htcnn5  # the paper's CNN1-CNN5, largest first as FedARA's tiers
 for variant in fedara fedara_lambda0 fedhm fedara_homogeneous fedas fedrep fedbabu fedala fedproto fedtgp \
   fedtgp_tiers fedproto_tiers local_tiers fedkd_tiers fedara_htcnn fedtgp_htcnn fedproto_htcnn local_htcnn fedkd_htcnn \
-  fedgh_htcnn lg_fedavg_htcnn fml_htcnn; do
+  fedgh_htcnn lg_fedavg_htcnn fml_htcnn pfedafm_htcnn; do
   case $variant in
     *_tiers) args=("${variant%_tiers}" --set "model_tiers=$tiers") ;;
     fedara_htcnn) args=(fedara --set model=htcnn1) ;;
+    # pFedAFM's shared extractor: the authors' smallest CNN (CNN_5_homo_AFM)
+    pfedafm_htcnn) args=(pfedafm --set model=htcnn1 --set "tier_models=$htcnn" --set global_model=htcnn5) ;;
     *_htcnn) args=("${variant%_htcnn}" --set model=htcnn1 --set "tier_models=$htcnn") ;;
     fedara_lambda0) args=(fedara --set lambda=0) ;;
     # the paper's homogeneous FedARA: every client full rank (FedARA*, its r = 0.5 variant: tiers=0.5)
@@ -62,5 +64,5 @@ report_variants "$runs/$setting" "fedara>fedhm" "fedara>fedara_lambda0" "--paper
   "fedara>fedtgp_tiers" "fedara>fedproto_tiers" "fedara>local_tiers" "fedtgp_tiers>fedproto_tiers" \
   "fedara>fedkd_tiers" \
   "fedara_htcnn>fedtgp_htcnn" "fedara_htcnn>fedproto_htcnn" "fedara_htcnn>local_htcnn" "fedara_htcnn>fedkd_htcnn" \
-  "fedara_htcnn>fedgh_htcnn" "fedara_htcnn>lg_fedavg_htcnn" "fedara_htcnn>fml_htcnn" \
+  "fedara_htcnn>fedgh_htcnn" "fedara_htcnn>lg_fedavg_htcnn" "fedara_htcnn>fml_htcnn" "fedara_htcnn>pfedafm_htcnn" \
   "--paper=fedara_htcnn=$paper_het"

@@ -151,11 +151,11 @@ class ArchitectureTiers:
     FIELD = "tier_models"
 
     def __init__(self, model: Model, names, head: str, same_features: bool):
-        features, classes = _head_shape(model, head)
-        self.models = [_tier_model(name, model, classes) for name in names]
+        features, classes = head_shape(model, head)
+        self.models = [model_like(name, model, classes, self.FIELD) for name in names]
         self.nestings = [nesting(tier, model, self.FIELD, name) for tier, name in zip(self.models, names)]
         for name, tier in zip(names, self.models):
-            width = _head_shape(tier, head)[0]
+            width = head_shape(tier, head)[0]
             if same_features and width != features:
                 raise ConfigError(
                     f"{self.FIELD}: {name} gives its head {width} features, the run's model {model.name} {features}; "
@@ -175,14 +175,14 @@ class ArchitectureTiers:
         return jax.tree.map(lambda stacked: stacked[tier], stack_trees(starts))
 
 
-def _head_shape(model: Model, head: str) -> tuple[int, int]:
+def head_shape(model: Model, head: str) -> tuple[int, int]:
     """``(features, outputs)`` of ``model``'s head layer."""
     return tuple(lowrank.get_layer(model_template(model)[0], head)["kernel"].shape)
 
 
-def _tier_model(name: str, model: Model, classes: int) -> Model:
+def model_like(name: str, model: Model, classes: int, field: str) -> Model:
     """The model ``name`` for the run's inputs and ``classes`` outputs, with the run's model's
-    normalization and convolutions where it is a built-in (a ConfigError naming tier_models)."""
+    normalization and convolutions where it is a built-in (a ConfigError naming ``field``)."""
     norm, conv = getattr(model.module, "norm", "group"), getattr(model.module, "conv", "patches")
     try:
         return get_model(
@@ -190,7 +190,7 @@ def _tier_model(name: str, model: Model, classes: int) -> Model:
             norm=norm if norm in NORMS else "group", conv=conv if conv in CONV_IMPLS else "patches",
         )  # fmt: skip
     except ConfigError as err:  # "model: ..." about the tier's model
-        raise ConfigError(f"{ArchitectureTiers.FIELD}: {str(err).removeprefix('model: ')}") from None
+        raise ConfigError(f"{field}: {str(err).removeprefix('model: ')}") from None
 
 
 # a hook that would read the wrapped client's model, which the wrapper holds padded

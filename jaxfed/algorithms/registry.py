@@ -86,6 +86,7 @@ BUILTINS = {
     "lg_fedavg": "global_head",
     "fedgh": "global_head",
     "fml": "fml",
+    "pfedafm": "pfedafm",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -132,6 +133,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("lg_fedavg", "private extractors, the classifier head averaged (Liang et al. 2020)"),
         ("fedgh", "private extractors, a global head trained on their prototypes (Yi et al., MM 2023)"),
         ("fml", "a private model and a shared meme model learn from each other (Shen et al. 2020)"),
+        ("pfedafm", "a shared small extractor's features mixed into private models (Yi et al. 2024)"),
     ],
 }
 

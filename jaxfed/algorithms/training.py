@@ -227,6 +227,20 @@ def train_routed(
     return trained_shared, logits, mixture(logits, None), model_state, metrics
 
 
+def projected(projection) -> optax.GradientTransformation:
+    """Projected steps, chained after an optimizer: the update that takes the parameters to
+    ``projection(params + update)`` (one of ``optax.projections``, e.g. ``projection_hypercube``
+    for weights kept in [0, 1])."""
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("projected: the update needs the parameters")
+        target = projection(optax.apply_updates(params, updates))
+        return jax.tree.map(jnp.subtract, target, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def per_key(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
     """One optax transformation per top-level key of a dict of parameters, each seeing only its
     own subtree. (``optax.multi_transform`` hands every transformation the whole tree with the

@@ -1,0 +1,128 @@
+"""pFedAFM against its round written out: the mixed model's gradient steps on the local model and
+the weights alpha (projected onto [0, 1]), then the global extractor's steps under the client's
+trained head; its personalized model as the mixture computed from the modules' own features; an
+engine round as its clients one by one, then the sample-weighted mean of the extractors."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import clients_one_by_one, make_federation, module_features, one_client, round_info
+
+from jaxfed.algorithms.pfedafm import PFedAFMOptions, pfedafm
+from jaxfed.errors import ConfigError
+from jaxfed.runs.config import Config
+from jaxfed.simulation import Simulation
+
+
+def cross_entropy(logits, y):
+    top = jnp.max(logits, axis=1, keepdims=True)
+    log_p = logits - top - jnp.log(jnp.sum(jnp.exp(logits - top), axis=1, keepdims=True))
+    return -jnp.mean(log_p[jnp.arange(len(y)), y])
+
+
+def features(model, params, x):
+    return module_features(model, params, x)
+
+
+def with_head(extractor, head):
+    return {**extractor, "head": head}
+
+
+def mixture_logits(model, local, mix, extractor, x):
+    """``h(alpha f(x) + (1 - alpha) g(x))`` from the modules' own features (``features=True``)."""
+    mixed = mix * features(model, local, x) + (1 - mix) * features(model, with_head(extractor, local["head"]), x)
+    return mixed @ local["head"]["kernel"] + local["head"]["bias"]
+
+
+def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digits_federation):
+    """One batch holds every example, plain SGD: ``local_epochs`` steps on the local model and alpha
+    (alpha's steps at ``mix_lr``, clipped to [0, 1]: large enough that some weights hit a bound),
+    then ``local_epochs`` steps on G alone with the trained head; the upload is G without a head.
+    The personalized model is the mixture with the server's G."""
+    lr, mix_lr, epochs = 0.3, 40.0, 3
+    alg = pfedafm(mlp, lr=lr, mix_lr=mix_lr, local_epochs=epochs, batch_size=512, momentum=0.0,
+                  weight_decay=0.0, clip_norm=0.0)  # fmt: skip
+    server, client = alg.init(jax.random.key(0))
+    assert "head" not in server.params and np.all(np.asarray(client.mix) == 1.0)
+    data = one_client(digits_federation, 2)
+    new, upload, metrics = jax.jit(alg.client_update)(server, client, data, jax.random.key(1), round_info())
+    idx = np.asarray(data.indices[: int(data.count)])
+    x, y = jnp.asarray(np.asarray(data.x)[idx]), jnp.asarray(np.asarray(data.y)[idx])
+
+    local, mix, extractor = client.params, client.mix, server.params
+    grad = jax.grad(lambda local, mix: cross_entropy(mixture_logits(mlp, local, mix, extractor, x), y), argnums=(0, 1))
+    for _ in range(epochs):
+        g_local, g_mix = grad(local, mix)
+        local = jax.tree.map(lambda p, d: p - lr * d, local, g_local)
+        mix = jnp.clip(mix - mix_lr * g_mix, 0.0, 1.0)
+    head = local["head"]
+    grad_g = jax.grad(lambda g: cross_entropy(features(mlp, with_head(g, head), x) @ head["kernel"] + head["bias"], y))
+    for _ in range(epochs):
+        extractor = jax.tree.map(lambda p, d: p - lr * d, extractor, grad_g(extractor))
+
+    chex.assert_trees_all_close(new.params, local, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new.mix, mix, rtol=1e-4, atol=1e-5)
+    at_bounds = np.mean((np.asarray(mix) == 0.0) | (np.asarray(mix) == 1.0))
+    assert 0 < np.mean(np.asarray(mix) == 0.0) and at_bounds < 1  # the projection acted, not on every weight
+    chex.assert_trees_all_close(upload, extractor, rtol=1e-4, atol=1e-5)
+    assert float(metrics["steps"]) == 2 * epochs
+
+    x_test = jnp.asarray(digits_federation.x_test[:40])
+    got, _ = alg.eval_model.apply(alg.eval_params(server, new), x_test)
+    want = mixture_logits(mlp, new.params, new.mix, server.params, x_test)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_engine_round_is_the_clients_one_by_one_then_the_weighted_mean_of_the_extractors(mlp, digits):
+    fed = make_federation(digits, num_clients=5, alpha=0.5)
+    alg = pfedafm(mlp, lr=0.05, batch_size=16, local_epochs=1)
+    sim = Simulation(alg, mlp, fed, participation=0.6)
+    state = sim.init()
+    ids, results = clients_one_by_one(sim, state, fed)
+    weights = np.asarray(fed.train_count[ids], np.float64)
+    extractors = [upload for _, upload in results]
+    share = weights / weights.sum()
+    want = jax.tree.map(lambda *g: np.tensordot(share, np.asarray(g, np.float64), axes=1), *extractors)
+    new_state, _ = jax.jit(sim.round)(state, fed)
+    chex.assert_trees_all_close(new_state.server.params, want, rtol=1e-4, atol=1e-5)
+    for i, (client, _) in zip(ids, results):
+        np.testing.assert_allclose(new_state.clients.mix[i], client.mix, rtol=1e-5, atol=1e-6)
+    assert alg.global_params is None  # the heads are private
+
+
+def test_a_tiered_local_model_mixes_with_the_whole_extractor(mlp, digits_federation):
+    """With ``model_tiers`` a tier-1 client's local model is its rank level (rank 50 of 200 in the
+    decomposed layer, after training too) while the extractor it uploads stays the run's whole one."""
+    alg = pfedafm(mlp, model_tiers=(1.0, 0.25), lr=0.1, batch_size=16, local_epochs=1)
+    server, template = alg.init(jax.random.key(0))
+    client = alg.init_client(template, jnp.int32(3), jnp.int32(1))
+    new, extractor, _ = jax.jit(alg.client_update)(server, client, one_client(digits_federation, 3),
+                                                   jax.random.key(5), round_info(tier=None))  # fmt: skip
+    local = np.asarray(alg.eval_params(server, new)["params"]["local"]["fc2"]["kernel"])
+    assert np.linalg.matrix_rank(local, tol=1e-4) == 50
+    assert np.linalg.matrix_rank(np.asarray(extractor["fc2"]["kernel"]), tol=1e-4) == 200
+    assert not np.allclose(extractor["fc2"]["kernel"], server.params["fc2"]["kernel"], atol=1e-4)
+
+
+def test_an_extractor_of_another_width_is_one_line(mlp):
+    with pytest.raises(ConfigError, match="global_model: linear gives 64 features.*takes 200") as err:
+        pfedafm(mlp, global_model="linear")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("setting", ["global_model=nosuch", "mix_lr=-1"])
+def test_a_bad_option_is_one_line(setting):
+    with pytest.raises(ConfigError, match=setting.split("=")[0]) as err:
+        Config(algorithm="pfedafm").with_overrides([setting]).validate()
+    assert "\n" not in str(err.value)
+
+
+def test_the_defaults_are_the_authors_code():
+    options = PFedAFMOptions()
+    training = (options.lr, options.momentum, options.weight_decay, options.clip_norm)
+    assert training == (0.01, 0.9, 0.001, 50.0)
+    assert (options.batch_size, options.local_epochs, options.mix_lr, options.global_model) == (512, 10, 0.01, "")
