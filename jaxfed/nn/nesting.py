@@ -25,7 +25,7 @@ from jaxfed.errors import ConfigError
 from jaxfed.nn.layers import head_input, layers_in_call_order
 from jaxfed.nn.models import Model, model_template
 
-# The (small, large, head) pairs whose check passed in this process (see Nesting.check).
+# The (small, large, embedding, head) whose check passed in this process (see Nesting.check).
 _PASSED: set[tuple] = set()
 
 
@@ -60,7 +60,7 @@ class Nesting(NamedTuple):
         outputs and features (the input of the layer ``head``) in training mode reaches what the
         small model does not own. (Computed eagerly: a sweep builds its members' algorithms inside a trace.
         A pair that passed is not checked again in the process: each sweep member builds the same tiers.)"""
-        key = (_model_key(self.small), _model_key(self.large), head)
+        key = (_model_key(self.small), _model_key(self.large), tuple(sorted(self.flattened.items())), head)
         if key in _PASSED:
             return
         with jax.ensure_compile_time_eval():
