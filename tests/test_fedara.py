@@ -23,7 +23,7 @@ def _fedara(model, lr=0.05, **options):
 
 def test_anchors_are_the_class_means_of_the_received_features(mlp, digits_federation):
     alg = _fedara(mlp, tiers=(0.5,))
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     message = alg.broadcast(server, round_info(0, 0))
     variables = {"params": {**message.fe, "head": client.head}}
     data = one_client(digits_federation, 2)
@@ -81,7 +81,7 @@ def test_local_objective_uses_anchors_fixed_at_the_received_fe(mlp, digits_feder
     alg = _fedara(
         mlp, lr=lr, tiers=(0.5,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512
     )  # one full batch per epoch: three plain gradient steps
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     info = round_info(4, 0)  # past the first round: lambda is on
     message = alg.broadcast(server, info)
     data = one_client(digits_federation, 2)
@@ -102,7 +102,7 @@ def test_global_anchors_come_from_the_full_rank_global_fe(mlp, digits_federation
     lam, mu, lr = 5.0, 1e-2, 0.05
     options = dict(lr=lr, tiers=(0.25,), lambda_=lam, mu_fro=mu, lambda_warmup_rounds=0, local_epochs=3, batch_size=512)
     alg = _fedara(mlp, anchor_model="global", **options)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     info = round_info(4, 0)
     message = alg.broadcast(server, info)
     received_only = _fedara(mlp, **options).broadcast(server, info)
@@ -127,7 +127,7 @@ def test_lambda_ramps_from_zero_in_round_one():
 
 def test_full_rank_is_exact_and_a_round_with_lr_zero_keeps_the_global_fe(small_cnn, digits_federation):
     alg = _fedara(small_cnn, lr=0.0, tiers=(1.0,), mu_fro=0.0)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     message = jax.jit(alg.broadcast)(server, round_info())
     x = digits_federation.x_test[:16]
     full = small_cnn.apply({"params": {**server.fe, "head": client.head}}, x, features=True)[0]
@@ -171,7 +171,7 @@ def test_heads_stay_private_and_tier_uploads_fall_with_rank(mlp, digits):
 
 def test_client_flops_fall_with_the_tier_rank(mlp, digits_federation):
     alg = _fedara(mlp, tiers=(0.5, 0.25, 0.125))
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     data = one_client(digits_federation, 2)
     flops = [
         jax.jit(alg.client_update)
@@ -232,7 +232,7 @@ def test_each_tier_decomposes_its_largest_layers_and_penalizes_only_those(small_
     by_size = sorted(decomposed, key=lambda key: -size[key])
     sets = tier_layer_sets(template, decomposed, (1, 2, 0), 3)
     assert [set(s) for s in sets] == [set(by_size[:1]), set(by_size[:2]), set()]
-    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    server, _ = alg.init(jax.random.key(0))
     rng = np.random.default_rng(1)
     for tier, q in enumerate(sets):
         message = alg.broadcast(server, round_info(0, tier))

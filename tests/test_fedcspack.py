@@ -38,7 +38,7 @@ def _packs(tree):
 @pytest.mark.parametrize("select, weight", [("top_k", "cos_kl"), ("all_below", "kl")])
 def test_upload_is_the_selected_packs_of_a_numpy_reference(mlp, digits_federation, select, weight):
     alg = _fedcspack(mlp, select=select, weight=weight, share_ratio=0.1)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     new_client, upload, metrics = _client_update(alg, digits_federation, server, client)
     local, reference = _packs(new_client.params), _packs(server.params)
     theta_a, theta, beta = _np_scores(local, reference)
@@ -68,7 +68,7 @@ def test_masked_merge_keeps_the_packs_the_global_mask_does_not_flag(mlp, merge):
     """A client sampled every round (last seen in the previous round) takes exactly the packs of the
     last round's mask M, the paper's rule; merge=full takes the whole global model."""
     alg = _fedcspack(mlp, merge=merge)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     other = jax.tree.map(lambda x: x + 1.0, client.params)  # the client's own, different model
     num_packs = _packs(server.params).shape[0]
     flagged = np.arange(num_packs) % 3 == 0
@@ -84,7 +84,7 @@ def test_masked_merge_keeps_the_packs_the_global_mask_does_not_flag(mlp, merge):
 
 def test_a_rarely_sampled_client_takes_every_pack_moved_since_it_last_took_part(mlp):
     alg = _fedcspack(mlp)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     other = jax.tree.map(lambda x: x + 1.0, client.params)
     num_packs = _packs(server.params).shape[0]
     updated = np.arange(num_packs) % 6  # pack p last moved in round updated[p] - 1 (0: never)
@@ -112,7 +112,7 @@ def test_a_never_sampled_client_is_evaluated_on_the_global_model(mlp, digits):
 
 def test_server_moves_only_sent_packs_and_the_new_mask_sums_the_weights(mlp, digits_federation):
     alg = _fedcspack(mlp, share_ratio=0.2)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     uploads = [_client_update(alg, digits_federation, server, client, client=c, seed=c)[1] for c in (1, 4)]
     stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *uploads)
     new = server_step(alg, server, stacked, jnp.array([50.0, 80.0]))

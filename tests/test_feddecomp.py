@@ -27,7 +27,7 @@ def _feddecomp(model, local_epochs=1, lora_epochs=0, lr=0.05, momentum=0.0, **op
 
 
 def _one_client_update(alg, fed, client=2, seed=1):
-    server, client_state = jax.jit(alg.init)(jax.random.key(0))
+    server, client_state = alg.init(jax.random.key(0))
     data = fed.train_data(jnp.array([client]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     message = alg.broadcast(server, round_info(0, 0))
@@ -72,7 +72,7 @@ def _expected_scale(scaling, alpha, rank, kernel_shape, rank_conv):
 @pytest.mark.parametrize("scaling, alpha", [("authors", 1.0), ("authors", 2.0), ("rank", 2.0), ("none", 1.0)])
 def test_personalized_model_is_sigma_plus_the_scaled_folded_low_rank_part(small_cnn, scaling, alpha):
     alg = _feddecomp(small_cnn, lora_scaling=scaling, lora_alpha=alpha, rank_conv=0.5)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     rng = np.random.default_rng(0)
     tau = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), client.tau)
     params = alg.eval_params(server, client._replace(tau=tau))["params"]
@@ -236,7 +236,7 @@ class _BatchNormMLP(nn.Module):
 def test_batchnorm_statistics_are_averaged_with_sigma_or_kept_by_each_client(digits, digits_federation, batch_stats):
     model = Model.wrap(_BatchNormMLP(), digits.input_shape, name="bn_mlp")
     alg = _feddecomp(model, local_epochs=2, lora_epochs=1, batch_stats=batch_stats)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     update = jax.jit(alg.client_update)
     uploads, clients = [], []
     for k in range(3):  # a Python loop over clients, then one server step on the stacked uploads

@@ -25,7 +25,7 @@ def _fedhm(model, lr=0.05, **options):
 def test_full_rank_factors_reproduce_the_global_model(digits, model_name, request):
     model = request.getfixturevalue(model_name)
     alg = _fedhm(model, tiers=(1.0, 0.25))
-    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    server, _ = alg.init(jax.random.key(0))
     broadcast = jax.jit(alg.broadcast)  # the tier is static in the RoundInfo
     x = jnp.asarray(digits.x_test[:32])
 
@@ -79,7 +79,7 @@ def test_server_reconstructs_each_upload_then_averages_with_sample_weights(mlp):
 def test_fedhm_learns_with_upload_bytes_falling_with_the_tier_ratio(mlp, digits):
     fed = make_federation(digits, num_clients=9, alpha=0.5)
     alg = _fedhm(mlp, tiers=(1.0, 0.5, 0.25))
-    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    server, _ = alg.init(jax.random.key(0))
     fc2 = alg.broadcast(server, round_info(0, 2))["fc2"]  # 200 x 200 at ratio 0.25
     assert fc2["u"].shape == (200, 50) and fc2["v"].shape == (200, 50)
     sim = Simulation(alg, mlp, fed, participation=1.0)

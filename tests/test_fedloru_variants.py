@@ -16,7 +16,7 @@ from jaxfed.simulation import Simulation, server_step
 
 
 def _one_client_update(alg, fed, client=2, tier=0, seed=1):
-    server, client_state = jax.jit(alg.init)(jax.random.key(0))
+    server, client_state = alg.init(jax.random.key(0))
     data = fed.train_data(jnp.array([client]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     message = alg.broadcast(server, round_info(0, tier))
@@ -85,7 +85,7 @@ def test_mfedloru_with_full_rank_tiers_is_fedloru(mlp, digits_federation):
 
 def test_mfedloru_nested_factors_start_at_the_global_model_and_recover_rank_r(mlp):
     alg = _mfedloru(mlp, (0.5,), accumulate_every=0)
-    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    server, _ = alg.init(jax.random.key(0))
     server = with_random_lora_updates(server, 3)
     message = alg.broadcast(server, round_info(0, 0))
     d, u = message.nested["fc2"]

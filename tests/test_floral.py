@@ -39,7 +39,7 @@ def test_summed_mixture_shares_average_each_component_with_p_k_given_c():
 
 def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
     alg = _floral(mlp, num_adaptors=2, adaptor_rank=4)
-    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    server, _ = alg.init(jax.random.key(0))
     rng = np.random.default_rng(1)
     n = 3
     stacked = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=(n,) + a.shape), jnp.float32), server)
@@ -60,7 +60,7 @@ def test_server_averages_base_by_samples_and_each_adaptor_by_p_k_given_c(mlp):
 @pytest.mark.parametrize("stateful", [True, False])
 def test_routers_stay_on_the_client(mlp, digits_federation, stateful):
     alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, stateful=stateful)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     client = client._replace(router=jnp.array([0.5, -0.5, 2.0]))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
@@ -116,7 +116,7 @@ def test_bad_settings_are_one_line_errors(override, expected, tmp_path, capsys):
 
 def test_local_adaptor_uploads_only_the_base_and_keeps_its_adaptor(mlp, digits_federation):
     alg = local_adaptor(mlp, lr=0.05, local_epochs=1, batch_size=32, adaptor_rank=4)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     new_client, upload, _ = jax.jit(alg.client_update)(
@@ -215,7 +215,7 @@ def test_bias_adaptors_are_scaled_by_alpha(mlp):
 
 def test_mixture_floor_clamps_the_uploaded_and_the_evaluated_weights(mlp, digits_federation):
     alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, mixture_floor=0.05)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     client = client._replace(router=jnp.array([6.0, 0.0, -6.0]))
     data = digits_federation.train_data(jnp.array([1]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
@@ -240,7 +240,7 @@ def test_conv_precondition_reaches_the_conv_adaptors(small_cnn, digits_federatio
     uploads = {}
     for form in ad.CONV_PRECONDITIONERS:
         alg = _floral(small_cnn, num_adaptors=2, adaptor_rank=2, conv_precondition=form)
-        server, client = jax.jit(alg.init)(jax.random.key(0))
+        server, client = alg.init(jax.random.key(0))
         server = server._replace(  # nonzero up factors, so the conv Gram tensors are not zero
             adaptors=jax.tree.map(lambda a: a + 0.05, server.adaptors)
         )

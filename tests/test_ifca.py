@@ -45,7 +45,7 @@ def _numpy_losses(model, models, data: ClientData, k_models: int) -> np.ndarray:
 @pytest.mark.parametrize("best", [2, 0])
 def test_a_client_trains_the_cluster_of_lowest_loss_as_train_classifier(best, mlp, digits_federation):
     alg = ifca(mlp, clusters=3, **TRAIN)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))
     data, rng = one_client(digits_federation, 3), jax.random.key(5)
     assert int(data.count) % 32, "a last partial batch, so the choice's masking is exercised"
     # cluster `best` trained a little on this client's data: its loss is the lowest, the others are random
@@ -94,7 +94,7 @@ def test_the_choice_normalizes_with_each_batchs_statistics_not_the_clients_runni
 
 def test_the_server_sets_each_cluster_to_the_weighted_mean_of_the_uploads_that_chose_it(mlp):
     alg = ifca(mlp, clusters=3)
-    server, _ = jax.jit(alg.init)(jax.random.key(0))
+    server, _ = alg.init(jax.random.key(0))
     info = round_info(0, 0)
     chosen = [0, 2, 0, 2, 1, 0]  # cluster 1: only a weight-0 row; cluster 0: a weight-0 row too
     weights = [10.0, 25.0, 40.0, 5.0, 0.0, 0.0]

@@ -171,7 +171,7 @@ def _fedcspack_client(alg, server, client, upload_of):
 def test_a_private_state_changes_the_personalized_model_but_not_the_upload(name, digits, digits_federation):
     model = Model("bn_net", BatchNormNet(digits.num_classes), digits.input_shape)
     alg = _algorithm(name, model, name in FROZEN)
-    server, client = jax.jit(alg.init)(jax.random.key(0))
+    server, client = alg.init(jax.random.key(0))  # op by op: the ops (one model's) compile once per process
     data = digits_federation.train_data(jnp.array([2]))
     view = ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
     info = round_info(4, 0)
