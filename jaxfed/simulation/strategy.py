@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
@@ -309,13 +310,21 @@ def _add_one(total, share, num_segments: int | None = None):
     return jax.tree.map(lambda t, s: t.at[segment].add(s.astype(t.dtype)), total, share)
 
 
+def _traced_once(f, example):
+    """``(replay, out_shape)``: ``f`` traced once on ``example``'s shapes, and a function that
+    replays that trace (the same pytrees in and out). The scan needs the shares' shapes before it
+    traces its body: with ``jax.eval_shape`` a round traced a client's whole update twice."""
+    closed, out_shape = jax.make_jaxpr(f, return_shape=True)(example)
+    run, out_tree = jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(out_shape)
+    return (lambda x: jax.tree.unflatten(out_tree, run(*jax.tree.leaves(x)))), out_shape
+
+
 def _scan_chunks(one, xs, chunk: int, num_segments: int | None = None):
     """``(rows, total)`` of ``one`` over ``xs`` in chunks of ``chunk`` vmapped items (1: each item
     alone, doing only its own work), the shares summed into a carry as the chunks run (one at a
     time with ``num_segments``: per segment, see :func:`_add_one`)."""
     n = jax.tree.leaves(xs)[0].shape[0]
-    first = jax.tree.map(lambda x: x[0], xs)
-    share_shape = jax.eval_shape(one, first)[1]
+    one, (_, share_shape) = _traced_once(one, jax.tree.map(lambda x: x[0], xs))
     if num_segments is not None:
         share_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_segments, *s.shape), s.dtype), share_shape[1])
     # the total in the dtype summing every share at once gives (chunk 0), whatever the chunk
