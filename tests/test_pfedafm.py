@@ -126,3 +126,23 @@ def test_the_defaults_are_the_authors_code():
     training = (options.lr, options.momentum, options.weight_decay, options.clip_norm)
     assert training == (0.01, 0.9, 0.001, 50.0)
     assert (options.batch_size, options.local_epochs, options.mix_lr, options.global_model) == (512, 10, 0.01, "")
+
+
+def test_a_global_model_file_is_recorded_absolute_and_fingerprinted(tmp_path, monkeypatch):
+    """A relative ``path.py:Class`` global_model names the same file from anywhere on --resume, and
+    its file joins the fingerprint's user code (an edit is warned of), as the run's model's."""
+    import shutil
+    from pathlib import Path
+
+    from jaxfed.runs.build import build
+    from jaxfed.runs.fingerprint import code_files
+
+    small_models = Path(__file__).with_name("small_models.py")
+    for name in ("run_model.py", "extractor.py"):
+        shutil.copy(small_models, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    config = Config(algorithm="pfedafm").with_overrides(
+        ["model=run_model.py:TinyHtCNN", "global_model=extractor.py:TinyHtCNN", "num_clients=2"]
+    )
+    assert config.validate().options.global_model == f"{tmp_path}/extractor.py:TinyHtCNN"
+    assert str((tmp_path / "extractor.py").resolve()) in code_files(build(config.validate()).simulation)

@@ -26,8 +26,11 @@ gradients clipped to norm 50, batch 512, 10 epochs per phase; ``alpha``: lr 0.01
 and decay, not clipped). Where jaxfed differs from the authors' code: each phase makes a fresh
 optimizer (theirs keeps one for ``G`` and one for ``alpha`` across every client and round, the
 momentum carried from one client to the next), a client's batches are shuffled every epoch, the
-server weighs by training examples (theirs by all of a client's examples), and ``G``'s BatchNorm
-statistics, where it has any, stay on each client.
+server weighs by training examples (theirs by all of a client's examples), ``G``'s BatchNorm
+statistics, where it has any, stay on each client, ``G`` runs in inference mode in phase 1 and in
+evaluation (theirs never leaves train mode), each client keeps its own ``alpha`` (theirs stores one
+shared parameter object, so each client starts from the previous client's), and a client is
+evaluated with the server's ``G`` after the round's mean (theirs right after phase 1).
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ class PFedAFMOptions(TrainingOptions):
 
     tasks: typing.ClassVar[tuple[str, ...]] = ("classification",)  # the head's cross-entropy on G's features
 
-    lr: float = option(0.01, "client learning rate (0 freezes what the client trains)", source=CODE + " (--lr)",
-                       check=non_negative)  # fmt: skip
+    lr: float = option(0.01, "client learning rate of F and G (0 freezes both; alpha trains at mix_lr)",
+                       source=CODE + " (--lr)", check=non_negative)  # fmt: skip
     momentum: float = option(0.9, "client SGD momentum, in [0, 1)", source=CODE, check=momentum_coefficient)
     weight_decay: float = option(0.001, "client weight decay (the mixing weights' too)", source=CODE + " (--wd)",
                                  check=non_negative)  # fmt: skip

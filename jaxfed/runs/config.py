@@ -206,6 +206,11 @@ class Config(Options):
 
             recorded = tuple(recorded_spec(spec) for spec in self.options.tier_models)
             object.__setattr__(self, "options", dataclasses.replace(self.options, tier_models=recorded))
+        if getattr(self.options, "global_model", ""):  # pFedAFM's extractor's model: a file, as model's
+            from jaxfed.nn.user import recorded_spec
+
+            recorded = recorded_spec(self.options.global_model)
+            object.__setattr__(self, "options", dataclasses.replace(self.options, global_model=recorded))
 
     # ----- keys ----------------------------------------------------------------------------------
 
