@@ -5,9 +5,10 @@ a run that learns, not NaN in round 1 (FedLoRU did on MNIST: its lr 0.1 with mom
 the authors' gradient clipping). Real MNIST cannot be read here, so it is stood in for by the
 embedded digits resized to 28 x 28 (nearest neighbour, uint8 like the real file, normalized by
 the same loader): the same CNN, inputs of the same shape and scale, examples with real structure
-(on it FedLoRU's old defaults collapse to one class, as they go to NaN on MNIST). Every algorithm
-runs on digits' default model here; the whole grid (every dataset's default model, the CIFAR
-shapes and ResNet included) is ``experiments/defaults/grid.py``, too slow for the suite.
+(on it FedLoRU's old defaults collapse to one class, as they go to NaN on MNIST). Every training
+recipe runs on digits' default model here (FedAvg's once, for the baselines that share it); the
+whole grid (every algorithm on every dataset's default model, the CIFAR shapes and ResNet
+included) is ``experiments/defaults/grid.py``, too slow for the suite.
 """
 
 from __future__ import annotations
@@ -51,7 +52,28 @@ def learns(config: Config, rounds: int = 2) -> float:
 ROUNDS = {"pfedgate": 6}
 
 
-@pytest.mark.parametrize("algorithm", registry.names())
+# FedAvg's training recipe (its lr, momentum, batch size, epochs, clipping, decay, optimizer), which
+# many baselines train with, adding weights of their own: FedAvg stands for the recipe here, and the
+# others' weights are their own files' (every algorithm on every dataset's default model, these
+# included: `python experiments/defaults/grid.py --datasets digits`, slow).
+RECIPE = ("lr", "momentum", "batch_size", "local_epochs", "clip_norm", "weight_decay", "client_optimizer")
+
+
+def training_recipe(algorithm: str) -> tuple:
+    options = Config(algorithm=algorithm).options
+    return tuple((key, getattr(options, key)) for key in RECIPE if options.field_for(key))
+
+
+OWN_RECIPES = [a for a in registry.names() if a == "fedavg" or training_recipe(a) != training_recipe("fedavg")]
+
+
+def test_the_recipe_check_leaves_out_only_fedavgs_recipe():
+    left_out = set(registry.names()) - set(OWN_RECIPES)
+    assert left_out and all(training_recipe(a) == training_recipe("fedavg") for a in left_out)
+    assert {"fedavg", "fedloru", "fedara", "pfedafm"} <= set(OWN_RECIPES)
+
+
+@pytest.mark.parametrize("algorithm", OWN_RECIPES)
 def test_every_algorithms_defaults_learn_on_digits(algorithm):
     config = Config(algorithm=algorithm, num_clients=6, participation=1.0).with_overrides(
         MODEL_NEEDS.get(algorithm, [])
