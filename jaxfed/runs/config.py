@@ -191,9 +191,9 @@ class Config(Options):
 
     def __post_init__(self):
         # relative paths recorded absolute: config.json names the same files on --resume from anywhere
-        if isinstance(self.model, str) and ":" in self.model:
-            from jaxfed.nn.user import recorded_spec
+        from jaxfed.nn.user import recorded_spec
 
+        if isinstance(self.model, str) and ":" in self.model:
             object.__setattr__(self, "model", recorded_spec(self.model))
         if isinstance(self.partition_file, str) and self.partition_file:
             object.__setattr__(self, "partition_file", str(Path(self.partition_file).expanduser().absolute()))
@@ -201,16 +201,14 @@ class Config(Options):
             options_class = _options_class(self.algorithm, missing_ok=True)
             if options_class is not None:
                 object.__setattr__(self, "options", options_class.for_dataset(self.dataset))
-        if getattr(self.options, "tier_models", ()):  # model files, as model's
-            from jaxfed.nn.user import recorded_spec
-
-            recorded = tuple(recorded_spec(spec) for spec in self.options.tier_models)
-            object.__setattr__(self, "options", dataclasses.replace(self.options, tier_models=recorded))
-        if getattr(self.options, "global_model", ""):  # pFedAFM's extractor's model: a file, as model's
-            from jaxfed.nn.user import recorded_spec
-
-            recorded = recorded_spec(self.options.global_model)
-            object.__setattr__(self, "options", dataclasses.replace(self.options, global_model=recorded))
+        # the options naming models (tier models, pFedAFM's extractor's): files, as model's
+        recorded = {}
+        if getattr(self.options, "tier_models", ()):
+            recorded["tier_models"] = tuple(recorded_spec(spec) for spec in self.options.tier_models)
+        if getattr(self.options, "global_model", ""):
+            recorded["global_model"] = recorded_spec(self.options.global_model)
+        if recorded:
+            object.__setattr__(self, "options", dataclasses.replace(self.options, **recorded))
 
     # ----- keys ----------------------------------------------------------------------------------
 
