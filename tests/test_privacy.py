@@ -75,6 +75,7 @@ PRIVATE = {
     "fml": ("params", "model_state", "meme_state"),  # the local model, both models' statistics
     # A pFedAFM client's local model, its mixing weights, both extractors' statistics.
     "pfedafm": ("params", "model_state", "mix", "extractor_state"),
+    "pfedes": ("params", "model_state"),  # a pFedES client's local model and its statistics
 }
 FROZEN = {"pfedloru", "feddecomp", "pfedlora", "fedara", "floral", "local_adaptor", "ensemble", "fedcspack"}
 # The private head / normalization layers shape the shared layers' gradients; MOON's previous model
@@ -94,6 +95,8 @@ FROZEN |= {"lg_fedavg"}
 FROZEN |= {"fml"}
 # A pFedAFM client's local head trains the extractor G it uploads (frozen: lr 0 stops both).
 FROZEN |= {"pfedafm"}
+# A pFedES client's local model carries the gradient of the proxy extractor it uploads (frozen: lr 0 stops both).
+FROZEN |= {"pfedes"}
 FREEZE = {"lr": 0.0, "lr_schedule": "constant", "align_lr": 0.0}  # a cosine schedule would rise to its lr_min
 # What the papers send on purpose: a FLoRAL / ensemble client sends its mixture weights (C numbers,
 # the softmax of its router), by which the server weighs its adaptors / members.

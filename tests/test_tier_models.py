@@ -20,6 +20,7 @@ from jaxfed.algorithms.fedproto import Prototypes, fedproto
 from jaxfed.algorithms.fedtgp import fedtgp
 from jaxfed.algorithms.global_head import fedgh
 from jaxfed.algorithms.local import local
+from jaxfed.algorithms.pfedes import pfedes
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model, model_template, nesting
 from jaxfed.runs.config import Config
@@ -154,12 +155,13 @@ def global_head(width=12, seed=2):
     return {"kernel": jax.random.normal(kernel, (width, 10)), "bias": jax.random.normal(bias, (10,))}
 
 
-TIERED = [(fedproto, 0), (fedproto, 1), (fedproto, 2), (fedtgp, 1), (fedgh, 2)]  # LG-FedAvg: FedGH's client
+# LG-FedAvg: FedGH's client; pFedES's proxy extractor trains through the client's model
+TIERED = [(fedproto, 0), (fedproto, 1), (fedproto, 2), (fedtgp, 1), (fedgh, 2), (pfedes, 2)]
 
 
 @pytest.mark.parametrize("build, tier", TIERED, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_clients_update_is_its_tier_model_trained_on_its_own(models, digits_federation, build, tier):
-    """FedProto's (FedTGP's, FedGH's) client of each tier against the plain algorithm
+    """FedProto's (FedTGP's, FedGH's, pFedES's) client of each tier against the plain algorithm
     built on the tier's model, from the same start: the same trained model (read back out of the
     run's model), the same upload, and the padding still exactly zero."""
     large, small = models[LARGE], models[FAMILY[tier]]
@@ -172,7 +174,7 @@ def test_a_clients_update_is_its_tier_model_trained_on_its_own(models, digits_fe
     own = own._replace(params=reference_unembed(client.inner.params, small))
     assert np.all(not_owned(client.inner.params, small) == 0)
     data, rng = one_client(digits_federation, 3), jax.random.key(5)
-    message = global_head() if build is fedgh else prototypes()
+    message = global_head() if build is fedgh else plain.init(jax.random.key(0))[0] if build is pfedes else prototypes()
     new, upload, _ = jax.jit(alg.client_update)(message, client, data, rng, round_info(tier=None))
     want, want_upload, _ = jax.jit(plain.client_update)(message, own, data, rng, round_info())
     trained = reference_unembed(new.inner.params, small)

@@ -8,8 +8,9 @@
 # and FedTGP with every client on the full model (an upper bound of that setting); FedKD, the
 # paper's best heterogeneous baseline on CIFAR-100 (48.75), with its mentors at the same levels.
 # The *_htcnn variants are the paper's heterogeneous setting itself: FedARA's rank levels of CNN1
-# (htcnn1) against FedTGP, FedProto, Local, FedKD, FedGH, LG-FedAvg, FML and pFedAFM on five distinct CNNs (tier_models=htcnn1..5,
-# Yi et al.'s CNN-1..CNN-5, the family of pFedES / pFedAFM which the paper compares against).
+# (htcnn1) against FedTGP, FedProto, Local, FedKD, FedGH, LG-FedAvg, FML, pFedAFM and pFedES on
+# five distinct CNNs (tier_models=htcnn1..5, Yi et al.'s CNN-1..CNN-5, the family of pFedES /
+# pFedAFM which the paper compares against).
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
 #   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 23 variants),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
@@ -26,7 +27,7 @@ tiers=1.0,0.5,0.25,0.125,0.0625  # FedARA's in $setting.conf, for the baselines'
 htcnn=htcnn1,htcnn2,htcnn3,htcnn4,htcnn5  # the paper's CNN1-CNN5, largest first as FedARA's tiers
 for variant in fedara fedara_lambda0 fedhm fedara_homogeneous fedas fedrep fedbabu fedala fedproto fedtgp \
   fedtgp_tiers fedproto_tiers local_tiers fedkd_tiers fedara_htcnn fedtgp_htcnn fedproto_htcnn local_htcnn fedkd_htcnn \
-  fedgh_htcnn lg_fedavg_htcnn fml_htcnn pfedafm_htcnn; do
+  fedgh_htcnn lg_fedavg_htcnn fml_htcnn pfedafm_htcnn pfedes_htcnn; do
   case $variant in
     *_tiers) args=("${variant%_tiers}" --set "model_tiers=$tiers") ;;
     fedara_htcnn) args=(fedara --set model=htcnn1) ;;
@@ -65,4 +66,5 @@ report_variants "$runs/$setting" "fedara>fedhm" "fedara>fedara_lambda0" "--paper
   "fedara>fedkd_tiers" \
   "fedara_htcnn>fedtgp_htcnn" "fedara_htcnn>fedproto_htcnn" "fedara_htcnn>local_htcnn" "fedara_htcnn>fedkd_htcnn" \
   "fedara_htcnn>fedgh_htcnn" "fedara_htcnn>lg_fedavg_htcnn" "fedara_htcnn>fml_htcnn" "fedara_htcnn>pfedafm_htcnn" \
+  "fedara_htcnn>pfedes_htcnn" \
   "--paper=fedara_htcnn=$paper_het"

@@ -87,6 +87,7 @@ BUILTINS = {
     "fedgh": "global_head",
     "fml": "fml",
     "pfedafm": "pfedafm",
+    "pfedes": "pfedes",
 }
 
 # What `jaxfed list` shows of each built-in: its group, then (name, one line: what it is, from which paper).
@@ -134,6 +135,7 @@ CATALOGUE: dict[str, list[tuple[str, str]]] = {
         ("fedgh", "private extractors, a global head trained on their prototypes (Yi et al., MM 2023)"),
         ("fml", "a private model and a shared meme model learn from each other (Shen et al. 2020)"),
         ("pfedafm", "a shared small extractor's features mixed into private models (Yi et al. 2024)"),
+        ("pfedes", "a shared small proxy extractor in front of private models (Yi et al. 2023)"),
     ],
 }
 

@@ -1,0 +1,144 @@
+"""pFedES against its round written out: the proxy extractor G as two convolutions written with
+``lax.conv_general_dilated`` (a vector as a 1-D convolution in numpy); the local model's steps on
+``(1 - mu) CE(F(x)) + mu CE(F(G(x)))`` with G frozen, then G's on ``CE(F(G(x)))`` with F frozen, by
+torch's SGD written out (the gradient clipped to its norm, weight decay added, heavy-ball momentum);
+an engine round as its clients one by one, then the sample-weighted mean of their G."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import clients_one_by_one, make_federation, one_client, round_info
+
+from jaxfed.algorithms.pfedes import PFedESOptions, ProxyExtractor, pfedes
+from jaxfed.errors import ConfigError
+from jaxfed.nn import Model
+from jaxfed.runs.config import Config
+from jaxfed.simulation import Simulation
+
+
+def cross_entropy(logits, y):
+    top = jnp.max(logits, axis=1, keepdims=True)
+    log_p = logits - top - jnp.log(jnp.sum(jnp.exp(logits - top), axis=1, keepdims=True))
+    return -jnp.mean(log_p[jnp.arange(len(y)), y])
+
+
+def conv_relu(x, layer):
+    y = jax.lax.conv_general_dilated(x, layer["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jax.nn.relu(y + layer["bias"])
+
+
+def proxy(params, images):
+    """G on ``[batch, H, W, C]`` images."""
+    return conv_relu(conv_relu(images, params["conv1"]), params["conv2"])
+
+
+def torch_sgd(lr, momentum, weight_decay, clip_norm):
+    """torch's ``clip_grad_norm_`` then ``SGD(lr, momentum, weight_decay)`` as ``(params, grad,
+    velocity) -> (params, velocity, the gradient's norm before clipping)``."""
+
+    def step(params, grad, velocity):
+        norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grad)))
+        grad = jax.tree.map(lambda g, p: g * jnp.minimum(1.0, clip_norm / norm) + weight_decay * p, grad, params)
+        velocity = jax.tree.map(lambda v, g: momentum * v + g, velocity, grad)
+        return jax.tree.map(lambda p, v: p - lr * v, params, velocity), velocity, norm
+
+    return step
+
+
+def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_model(mlp, digits_federation):
+    """One batch holds every example: ``local_epochs`` steps on F, then ``local_epochs +
+    extractor_extra_epochs`` on G, each by a fresh momentum SGD whose clipping binds. The upload is
+    G; the personalized model is F alone."""
+    lr, momentum, decay, clip, mu, epochs, extra = 0.3, 0.9, 0.01, 0.5, 0.3, 2, 1
+    alg = pfedes(mlp, lr=lr, momentum=momentum, weight_decay=decay, clip_norm=clip, mu=mu, local_epochs=epochs,
+                 extractor_extra_epochs=extra, batch_size=512)  # fmt: skip
+    server, client = alg.init(jax.random.key(0))
+    data = one_client(digits_federation, 2)
+    new, upload, metrics = jax.jit(alg.client_update)(server, client, data, jax.random.key(1), round_info())
+    idx = np.asarray(data.indices[: int(data.count)])
+    x, y = jnp.asarray(np.asarray(data.x)[idx]), jnp.asarray(np.asarray(data.y)[idx])
+    assert x.ndim == 4  # digits: 8x8 images of one channel
+
+    def model(params, inputs):
+        return mlp.apply({"params": params}, inputs)[0]
+
+    step = torch_sgd(lr, momentum, decay, clip)
+    local, g = client.params, server.params
+    local_loss = jax.grad(
+        lambda f: (1 - mu) * cross_entropy(model(f, x), y) + mu * cross_entropy(model(f, proxy(g, x)), y)
+    )
+    velocity, norms = jax.tree.map(jnp.zeros_like, local), []
+    for _ in range(epochs):
+        local, velocity, norm = step(local, local_loss(local), velocity)
+        norms.append(norm)
+    proxy_loss = jax.grad(lambda g: cross_entropy(model(local, proxy(g, x)), y))
+    velocity = jax.tree.map(jnp.zeros_like, g)
+    for _ in range(epochs + extra):
+        g, velocity, norm = step(g, proxy_loss(g), velocity)
+        norms.append(norm)
+    assert min(norms) > clip  # the clipping bound every step
+
+    chex.assert_trees_all_close(new.params, local, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(upload, g, rtol=1e-4, atol=1e-5)
+    assert float(metrics["steps"]) == 2 * epochs + extra
+    assert not np.allclose(upload["conv1"]["kernel"], server.params["conv1"]["kernel"], atol=1e-4)
+    assert alg.eval_model is None and alg.global_params is None  # F alone, the run's model; no global model
+    chex.assert_trees_all_equal(alg.eval_params(server, new), {"params": new.params})
+
+
+def test_g_keeps_a_vectors_shape_as_a_one_dimensional_convolution():
+    """A vector is one row of one channel: each output is relu(sum of three taps, zero padded)."""
+    x = np.asarray(jax.random.normal(jax.random.key(0), (3, 7)))
+    g = ProxyExtractor(width=4)
+    params = g.init(jax.random.key(1), jnp.asarray(x))["params"]
+    got = np.asarray(g.apply({"params": params}, jnp.asarray(x)))
+
+    def conv1d(h, layer):  # h [batch, positions, in]; the kernel's middle row (the row axis is one long)
+        kernel, padded = np.asarray(layer["kernel"])[1], np.pad(h, ((0, 0), (1, 1), (0, 0)))
+        out = sum(padded[:, t : t + h.shape[1]] @ kernel[t] for t in range(3))
+        return np.maximum(out + np.asarray(layer["bias"]), 0)
+
+    want = conv1d(conv1d(x[..., None], params["conv1"]), params["conv2"])[..., 0]
+    assert got.shape == x.shape and np.abs(got).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_engine_round_is_the_clients_one_by_one_then_the_weighted_mean_of_g(mlp, digits):
+    fed = make_federation(digits, num_clients=5, alpha=0.5)
+    alg = pfedes(mlp, lr=0.05, batch_size=16, local_epochs=1, extractor_extra_epochs=0)
+    sim = Simulation(alg, mlp, fed, participation=0.6)
+    state = sim.init()
+    ids, results = clients_one_by_one(sim, state, fed)
+    share = np.asarray(fed.train_count[ids], np.float64) / np.sum(fed.train_count[ids])
+    want = jax.tree.map(lambda *g: np.tensordot(share, np.asarray(g, np.float64), axes=1), *(u for _, u in results))
+    new_state, _ = jax.jit(sim.round)(state, fed)
+    chex.assert_trees_all_close(new_state.server.params, want, rtol=1e-4, atol=1e-5)
+    for i, (client, _) in zip(ids, results):
+        chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], new_state.clients.params), client.params,
+                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_token_inputs_are_one_line(digits):
+    model = Model("tokens", ProxyExtractor(), (5,), input_dtype=jnp.int32)
+    with pytest.raises(ConfigError, match="model: pfedes's proxy extractor transforms float inputs; tokens") as err:
+        pfedes(model)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("setting", ["mu=1.5", "extractor_extra_epochs=-1", "proxy_width=0"])
+def test_a_bad_option_is_one_line(setting):
+    with pytest.raises(ConfigError, match=setting.split("=")[0]) as err:
+        Config(algorithm="pfedes").with_overrides([setting]).validate()
+    assert "\n" not in str(err.value)
+
+
+def test_the_defaults_are_the_authors_code():
+    options = PFedESOptions()
+    training = (options.lr, options.momentum, options.weight_decay, options.clip_norm)
+    assert training == (0.01, 0.9, 0.001, 50.0)
+    epochs = (options.local_epochs, options.extractor_extra_epochs)
+    assert (options.batch_size, epochs, options.mu, options.proxy_width) == (512, (10, 10), 0.5, 8)
