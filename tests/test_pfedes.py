@@ -2,7 +2,8 @@
 ``lax.conv_general_dilated`` (a vector as a 1-D convolution in numpy); the local model's steps on
 ``(1 - mu) CE(F(x)) + mu CE(F(G(x)))`` with G frozen, then G's on ``CE(F(G(x)))`` with F frozen, by
 torch's SGD written out (the gradient clipped to its norm, weight decay added, heavy-ball momentum);
-an engine round as its clients one by one, then the sample-weighted mean of their G."""
+a BatchNorm model's statistics moved in phase 1 by both passes; an engine round as its clients one
+by one, then the sample-weighted mean of their G."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import clients_one_by_one, make_federation, one_client, round_info
+from conftest import BatchNormNet, clients_one_by_one, make_federation, one_client, round_info
 
 from jaxfed.algorithms.pfedes import PFedESOptions, ProxyExtractor, pfedes
 from jaxfed.errors import ConfigError
@@ -49,12 +50,14 @@ def torch_sgd(lr, momentum, weight_decay, clip_norm):
     return step
 
 
-def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_model(mlp, digits_federation):
-    """One batch holds every example: ``local_epochs`` steps on F, then ``local_epochs +
-    extractor_extra_epochs`` on G, each by a fresh momentum SGD whose clipping binds. The upload is
-    G; the personalized model is F alone."""
-    lr, momentum, decay, clip, mu, epochs, extra = 0.3, 0.9, 0.01, 0.5, 0.3, 2, 1
-    alg = pfedes(mlp, lr=lr, momentum=momentum, weight_decay=decay, clip_norm=clip, mu=mu, local_epochs=epochs,
+def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_model(digits, digits_federation):
+    """A BatchNorm model; one batch holds every example: ``local_epochs`` steps on F, each moving
+    its statistics on the batch and then on G's transform of it, then ``local_epochs +
+    extractor_extra_epochs`` steps on G through F in inference mode, each phase by a fresh
+    momentum SGD whose clipping binds. The upload is G; the personalized model is F alone."""
+    lr, momentum, decay, clip, mu, epochs, extra = 0.3, 0.9, 0.01, 0.1, 0.3, 2, 1
+    net = Model.wrap(BatchNormNet(digits.num_classes), digits.input_shape)
+    alg = pfedes(net, lr=lr, momentum=momentum, weight_decay=decay, clip_norm=clip, mu=mu, local_epochs=epochs,
                  extractor_extra_epochs=extra, batch_size=512)  # fmt: skip
     server, client = alg.init(jax.random.key(0))
     data = one_client(digits_federation, 2)
@@ -63,19 +66,23 @@ def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_mode
     x, y = jnp.asarray(np.asarray(data.x)[idx]), jnp.asarray(np.asarray(data.y)[idx])
     assert x.ndim == 4  # digits: 8x8 images of one channel
 
-    def model(params, inputs):
-        return mlp.apply({"params": params}, inputs)[0]
+    def training(params, stats, inputs):  # (logits, new statistics): normalized by the batch's own
+        return net.module.apply({"params": params, **stats}, inputs, train=True, mutable=["batch_stats"])
+
+    def local_loss(f, stats, g):
+        logits, stats = training(f, stats, x)
+        proxy_logits, stats = training(f, stats, proxy(g, x))
+        return (1 - mu) * cross_entropy(logits, y) + mu * cross_entropy(proxy_logits, y), stats
 
     step = torch_sgd(lr, momentum, decay, clip)
-    local, g = client.params, server.params
-    local_loss = jax.grad(
-        lambda f: (1 - mu) * cross_entropy(model(f, x), y) + mu * cross_entropy(model(f, proxy(g, x)), y)
-    )
+    local, stats, g = client.params, client.model_state, server.params
     velocity, norms = jax.tree.map(jnp.zeros_like, local), []
     for _ in range(epochs):
-        local, velocity, norm = step(local, local_loss(local), velocity)
+        grad, new_stats = jax.grad(local_loss, has_aux=True)(local, stats, g)
+        (local, velocity, norm), stats = step(local, grad, velocity), new_stats
         norms.append(norm)
-    proxy_loss = jax.grad(lambda g: cross_entropy(model(local, proxy(g, x)), y))
+    frozen = {"params": local, **stats}
+    proxy_loss = jax.grad(lambda g: cross_entropy(net.module.apply(frozen, proxy(g, x), train=False), y))
     velocity = jax.tree.map(jnp.zeros_like, g)
     for _ in range(epochs + extra):
         g, velocity, norm = step(g, proxy_loss(g), velocity)
@@ -83,33 +90,37 @@ def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_mode
     assert min(norms) > clip  # the clipping bound every step
 
     chex.assert_trees_all_close(new.params, local, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(new.model_state, stats, rtol=1e-4, atol=1e-6)
     chex.assert_trees_all_close(upload, g, rtol=1e-4, atol=1e-5)
     assert float(metrics["steps"]) == 2 * epochs + extra
     assert not np.allclose(upload["conv1"]["kernel"], server.params["conv1"]["kernel"], atol=1e-4)
     assert alg.eval_model is None and alg.global_params is None  # F alone, the run's model; no global model
-    chex.assert_trees_all_equal(alg.eval_params(server, new), {"params": new.params})
+    chex.assert_trees_all_equal(alg.eval_params(server, new), {"params": new.params, **new.model_state})
 
 
-def test_g_keeps_a_vectors_shape_as_a_one_dimensional_convolution():
-    """A vector is one row of one channel: each output is relu(sum of three taps, zero padded)."""
-    x = np.asarray(jax.random.normal(jax.random.key(0), (3, 7)))
+@pytest.mark.parametrize("shape", [(7,), (7, 2)], ids=["vector", "sequence"])
+def test_g_keeps_a_rows_shape_as_a_one_dimensional_convolution(shape):
+    """A vector is one row of one channel, ``[L, C]`` one row of ``L`` positions: each output is
+    relu(the sum of three taps over the channels, zero padded)."""
+    x = np.asarray(jax.random.normal(jax.random.key(0), (3, *shape)))
     g = ProxyExtractor(width=4)
     params = g.init(jax.random.key(1), jnp.asarray(x))["params"]
     got = np.asarray(g.apply({"params": params}, jnp.asarray(x)))
 
-    def conv1d(h, layer):  # h [batch, positions, in]; the kernel's middle row (the row axis is one long)
-        kernel, padded = np.asarray(layer["kernel"])[1], np.pad(h, ((0, 0), (1, 1), (0, 0)))
+    def conv1d(h, layer):  # h [batch, positions, in]; the kernel [1, 3, in, out]
+        kernel, padded = np.asarray(layer["kernel"])[0], np.pad(h, ((0, 0), (1, 1), (0, 0)))
         out = sum(padded[:, t : t + h.shape[1]] @ kernel[t] for t in range(3))
         return np.maximum(out + np.asarray(layer["bias"]), 0)
 
-    want = conv1d(conv1d(x[..., None], params["conv1"]), params["conv2"])[..., 0]
+    rows = x.reshape(3, 7, -1)
+    want = conv1d(conv1d(rows, params["conv1"]), params["conv2"]).reshape(x.shape)
     assert got.shape == x.shape and np.abs(got).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_an_engine_round_is_the_clients_one_by_one_then_the_weighted_mean_of_g(mlp, digits):
     fed = make_federation(digits, num_clients=5, alpha=0.5)
-    alg = pfedes(mlp, lr=0.05, batch_size=16, local_epochs=1, extractor_extra_epochs=0)
+    alg = pfedes(mlp, lr=0.05, batch_size=16, local_epochs=1, extractor_extra_epochs=1)
     sim = Simulation(alg, mlp, fed, participation=0.6)
     state = sim.init()
     ids, results = clients_one_by_one(sim, state, fed)
@@ -122,9 +133,15 @@ def test_an_engine_round_is_the_clients_one_by_one_then_the_weighted_mean_of_g(m
                                     rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
-def test_token_inputs_are_one_line(digits):
-    model = Model("tokens", ProxyExtractor(), (5,), input_dtype=jnp.int32)
-    with pytest.raises(ConfigError, match="model: pfedes's proxy extractor transforms float inputs; tokens") as err:
+@pytest.mark.parametrize(
+    "shape, dtype, message",
+    [((5,), jnp.int32, "transforms float inputs; model inputs takes integer ids"),
+     ((2, 2, 2, 1), jnp.float32, "takes vectors, sequences or images; model inputs's inputs are \\(2, 2, 2, 1\\)")],
+    ids=["token ids", "volumes"],
+)  # fmt: skip
+def test_inputs_g_cannot_transform_are_one_line(shape, dtype, message):
+    model = Model("inputs", ProxyExtractor(), shape, input_dtype=dtype)
+    with pytest.raises(ConfigError, match="pfedes: the proxy extractor " + message) as err:
         pfedes(model)
     assert "\n" not in str(err.value)
 

@@ -174,7 +174,7 @@ def test_a_clients_update_is_its_tier_model_trained_on_its_own(models, digits_fe
     own = own._replace(params=reference_unembed(client.inner.params, small))
     assert np.all(not_owned(client.inner.params, small) == 0)
     data, rng = one_client(digits_federation, 3), jax.random.key(5)
-    message = global_head() if build is fedgh else plain.init(jax.random.key(0))[0] if build is pfedes else prototypes()
+    message = {fedgh: global_head, pfedes: lambda: plain.init(jax.random.key(0))[0]}.get(build, prototypes)()
     new, upload, _ = jax.jit(alg.client_update)(message, client, data, rng, round_info(tier=None))
     want, want_upload, _ = jax.jit(plain.client_update)(message, own, data, rng, round_info())
     trained = reference_unembed(new.inner.params, small)

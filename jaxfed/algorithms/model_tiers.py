@@ -40,7 +40,7 @@ from jaxfed.algorithms.fedhm import tier_ranks
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank, stack_trees
 from jaxfed.errors import ConfigError
-from jaxfed.nn import CONV_IMPLS, MODELS, NORMS, Model, get_model, model_template, user
+from jaxfed.nn import CONV_IMPLS, MODELS, NORMS, Model, built_in_setting, get_model, model_template, user
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_layer
 from jaxfed.nn.nesting import nesting
@@ -183,12 +183,9 @@ def head_shape(model: Model, head: str) -> tuple[int, int]:
 def model_like(name: str, model: Model, classes: int, field: str) -> Model:
     """The model ``name`` for the run's inputs and ``classes`` outputs, with the run's model's
     normalization and convolutions where it is a built-in (a ConfigError naming ``field``)."""
-    norm, conv = getattr(model.module, "norm", "group"), getattr(model.module, "conv", "patches")
+    norm, conv = built_in_setting(model, "norm", NORMS, "group"), built_in_setting(model, "conv", CONV_IMPLS, "patches")
     try:
-        return get_model(
-            name, model.input_shape, classes,
-            norm=norm if norm in NORMS else "group", conv=conv if conv in CONV_IMPLS else "patches",
-        )  # fmt: skip
+        return get_model(name, model.input_shape, classes, norm=norm, conv=conv)
     except ConfigError as err:  # "model: ..." about the tier's model
         raise ConfigError(f"{field}: {str(err).removeprefix('model: ')}") from None
 

@@ -25,12 +25,12 @@ Defaults are the authors' code (``pFedAFM_mh.py``: SGD lr 0.01, momentum 0.9, we
 gradients clipped to norm 50, batch 512, 10 epochs per phase; ``alpha``: lr 0.01, the same momentum
 and decay, not clipped). Where jaxfed differs from the authors' code: each phase makes a fresh
 optimizer (theirs keeps one for ``G`` and one for ``alpha`` across every client and round, the
-momentum carried from one client to the next), a client's batches are shuffled every epoch, the
-server weighs by training examples (theirs by all of a client's examples), ``G``'s BatchNorm
-statistics, where it has any, stay on each client, ``G`` runs in inference mode in phase 1 and in
-evaluation (theirs never leaves train mode), each client keeps its own ``alpha`` (theirs stores one
-shared parameter object, so each client starts from the previous client's), and a client is
-evaluated with the server's ``G`` after the round's mean (theirs right after phase 1).
+momentum carried from one client to the next), the server weighs by training examples (theirs by
+all of a client's examples), ``G``'s BatchNorm statistics, where it has any, stay on each client,
+``G`` runs in inference mode in phase 1 and in evaluation (theirs never leaves train mode), each
+client keeps its own ``alpha`` (theirs stores one shared parameter object, so each client starts
+from the previous client's), and a client is evaluated with the server's ``G`` after the round's
+mean (theirs right after phase 1).
 """
 
 from __future__ import annotations

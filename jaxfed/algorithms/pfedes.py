@@ -18,11 +18,13 @@ Defaults are the authors' code (``pFedES_mh.py``): SGD lr 0.01, momentum 0.9, we
 gradients clipped to norm 50, batch 512, 10 epochs on ``F`` and 20 on ``G`` (``epochs + 10``),
 ``mu`` 0.5, ``G`` of 8 filters. Where jaxfed differs from that code: each phase makes a fresh
 optimizer (theirs keeps ``G``'s across every client and round, its momentum carried from one
-client to the next), a client's batches are shuffled every epoch, the server weighs by training
-examples (theirs by all of a client's examples), ``F`` runs in inference mode in phase 2 (theirs
-stays in train mode: the same for their CNNs, which have no BatchNorm or dropout), and ``G``'s
-parameters start at Flax's initializers (theirs at torch's). A flat input (a vector) is one row
-of one channel for ``G``'s convolutions.
+client to the next), the server weighs by training examples (theirs by all of a client's
+examples), ``F`` runs in inference mode in phase 2 (theirs stays in train mode: the same for their
+CNNs, which have no BatchNorm or dropout), ``G``'s parameters start at Flax's initializers (theirs
+at torch's), and no training image is augmented (theirs are flipped, erased and cropped at
+random). The ``+ 10`` epochs are their heterogeneous-model script's; their homogeneous one
+(``pFedES.py``) trains ``G`` for ``epochs`` (``extractor_extra_epochs=0``). A flat input (a
+vector) is one row of one channel for ``G``'s convolutions, each a 1x3 window.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core.losses import masked_loss
 from jaxfed.errors import ConfigError
-from jaxfed.nn import Conv, split_variables
+from jaxfed.nn import CONV_IMPLS, Conv, built_in_setting, split_variables
 from jaxfed.options import (
     TrainingOptions,
     at_least,
@@ -87,7 +89,7 @@ class PFedESOptions(TrainingOptions):
 class ProxyExtractor(nn.Module):
     """The proxy extractor ``G``: ``[batch, H, W, C]`` -> the same shape, by a 3x3 SAME convolution
     of ``width`` filters and one of ``C``, each ReLU. ``[batch, L, C]`` is one row of ``L``
-    positions, ``[batch, D]`` one row of ``D`` positions and one channel."""
+    positions, ``[batch, D]`` one row of ``D`` positions and one channel; a row's kernels are 1x3."""
 
     width: int = 8
     conv: str = "patches"
@@ -95,8 +97,9 @@ class ProxyExtractor(nn.Module):
     @nn.compact
     def __call__(self, x):
         image = as_image(x)
-        h = nn.relu(Conv(self.width, (3, 3), padding="SAME", impl=self.conv, name="conv1")(image))
-        h = nn.relu(Conv(image.shape[-1], (3, 3), padding="SAME", impl=self.conv, name="conv2")(h))
+        window = (3, 3) if x.ndim == 4 else (1, 3)
+        h = nn.relu(Conv(self.width, window, padding="SAME", impl=self.conv, name="conv1")(image))
+        h = nn.relu(Conv(image.shape[-1], window, padding="SAME", impl=self.conv, name="conv2")(h))
         return h.reshape(x.shape)
 
 
@@ -113,15 +116,14 @@ def as_image(x):
 def proxy_extractor(model, width: int) -> ProxyExtractor:
     """``G`` for ``model``'s inputs, with the run's convolution (a one-line ConfigError for inputs it
     cannot transform: token ids, or more than two positional axes)."""
-    if not jnp.issubdtype(model.input_dtype, jnp.floating):
-        dtype = jnp.dtype(model.input_dtype)
-        raise ConfigError(f"model: pfedes's proxy extractor transforms float inputs; {model.name} takes {dtype}")
+    if jnp.issubdtype(model.input_dtype, jnp.integer):
+        raise ConfigError(f"pfedes: the proxy extractor transforms float inputs; model {model.name} takes integer ids")
     if len(model.input_shape) > 3:
         raise ConfigError(
-            f"model: pfedes's proxy extractor takes vectors, sequences or images; {model.name}'s inputs are "
+            f"pfedes: the proxy extractor takes vectors, sequences or images; model {model.name}'s inputs are "
             f"{model.input_shape}"
         )
-    return ProxyExtractor(width, conv=getattr(model.module, "conv", "patches"))
+    return ProxyExtractor(width, conv=built_in_setting(model, "conv", CONV_IMPLS, "patches"))
 
 
 class Proxy(NamedTuple):
@@ -161,7 +163,7 @@ def pfedes(model, options: PFedESOptions | None = None, **overrides) -> Federate
 
     def proxy_loss(proxy_params, local, batch):  # phase 2: the local model frozen, in inference mode
         transformed = proxy.apply({"params": proxy_params}, batch.x)
-        logits, _ = model.apply(local, transformed)
+        logits, _ = model.apply(local, transformed, mask=batch.mask)
         return masked_loss(logits, batch.y, batch.mask), local
 
     def client_update(message: Proxy, client: ClientState, data, rng, info):

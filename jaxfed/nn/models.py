@@ -281,6 +281,14 @@ def model_template(model):
     return split_variables(jax.eval_shape(model.init, jax.random.key(0)))
 
 
+def built_in_setting(model: Model, name: str, allowed, default: str) -> str:
+    """``model``'s module's ``name`` attribute (a built-in model's ``norm`` or ``conv``) where it is
+    one of ``allowed``, else ``default``: what a model the library builds beside it (a tier's, an
+    algorithm's own) runs with, whatever a user's module means by that attribute."""
+    value = getattr(model.module, name, default)
+    return value if value in allowed else default
+
+
 def get_model(
     name: str, input_shape, num_classes: int, norm: str = "group", conv: str = "patches", hidden=None
 ) -> Model:
