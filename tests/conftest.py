@@ -116,6 +116,19 @@ def one_client(fed, client: int):
     return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
 
 
+def torch_sgd(lr, momentum, weight_decay, clip_norm):
+    """torch's ``clip_grad_norm_`` then ``SGD(lr, momentum, weight_decay)`` as ``(params, grad,
+    velocity) -> (params, velocity, the gradient's norm before clipping)``."""
+
+    def step(params, grad, velocity):
+        norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grad)))
+        grad = jax.tree.map(lambda g, p: g * jnp.minimum(1.0, clip_norm / norm) + weight_decay * p, grad, params)
+        velocity = jax.tree.map(lambda v, g: momentum * v + g, velocity, grad)
+        return jax.tree.map(lambda p, v: p - lr * v, params, velocity), velocity, norm
+
+    return step
+
+
 def clients_one_by_one(sim, state, fed):
     """Round ``state.round``'s sampled clients (in id order) each updated by itself, as the engine's
     reference: ``(ids, [(new client state, upload), ...])`` from the server's broadcast, each

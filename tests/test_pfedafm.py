@@ -1,7 +1,8 @@
-"""pFedAFM against its round written out: the mixed model's gradient steps on the local model and
-the weights alpha (projected onto [0, 1]), then the global extractor's steps under the client's
-trained head; its personalized model as the mixture computed from the modules' own features; an
-engine round as its clients one by one, then the sample-weighted mean of the extractors."""
+"""pFedAFM against its round written out: the mixed model's momentum SGD steps (torch's, written
+out) on the local model and the weights alpha (projected onto [0, 1]), then the global extractor's
+steps under the client's trained head; its personalized model as the mixture computed from the
+modules' own features; an engine round as its clients one by one, then the sample-weighted mean of
+the extractors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import clients_one_by_one, make_federation, module_features, one_client, round_info
+from conftest import clients_one_by_one, make_federation, module_features, one_client, round_info, torch_sgd
 
 from jaxfed.algorithms.pfedafm import PFedAFMOptions, pfedafm
 from jaxfed.errors import ConfigError
@@ -39,13 +40,14 @@ def mixture_logits(model, local, mix, extractor, x):
 
 
 def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digits_federation):
-    """One batch holds every example, plain SGD: ``local_epochs`` steps on the local model and alpha
-    (alpha's steps at ``mix_lr``, clipped to [0, 1]: large enough that some weights hit a bound),
-    then ``local_epochs`` steps on G alone with the trained head; the upload is G without a head.
-    The personalized model is the mixture with the server's G."""
-    lr, mix_lr, epochs = 0.3, 40.0, 3
-    alg = pfedafm(mlp, lr=lr, mix_lr=mix_lr, local_epochs=epochs, batch_size=512, momentum=0.0,
-                  weight_decay=0.0, clip_norm=0.0)  # fmt: skip
+    """One batch holds every example, torch's momentum SGD with weight decay: ``local_epochs`` steps
+    on the local model (its gradient clipped, binding) and alpha (unclipped, at ``mix_lr``, then
+    projected onto [0, 1]: large enough that some weights hit a bound), then ``local_epochs`` steps
+    on G alone with the trained head (clipped), each phase's optimizer fresh; the upload is G
+    without a head. The personalized model is the mixture with the server's G."""
+    lr, mix_lr, epochs, momentum, decay, clip = 0.3, 40.0, 3, 0.9, 0.01, 0.1
+    alg = pfedafm(mlp, lr=lr, mix_lr=mix_lr, local_epochs=epochs, batch_size=512, momentum=momentum,
+                  weight_decay=decay, clip_norm=clip)  # fmt: skip
     server, client = alg.init(jax.random.key(0))
     assert "head" not in server.params and np.all(np.asarray(client.mix) == 1.0)
     data = one_client(digits_federation, 2)
@@ -55,14 +57,20 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digi
 
     local, mix, extractor = client.params, client.mix, server.params
     grad = jax.grad(lambda local, mix: cross_entropy(mixture_logits(mlp, local, mix, extractor, x), y), argnums=(0, 1))
+    step, mix_step = torch_sgd(lr, momentum, decay, clip), torch_sgd(mix_lr, momentum, decay, jnp.inf)
+    velocity, mix_velocity, norms = jax.tree.map(jnp.zeros_like, local), jnp.zeros_like(mix), []
     for _ in range(epochs):
         g_local, g_mix = grad(local, mix)
-        local = jax.tree.map(lambda p, d: p - lr * d, local, g_local)
-        mix = jnp.clip(mix - mix_lr * g_mix, 0.0, 1.0)
+        local, velocity, norm = step(local, g_local, velocity)
+        mix, mix_velocity, _ = mix_step(mix, g_mix, mix_velocity)
+        mix, norms = jnp.clip(mix, 0.0, 1.0), norms + [norm]
     head = local["head"]
     grad_g = jax.grad(lambda g: cross_entropy(features(mlp, with_head(g, head), x) @ head["kernel"] + head["bias"], y))
+    velocity = jax.tree.map(jnp.zeros_like, extractor)
     for _ in range(epochs):
-        extractor = jax.tree.map(lambda p, d: p - lr * d, extractor, grad_g(extractor))
+        extractor, velocity, norm = step(extractor, grad_g(extractor), velocity)
+        norms.append(norm)
+    assert min(norms) > clip  # the clipping bound every step
 
     chex.assert_trees_all_close(new.params, local, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(new.mix, mix, rtol=1e-4, atol=1e-5)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BatchNormNet, clients_one_by_one, make_federation, one_client, round_info
+from conftest import BatchNormNet, clients_one_by_one, make_federation, one_client, round_info, torch_sgd
 
 from jaxfed.algorithms.pfedes import PFedESOptions, ProxyExtractor, pfedes
 from jaxfed.errors import ConfigError
@@ -35,19 +35,6 @@ def conv_relu(x, layer):
 def proxy(params, images):
     """G on ``[batch, H, W, C]`` images."""
     return conv_relu(conv_relu(images, params["conv1"]), params["conv2"])
-
-
-def torch_sgd(lr, momentum, weight_decay, clip_norm):
-    """torch's ``clip_grad_norm_`` then ``SGD(lr, momentum, weight_decay)`` as ``(params, grad,
-    velocity) -> (params, velocity, the gradient's norm before clipping)``."""
-
-    def step(params, grad, velocity):
-        norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grad)))
-        grad = jax.tree.map(lambda g, p: g * jnp.minimum(1.0, clip_norm / norm) + weight_decay * p, grad, params)
-        velocity = jax.tree.map(lambda v, g: momentum * v + g, velocity, grad)
-        return jax.tree.map(lambda p, v: p - lr * v, params, velocity), velocity, norm
-
-    return step
 
 
 def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_model(digits, digits_federation):
