@@ -12,6 +12,9 @@ from conftest import make_federation, round_info
 
 from jaxfed.algorithms import fedara, feddecomp, fedhm, fedloru, floral, registry
 from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.fedrod import fedrod
+from jaxfed.algorithms.global_head import fedgh
+from jaxfed.algorithms.pfedafm import pfedafm
 from jaxfed.algorithms.training import classification_loss
 from jaxfed.core import lowrank
 from jaxfed.data import Batch, Dataset, federate, partition
@@ -101,6 +104,26 @@ def test_fedara_private_head_defaults_to_the_last_dense_and_is_configurable(user
     expected = "head: 'Conv_1' is not a Dense layer of the model; allowed: Dense_0, Dense_1"
     with pytest.raises(ConfigError, match=expected):
         fedara.fedara(user_model, head="Conv_1")
+
+
+class BiaslessHead(nn.Module):
+    """A user's MLP whose last Dense layer has no bias."""
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.relu(nn.Dense(24, name="hidden")(x.reshape(x.shape[0], -1)))
+        return nn.Dense(10, use_bias=False, name="head")(hidden)
+
+
+@pytest.mark.parametrize("build", [fedrod, fedgh, pfedafm], ids=lambda build: build.__name__)
+def test_a_head_that_does_not_give_the_outputs_is_one_line(build, user_model):
+    """FedRoD's personal head, FedGH's server and pFedAFM's mixture compute the model's outputs
+    from the head's parameters: an earlier Dense layer, or one without a bias, is refused."""
+    name = build.__name__
+    with pytest.raises(ConfigError, match=f"head: {name} computes the model's outputs .*'Dense_1'\\), not 'Dense_0'$"):
+        build(user_model, head="Dense_0")
+    with pytest.raises(ConfigError, match=f"head: {name} computes .* 'head' has no bias$"):
+        build(Model.wrap(BiaslessHead(), (8, 8, 1)))
 
 
 @pytest.mark.parametrize("build", [fedhm.fedhm, fedara.fedara, feddecomp.feddecomp, floral.floral, fedloru.fedloru])

@@ -75,7 +75,7 @@ def summed_head(params, head: str, personal):
 def fedrod(model, options: FedRoDOptions | None = None, **overrides) -> FederatedAlgorithm:
     """FedRoD: the generic model averaged (balanced softmax), a personal head per client."""
     options = resolve(FedRoDOptions, options, overrides)
-    head = head_layer(model, options.head, "fedrod")
+    head = head_layer(model, options.head, "fedrod", outputs=True)
     template, model_stats = model_template(model)
     num_classes = lowrank.get_layer(template, head)["kernel"].shape[-1]
 

@@ -149,7 +149,7 @@ def lg_fedavg(model, options: GlobalHeadOptions | None = None, **overrides) -> F
 def fedgh(model, options: FedGHOptions | None = None, **overrides) -> FederatedAlgorithm:
     """FedGH: private extractors, a global head the server trains on their class prototypes."""
     options = resolve(FedGHOptions, options, overrides)
-    head = head_layer(model, options.head, "fedgh")
+    head = head_layer(model, options.head, "fedgh", outputs=True)
 
     def upload_of(params, model_state, data, client_state):
         means, counts = class_means(model, head, {"params": params, **model_state}, data, options.batch_size)

@@ -185,7 +185,7 @@ def check_global_model(model, head: str, extractor: Extractor, field: str = "glo
 def pfedafm(model, options: PFedAFMOptions | None = None, **overrides) -> FederatedAlgorithm:
     """pFedAFM: a shared small feature extractor mixed into private models by private weights."""
     options = resolve(PFedAFMOptions, options, overrides)
-    head = head_layer(model, options.head, "pfedafm")
+    head = head_layer(model, options.head, "pfedafm", outputs=True)
     classes = head_shape(model, head)[1]
     global_model = model_like(options.global_model, model, classes, "global_model") if options.global_model else model
     extractor = Extractor.of(global_model)

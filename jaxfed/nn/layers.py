@@ -59,17 +59,29 @@ def last_dense_layer(model) -> str:
     return dense[-1] if dense else ""
 
 
-def head_layer(model, head: str = "", algorithm: str = "") -> str:
+def head_layer(model, head: str = "", algorithm: str = "", *, outputs: bool = False) -> str:
     """The classifier head's key: ``head`` if it is a Dense layer the forward pass calls, else (empty)
-    the last one called; one-line ConfigErrors naming the Dense layers there are."""
+    the last one called; one-line ConfigErrors naming the Dense layers there are. ``outputs``: the
+    algorithm computes the model's outputs from the head's parameters (:func:`dense`), so the head
+    must be the last Dense layer called, with a bias."""
     from jaxfed.errors import ConfigError
 
+    calls = dict(_calls(model))
     dense = dense_layers(model)
     if not dense:
         raise no_adaptable_layers(algorithm or "head", model)
     head = head or dense[-1]
     if head not in dense:
         raise ConfigError(f"head: '{head}' is not a Dense layer of the model; allowed: {', '.join(dense)}")
+    if outputs and head != dense[-1]:
+        raise ConfigError(
+            f"head: {algorithm} computes the model's outputs from its head, so it must be the last Dense layer "
+            f"('{dense[-1]}'), not '{head}'"
+        )
+    if outputs and not calls[head].use_bias:
+        raise ConfigError(
+            f"head: {algorithm} computes the model's outputs as features @ kernel + bias; '{head}' has no bias"
+        )
     return head
 
 
