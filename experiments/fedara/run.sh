@@ -12,7 +12,8 @@
 # five distinct CNNs (tier_models=htcnn1..5, Yi et al.'s CNN-1..CNN-5, the family of pFedES /
 # pFedAFM which the paper compares against).
 # Usage: experiments/fedara/run.sh DATA_DIR [SETTING] [-- --set key=value ...]
-#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 24 variants),
+#   SETTING: reduced (default; Fashion-MNIST, about 10 minutes per run on 2 CPU cores, 24 variants;
+#   pfedes_htcnn about 50 minutes for three seeds, G training the authors' local_epochs + 10 epochs),
 #   cifar10_dir, cifar10_pat, cifar100_dir, cifar100_pat (the paper's: an accelerator's job)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
 # std, per-seed values, spread plot, verdicts of the paper's claims).
