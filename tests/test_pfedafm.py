@@ -56,8 +56,10 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digi
     x, y = jnp.asarray(np.asarray(data.x)[idx]), jnp.asarray(np.asarray(data.y)[idx])
 
     local, mix, extractor = client.params, client.mix, server.params
-    grad = jax.grad(lambda local, mix: cross_entropy(mixture_logits(mlp, local, mix, extractor, x), y), argnums=(0, 1))
-    step, mix_step = torch_sgd(lr, momentum, decay, clip), torch_sgd(mix_lr, momentum, decay, jnp.inf)
+    grad = jax.jit(
+        jax.grad(lambda local, mix: cross_entropy(mixture_logits(mlp, local, mix, extractor, x), y), argnums=(0, 1))
+    )
+    step, mix_step = jax.jit(torch_sgd(lr, momentum, decay, clip)), jax.jit(torch_sgd(mix_lr, momentum, decay, jnp.inf))
     velocity, mix_velocity, norms = jax.tree.map(jnp.zeros_like, local), jnp.zeros_like(mix), []
     for _ in range(epochs):
         g_local, g_mix = grad(local, mix)
@@ -65,7 +67,9 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digi
         mix, mix_velocity, _ = mix_step(mix, g_mix, mix_velocity)
         mix, norms = jnp.clip(mix, 0.0, 1.0), norms + [norm]
     head = local["head"]
-    grad_g = jax.grad(lambda g: cross_entropy(features(mlp, with_head(g, head), x) @ head["kernel"] + head["bias"], y))
+    grad_g = jax.jit(
+        jax.grad(lambda g: cross_entropy(features(mlp, with_head(g, head), x) @ head["kernel"] + head["bias"], y))
+    )
     velocity = jax.tree.map(jnp.zeros_like, extractor)
     for _ in range(epochs):
         extractor, velocity, norm = step(extractor, grad_g(extractor), velocity)

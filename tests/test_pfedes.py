@@ -61,15 +61,15 @@ def test_a_client_trains_its_model_through_frozen_g_then_g_under_its_frozen_mode
         proxy_logits, stats = training(f, stats, proxy(g, x))
         return (1 - mu) * cross_entropy(logits, y) + mu * cross_entropy(proxy_logits, y), stats
 
-    step = torch_sgd(lr, momentum, decay, clip)
+    step, local_grad = jax.jit(torch_sgd(lr, momentum, decay, clip)), jax.jit(jax.grad(local_loss, has_aux=True))
     local, stats, g = client.params, client.model_state, server.params
     velocity, norms = jax.tree.map(jnp.zeros_like, local), []
     for _ in range(epochs):
-        grad, new_stats = jax.grad(local_loss, has_aux=True)(local, stats, g)
+        grad, new_stats = local_grad(local, stats, g)
         (local, velocity, norm), stats = step(local, grad, velocity), new_stats
         norms.append(norm)
     frozen = {"params": local, **stats}
-    proxy_loss = jax.grad(lambda g: cross_entropy(net.module.apply(frozen, proxy(g, x), train=False), y))
+    proxy_loss = jax.jit(jax.grad(lambda g: cross_entropy(net.module.apply(frozen, proxy(g, x), train=False), y)))
     velocity = jax.tree.map(jnp.zeros_like, g)
     for _ in range(epochs + extra):
         g, velocity, norm = step(g, proxy_loss(g), velocity)
