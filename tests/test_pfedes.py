@@ -120,6 +120,20 @@ def test_an_engine_round_is_the_clients_one_by_one_then_the_weighted_mean_of_g(m
                                     rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
+def test_a_tiered_local_model_trains_its_rank_level_and_the_whole_g(mlp, digits_federation):
+    """With ``model_tiers`` a tier-1 client's model is its rank level (rank 50 of 200 in the
+    decomposed layer, after training too), and the G it trains through that model is the whole G."""
+    alg = pfedes(mlp, model_tiers=(1.0, 0.25), lr=0.1, batch_size=16, local_epochs=1, extractor_extra_epochs=0)
+    server, template = alg.init(jax.random.key(0))
+    client = alg.init_client(template, jnp.int32(3), jnp.int32(1))
+    new, upload, _ = jax.jit(alg.client_update)(server, client, one_client(digits_federation, 3),
+                                                jax.random.key(5), round_info(tier=None))  # fmt: skip
+    local = np.asarray(alg.eval_params(server, new)["params"]["fc2"]["kernel"])
+    assert np.linalg.matrix_rank(local, tol=1e-4) == 50
+    chex.assert_trees_all_equal_shapes(upload, server.params)
+    assert not np.allclose(upload["conv1"]["kernel"], server.params["conv1"]["kernel"], atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "shape, dtype, message",
     [((5,), jnp.int32, "transforms float inputs; model inputs takes integer ids"),
