@@ -150,7 +150,7 @@ def pfedes(model, options: PFedESOptions | None = None, **overrides) -> Federate
         return Proxy(proxy_params), ClientState(params, model_state)
 
     def local_loss(params, states, batch):  # phase 1: G frozen
-        keys = (None, None) if batch.key is None else jax.random.split(batch.key)
+        keys = jax.random.split(batch.key)  # each pass its own dropout masks, as torch's two forward calls
         transformed = proxy.apply({"params": states["proxy"]}, batch.x)
         logits, model_state = model.apply(
             {"params": params, **states["model"]}, batch.x, train=True, mask=batch.mask, rng=keys[0]

@@ -48,9 +48,14 @@ def interior_layers(model) -> list[str]:
     return layers[1:-1] or layers[:1]
 
 
+def _dense_calls(model) -> dict[str, nn.Dense]:
+    """``{key: module}`` of the model's ``nn.Dense`` layers in call order."""
+    return {key: module for key, module in _calls(model) if isinstance(module, nn.Dense)}
+
+
 def dense_layers(model) -> list[str]:
     """Keys of the model's ``nn.Dense`` layers in the order a forward pass calls them."""
-    return [key for key, module in _calls(model) if isinstance(module, nn.Dense)]
+    return list(_dense_calls(model))
 
 
 def last_dense_layer(model) -> str:
@@ -66,8 +71,8 @@ def head_layer(model, head: str = "", algorithm: str = "", *, outputs: bool = Fa
     must be the last Dense layer called, with a bias."""
     from jaxfed.errors import ConfigError
 
-    calls = dict(_calls(model))
-    dense = dense_layers(model)
+    modules = _dense_calls(model)  # one traced forward pass
+    dense = list(modules)
     if not dense:
         raise no_adaptable_layers(algorithm or "head", model)
     head = head or dense[-1]
@@ -78,7 +83,7 @@ def head_layer(model, head: str = "", algorithm: str = "", *, outputs: bool = Fa
             f"head: {algorithm} computes the model's outputs from its head, so it must be the last Dense layer "
             f"('{dense[-1]}'), not '{head}'"
         )
-    if outputs and not calls[head].use_bias:
+    if outputs and not modules[head].use_bias:
         raise ConfigError(
             f"head: {algorithm} computes the model's outputs as features @ kernel + bias; '{head}' has no bias"
         )
