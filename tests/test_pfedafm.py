@@ -1,10 +1,12 @@
 """pFedAFM against its round written out: the mixed model's momentum SGD steps (torch's, written
 out) on the local model and the weights alpha (projected onto [0, 1]), then the global extractor's
-steps under the client's trained head; its personalized model as the mixture computed from the
-modules' own features; an engine round as its clients one by one, then the sample-weighted mean of
-the extractors."""
+steps under the client's trained head (G the run's model, or another with BatchNorm statistics the
+client keeps); its personalized model as the mixture computed from the modules' own features; an
+engine round as its clients one by one, then the sample-weighted mean of the extractors."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import chex
 import jax
@@ -15,6 +17,7 @@ from conftest import clients_one_by_one, make_federation, module_features, one_c
 
 from jaxfed.algorithms.pfedafm import PFedAFMOptions, pfedafm
 from jaxfed.errors import ConfigError
+from jaxfed.nn import get_model
 from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation
 
@@ -25,39 +28,54 @@ def cross_entropy(logits, y):
     return -jnp.mean(log_p[jnp.arange(len(y)), y])
 
 
-def features(model, params, x):
-    return module_features(model, params, x)
+def extractor_features(extractor_model, params, stats, x, *, train):
+    """``(G's features, its new statistics)`` from its module itself (``features=True``): in
+    training mode normalized by the batch and its statistics moved, else by its statistics."""
+    features, moved = extractor_model.module.apply(
+        {"params": params, **stats}, x, train=train, features=True, mutable=["batch_stats"]
+    )
+    return features, (moved if train else stats)
 
 
-def with_head(extractor, head):
-    return {**extractor, "head": head}
-
-
-def mixture_logits(model, local, mix, extractor, x):
-    """``h(alpha f(x) + (1 - alpha) g(x))`` from the modules' own features (``features=True``)."""
-    mixed = mix * features(model, local, x) + (1 - mix) * features(model, with_head(extractor, local["head"]), x)
+def mixture_logits(model, local, mix, extractor_model, extractor, stats, x):
+    """``h(alpha f(x) + (1 - alpha) g(x))``, G in inference mode."""
+    shared, _ = extractor_features(extractor_model, extractor, stats, x, train=False)
+    mixed = mix * module_features(model, local, x) + (1 - mix) * shared
     return mixed @ local["head"]["kernel"] + local["head"]["bias"]
 
 
-def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digits_federation):
+SMALL_MODELS = Path(__file__).with_name("small_models.py")
+
+
+@pytest.mark.parametrize("other", [False, True], ids=["g_is_the_run_model", "g_another_model_with_batchnorm"])
+def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(other, digits, digits_federation):
     """One batch holds every example, torch's momentum SGD with weight decay: ``local_epochs`` steps
     on the local model (its gradient clipped, binding) and alpha (unclipped, at ``mix_lr``, then
-    projected onto [0, 1]: large enough that some weights hit a bound), then ``local_epochs`` steps
-    on G alone with the trained head (clipped), each phase's optimizer fresh; the upload is G
+    projected onto [0, 1]: large enough that some weights hit a bound), G frozen in inference mode;
+    then ``local_epochs`` steps on G alone with the trained head (clipped), G in training mode, its
+    BatchNorm statistics (G of another architecture: a 16-wide BatchNorm net beside a 16-wide MLP)
+    moved on each batch and kept by the client; each phase's optimizer fresh; the upload is G
     without a head. The personalized model is the mixture with the server's G."""
     lr, mix_lr, epochs, momentum, decay, clip = 0.3, 40.0, 3, 0.9, 0.01, 0.1
-    alg = pfedafm(mlp, lr=lr, mix_lr=mix_lr, local_epochs=epochs, batch_size=512, momentum=momentum,
-                  weight_decay=decay, clip_norm=clip)  # fmt: skip
+    model = get_model("mlp", digits.input_shape, digits.num_classes, hidden=(16,) if other else None)
+    global_model = f"{SMALL_MODELS}:BatchNormNet" if other else ""
+    alg = pfedafm(model, lr=lr, mix_lr=mix_lr, local_epochs=epochs, batch_size=512, momentum=momentum,
+                  weight_decay=decay, clip_norm=clip, global_model=global_model)  # fmt: skip
+    g_model = get_model(global_model, digits.input_shape, digits.num_classes) if other else model
     server, client = alg.init(jax.random.key(0))
     assert "head" not in server.params and np.all(np.asarray(client.mix) == 1.0)
+    assert ("batch_stats" in client.extractor_state) == other
     data = one_client(digits_federation, 2)
     new, upload, metrics = jax.jit(alg.client_update)(server, client, data, jax.random.key(1), round_info())
     idx = np.asarray(data.indices[: int(data.count)])
     x, y = jnp.asarray(np.asarray(data.x)[idx]), jnp.asarray(np.asarray(data.y)[idx])
 
-    local, mix, extractor = client.params, client.mix, server.params
+    local, mix, extractor, stats = client.params, client.mix, server.params, client.extractor_state
     grad = jax.jit(
-        jax.grad(lambda local, mix: cross_entropy(mixture_logits(mlp, local, mix, extractor, x), y), argnums=(0, 1))
+        jax.grad(
+            lambda local, mix: cross_entropy(mixture_logits(model, local, mix, g_model, extractor, stats, x), y),
+            argnums=(0, 1),
+        )
     )
     step, mix_step = jax.jit(torch_sgd(lr, momentum, decay, clip)), jax.jit(torch_sgd(mix_lr, momentum, decay, jnp.inf))
     velocity, mix_velocity, norms = jax.tree.map(jnp.zeros_like, local), jnp.zeros_like(mix), []
@@ -67,12 +85,16 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digi
         mix, mix_velocity, _ = mix_step(mix, g_mix, mix_velocity)
         mix, norms = jnp.clip(mix, 0.0, 1.0), norms + [norm]
     head = local["head"]
-    grad_g = jax.jit(
-        jax.grad(lambda g: cross_entropy(features(mlp, with_head(g, head), x) @ head["kernel"] + head["bias"], y))
-    )
+
+    def extractor_loss(g, stats):
+        shared, stats = extractor_features(g_model, g, stats, x, train=True)
+        return cross_entropy(shared @ head["kernel"] + head["bias"], y), stats
+
+    grad_g = jax.jit(jax.grad(extractor_loss, has_aux=True))
     velocity = jax.tree.map(jnp.zeros_like, extractor)
     for _ in range(epochs):
-        extractor, velocity, norm = step(extractor, grad_g(extractor), velocity)
+        g_grad, stats = grad_g(extractor, stats)
+        extractor, velocity, norm = step(extractor, g_grad, velocity)
         norms.append(norm)
     assert min(norms) > clip  # the clipping bound every step
 
@@ -81,11 +103,14 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(mlp, digi
     at_bounds = np.mean((np.asarray(mix) == 0.0) | (np.asarray(mix) == 1.0))
     assert 0 < np.mean(np.asarray(mix) == 0.0) and at_bounds < 1  # the projection acted, not on every weight
     chex.assert_trees_all_close(upload, extractor, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(new.extractor_state, stats, rtol=1e-4, atol=1e-6)
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(client.extractor_state))]
+    assert len(moved) == 2 * other and all(moved)  # G's mean and variance moved in phase 2, kept by the client
     assert float(metrics["steps"]) == 2 * epochs
 
     x_test = jnp.asarray(digits_federation.x_test[:40])
     got, _ = alg.eval_model.apply(alg.eval_params(server, new), x_test)
-    want = mixture_logits(mlp, new.params, new.mix, server.params, x_test)
+    want = mixture_logits(model, new.params, new.mix, g_model, server.params, new.extractor_state, x_test)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
