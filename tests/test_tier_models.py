@@ -299,11 +299,19 @@ def test_the_config_counts_tier_models_as_tiers():
         Config(algorithm="fedproto").with_overrides(["tier_models=htcnn1,no such model"]).validate()
 
 
-def test_the_algorithm_builds_inside_a_trace(models):
+def test_the_algorithm_builds_inside_a_trace(models, digits, monkeypatch):
     """A sweep builds each member's algorithm inside a trace (its seed traced): the build's check
-    runs eagerly there, and the start key is the traced seed's."""
+    runs there (not skipped as passed earlier in the process) and refuses there too, and the start
+    key is the traced seed's."""
+    monkeypatch.setattr(nesting, "_PASSED", set())
     shapes = jax.eval_shape(lambda key: local(models[LARGE], tier_models=FAMILY).init(key)[1], jax.random.key(0))
     assert shapes.start_key.dtype == jnp.uint32
+    group_norm = get_model(spec("TinyGroupNormCNN"), digits.input_shape, digits.num_classes)
+    tiers = (spec("TinyGroupNormCNN"), spec("TinyGroupNormCNNNarrow"))
+    one_line_error(
+        lambda: jax.eval_shape(lambda key: local(group_norm, tier_models=tiers).init(key)[1], jax.random.key(0)),
+        "^tier_models: .*TinyGroupNormCNNNarrow does not nest",
+    )
 
 
 def test_a_batchnorm_tier_trains_its_own_model_and_statistics(digits, digits_federation):

@@ -27,6 +27,8 @@ from jaxfed.nn.models import Model, model_template
 
 # The (small, large, embedding, head) whose check passed in this process (see Nesting.check).
 _PASSED: set[tuple] = set()
+# XLA's options for a program that runs once (Nesting.check): optimizing it took longer than running it.
+UNOPTIMIZED = {"xla_backend_optimization_level": 0}
 
 
 def _model_key(model: Model) -> tuple:
@@ -58,30 +60,45 @@ class Nesting(NamedTuple):
         """A one-line ConfigError naming ``field`` unless the large model holding the small model's
         (random) parameters gives the small model's outputs, and no gradient of a loss on its
         outputs and features (the input of the layer ``head``) in training mode reaches what the
-        small model does not own. (Computed eagerly: a sweep builds its members' algorithms inside a trace.
-        A pair that passed is not checked again in the process: each sweep member builds the same tiers.)"""
+        small model does not own. (Computed now, also inside a trace, where a sweep builds its members'
+        algorithms. A pair that passed is not checked again in the process: each sweep member builds the
+        same tiers.)"""
         key = (_model_key(self.small), _model_key(self.large), tuple(sorted(self.flattened.items())), head)
         if key in _PASSED:
             return
-        with jax.ensure_compile_time_eval():
-            self._check(head, field, name)
+        self._check(head, field, name)
         _PASSED.add(key)
 
     def _check(self, head: str, field: str, name: str) -> None:
-        key_init, key_x, key_out, key_feat = jax.random.split(jax.random.key(0), 4)
+        # One compiled program run now on a concrete seed, also inside a trace (a sweep's), where a
+        # jit call would be staged (op by op under ensure_compile_time_eval, it took seconds). It runs
+        # once, on the host: compiled unoptimized, whatever the accelerator.
+        with jax.default_device(_host()):
+            measure = jax.jit(lambda seed: self._measure(head, jax.random.key(seed)))
+            got, want, leaked = (np.asarray(value) for value in measure.lower(0).compile(UNOPTIMIZED)(0))
+        scale = float(np.max(np.abs(want))) + 1e-6
+        if not np.allclose(got, want, rtol=1e-3, atol=1e-4 * scale):
+            raise ConfigError(
+                f"{field}: {name} does not nest in the run's model {self.large.name}: with its parameters in "
+                "the leading units (zeros elsewhere) the run's model computes something else (a normalization "
+                "across units, such as GroupNorm or LayerNorm?)"
+            )
+        if np.any(leaked):
+            raise ConfigError(
+                f"{field}: {name}'s units padded into the run's model {self.large.name} would train (an activation "
+                "with f(0) != 0?); tiers of different architectures need units that stay zero"
+            )
+
+    def _measure(self, head: str, key):
+        """``(the large model's outputs, the small model's, per parameter whether a gradient reached
+        what the small model does not own)`` on random inputs and parameters."""
+        key_init, key_x, key_out, key_feat = jax.random.split(key, 4)
         variables = self.small.init(key_init)
         embedded = self.embed(variables["params"])
         large_state = {k: v for k, v in self.large.init(key_init).items() if k != "params"}
         x = jax.random.normal(key_x, (2, *self.small.input_shape)).astype(self.small.input_dtype)
         want, _ = self.small.apply(variables, x)
         got, _ = self.large.apply({"params": embedded, **large_state}, x)
-        scale = float(jnp.max(jnp.abs(want))) + 1e-6
-        if not np.allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-4 * scale):
-            raise ConfigError(
-                f"{field}: {name} does not nest in the run's model {self.large.name}: with its parameters in "
-                "the leading units (zeros elsewhere) the run's model computes something else (a normalization "
-                "across units, such as GroupNorm or LayerNorm?)"
-            )
 
         def loss(params):  # in training mode, as clients train (BatchNorm's batch statistics, dropout)
             variables = {"params": params, **large_state}
@@ -91,14 +108,16 @@ class Nesting(NamedTuple):
             return jnp.sum(outputs * r_out) + jnp.sum(features * r_feat)
 
         grads = jax.grad(loss)(embedded)
-        leaked = [
-            bool(jnp.any((g != 0) & (m == 0))) for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(self.owned()))
-        ]
-        if any(leaked):
-            raise ConfigError(
-                f"{field}: {name}'s units padded into the run's model {self.large.name} would train (an activation "
-                "with f(0) != 0?); tiers of different architectures need units that stay zero"
-            )
+        leaked = [jnp.any((g != 0) & (m == 0)) for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(self.owned()))]
+        return got, want, jnp.stack(leaked)
+
+
+def _host():
+    """The host's CPU device; None (the default device) where JAX_PLATFORMS leaves the CPU out."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def nesting(small: Model, large: Model, field: str, name: str) -> Nesting:
