@@ -65,6 +65,8 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(other, di
     server, client = alg.init(jax.random.key(0))
     assert "head" not in server.params and np.all(np.asarray(client.mix) == 1.0)
     assert ("batch_stats" in client.extractor_state) == other
+    # statistics of the client's own, not an initialization's: phase 1 and phase 2 start from them
+    client = client._replace(extractor_state=jax.tree.map(lambda s: 1.5 * s + 0.25, client.extractor_state))
     data = one_client(digits_federation, 2)
     new, upload, metrics = jax.jit(alg.client_update)(server, client, data, jax.random.key(1), round_info())
     idx = np.asarray(data.indices[: int(data.count)])
@@ -86,15 +88,15 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(other, di
         mix, norms = jnp.clip(mix, 0.0, 1.0), norms + [norm]
     head = local["head"]
 
-    def extractor_loss(g, stats):
-        shared, stats = extractor_features(g_model, g, stats, x, train=True)
-        return cross_entropy(shared @ head["kernel"] + head["bias"], y), stats
+    def extractor_loss(g, kept):
+        shared, kept = extractor_features(g_model, g, kept, x, train=True)
+        return cross_entropy(shared @ head["kernel"] + head["bias"], y), kept
 
     grad_g = jax.jit(jax.grad(extractor_loss, has_aux=True))
-    velocity = jax.tree.map(jnp.zeros_like, extractor)
+    velocity, g, kept = jax.tree.map(jnp.zeros_like, extractor), extractor, stats
     for _ in range(epochs):
-        g_grad, stats = grad_g(extractor, stats)
-        extractor, velocity, norm = step(extractor, g_grad, velocity)
+        g_grad, kept = grad_g(g, kept)
+        g, velocity, norm = step(g, g_grad, velocity)
         norms.append(norm)
     assert min(norms) > clip  # the clipping bound every step
 
@@ -102,10 +104,10 @@ def test_a_client_trains_the_mixture_then_the_extractor_under_its_head(other, di
     np.testing.assert_allclose(new.mix, mix, rtol=1e-4, atol=1e-5)
     at_bounds = np.mean((np.asarray(mix) == 0.0) | (np.asarray(mix) == 1.0))
     assert 0 < np.mean(np.asarray(mix) == 0.0) and at_bounds < 1  # the projection acted, not on every weight
-    chex.assert_trees_all_close(upload, extractor, rtol=1e-4, atol=1e-5)
-    chex.assert_trees_all_close(new.extractor_state, stats, rtol=1e-4, atol=1e-6)
-    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(client.extractor_state))]
-    assert len(moved) == 2 * other and all(moved)  # G's mean and variance moved in phase 2, kept by the client
+    chex.assert_trees_all_close(upload, g, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(new.extractor_state, kept, rtol=1e-4, atol=1e-6)
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(stats))]
+    assert len(moved) == (2 if other else 0) and all(moved)  # G's mean and variance moved in phase 2, kept
     assert float(metrics["steps"]) == 2 * epochs
 
     x_test = jnp.asarray(digits_federation.x_test[:40])
@@ -169,14 +171,12 @@ def test_a_global_model_file_is_recorded_absolute_and_fingerprinted(tmp_path, mo
     """A relative ``path.py:Class`` global_model names the same file from anywhere on --resume, and
     its file joins the fingerprint's user code (an edit is warned of), as the run's model's."""
     import shutil
-    from pathlib import Path
 
     from jaxfed.runs.build import build
     from jaxfed.runs.fingerprint import code_files
 
-    small_models = Path(__file__).with_name("small_models.py")
     for name in ("run_model.py", "extractor.py"):
-        shutil.copy(small_models, tmp_path / name)
+        shutil.copy(SMALL_MODELS, tmp_path / name)
     monkeypatch.chdir(tmp_path)
     config = Config(algorithm="pfedafm").with_overrides(
         ["model=run_model.py:TinyHtCNN", "global_model=extractor.py:TinyHtCNN", "num_clients=2"]

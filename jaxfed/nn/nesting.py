@@ -28,7 +28,7 @@ from jaxfed.nn.models import Model, model_template
 # The (small, large, embedding, head) whose check passed in this process (see Nesting.check).
 _PASSED: set[tuple] = set()
 # XLA's options for a program that runs once (Nesting.check): optimizing it took longer than running it.
-UNOPTIMIZED = {"xla_backend_optimization_level": 0}
+_UNOPTIMIZED = {"xla_backend_optimization_level": 0}
 
 
 def _model_key(model: Model) -> tuple:
@@ -70,12 +70,12 @@ class Nesting(NamedTuple):
         _PASSED.add(key)
 
     def _check(self, head: str, field: str, name: str) -> None:
-        # One compiled program run now on a concrete seed, also inside a trace (a sweep's), where a
-        # jit call would be staged (op by op under ensure_compile_time_eval, it took seconds). It runs
-        # once, on the host: compiled unoptimized, whatever the accelerator.
+        # Compiled ahead and called on a concrete seed, it runs now, also inside a trace (a sweep's),
+        # where a jit call would be staged. It runs once, on this process's CPU, unoptimized.
         with jax.default_device(_host()):
             measure = jax.jit(lambda seed: self._measure(head, jax.random.key(seed)))
-            got, want, leaked = (np.asarray(value) for value in measure.lower(0).compile(UNOPTIMIZED)(0))
+            compiled = measure.lower(0).compile(_UNOPTIMIZED)
+            got, want, leaked = map(np.asarray, compiled(0))
         scale = float(np.max(np.abs(want))) + 1e-6
         if not np.allclose(got, want, rtol=1e-3, atol=1e-4 * scale):
             raise ConfigError(
@@ -96,7 +96,9 @@ class Nesting(NamedTuple):
         variables = self.small.init(key_init)
         embedded = self.embed(variables["params"])
         large_state = {k: v for k, v in self.large.init(key_init).items() if k != "params"}
-        x = jax.random.normal(key_x, (2, *self.small.input_shape)).astype(self.small.input_dtype)
+        x = jax.random.normal(key_x, (2, *self.small.input_shape))
+        # integer inputs are token ids: non-negative, so both models' tables read the same rows
+        x = (x if jnp.issubdtype(self.small.input_dtype, jnp.floating) else jnp.abs(x)).astype(self.small.input_dtype)
         want, _ = self.small.apply(variables, x)
         got, _ = self.large.apply({"params": embedded, **large_state}, x)
 
@@ -113,9 +115,9 @@ class Nesting(NamedTuple):
 
 
 def _host():
-    """The host's CPU device; None (the default device) where JAX_PLATFORMS leaves the CPU out."""
+    """This process's CPU device; None (the default device) where JAX_PLATFORMS leaves the CPU out."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
 
