@@ -4,7 +4,8 @@
 # Usage: experiments/fedcspack/run.sh DATA_DIR [reduced|fmnist|fmnist_authors|cifar10] [-- --set key=value ...]
 #   reduced: Fashion-MNIST, 30 rounds of 2 epochs (2 CPU cores: about 7 minutes per run; with SEEDS=0,1,2 about 20 minutes per variant, 8 variants)
 #   fmnist, cifar10: the paper's settings (100 rounds of 5 epochs: an accelerator's job)
-#   fmnist_authors: fmnist as the authors' code runs it (fixed cohort, merge=full, all_below, E=3, drop_last)
+#   fmnist_authors: fmnist as the authors' code runs it (fixed cohort, merge=full, all_below, E=3, drop_last;
+#     100 rounds of 3 epochs: about 30 minutes per run on 2 CPU cores)
 # SEEDS=0,1,2: each variant over those seeds (jaxfed sweep), then $RUNS/<setting>/report/ (mean ±
 # std, per-seed values, spread plot, verdicts of the paper's claims).
 # Run directories: $RUNS/<setting>/<variant> (RUNS defaults to runs/fedcspack); summary.json in each.
