@@ -116,6 +116,17 @@ def one_client(fed, client: int):
     return ClientData(x=data.x, y=data.y, indices=data.indices[0], count=data.count[0])
 
 
+def log_softmax(logits):
+    """``log softmax`` over the last axis of ``[batch, classes]``, written out (max-shifted)."""
+    top = jnp.max(logits, axis=1, keepdims=True)
+    return logits - top - jnp.log(jnp.sum(jnp.exp(logits - top), axis=1, keepdims=True))
+
+
+def cross_entropy(logits, y):
+    """The mean cross-entropy of integer labels ``y``, written out."""
+    return -jnp.mean(log_softmax(logits)[jnp.arange(len(y)), y])
+
+
 def torch_sgd(lr, momentum, weight_decay, clip_norm):
     """torch's ``clip_grad_norm_`` then ``SGD(lr, momentum, weight_decay)`` as ``(params, grad,
     velocity) -> (params, velocity, the gradient's norm before clipping)``."""

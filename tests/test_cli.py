@@ -138,9 +138,8 @@ def test_config_files_apply_in_order_before_the_command_line(tmp_path):
     args = _parser().parse_args(["run", "local", "--config", str(plain)])
     assert config_from_args(args).algorithm == "local"  # the positional algorithm overrides the file ...
     args = _parser().parse_args(["run", "local", "--config", str(base)])
-    with pytest.raises(
-        ConfigError, match="mu: an option of fedprox, moon, pfedes, not of local"
-    ):  # ... whose keys must fit it
+    # ... whose keys must fit it
+    with pytest.raises(ConfigError, match="mu: an option of fedprox, moon, pfedes, not of local"):
         config_from_args(args)
 
 

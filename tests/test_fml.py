@@ -9,18 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import clients_one_by_one, make_federation, one_client, round_info
+from conftest import clients_one_by_one, log_softmax, make_federation, one_client, round_info
 
 from jaxfed import server_step
 from jaxfed.algorithms.fml import FMLOptions, Meme, fml
 from jaxfed.errors import ConfigError
 from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation
-
-
-def log_softmax(logits):
-    top = jnp.max(logits, axis=1, keepdims=True)
-    return logits - top - jnp.log(jnp.sum(jnp.exp(logits - top), axis=1, keepdims=True))
 
 
 def reference_loss(local, meme, model, x, y, alpha, beta):

@@ -13,19 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import clients_one_by_one, make_federation, module_features, one_client, round_info, torch_sgd
+from conftest import (
+    clients_one_by_one,
+    cross_entropy,
+    make_federation,
+    module_features,
+    one_client,
+    round_info,
+    torch_sgd,
+)
 
 from jaxfed.algorithms.pfedafm import PFedAFMOptions, pfedafm
 from jaxfed.errors import ConfigError
 from jaxfed.nn import get_model
 from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation
-
-
-def cross_entropy(logits, y):
-    top = jnp.max(logits, axis=1, keepdims=True)
-    log_p = logits - top - jnp.log(jnp.sum(jnp.exp(logits - top), axis=1, keepdims=True))
-    return -jnp.mean(log_p[jnp.arange(len(y)), y])
 
 
 def extractor_features(extractor_model, params, stats, x, *, train):

@@ -12,19 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BatchNormNet, clients_one_by_one, make_federation, one_client, round_info, torch_sgd
+from conftest import BatchNormNet, clients_one_by_one, cross_entropy, make_federation, one_client, round_info, torch_sgd
 
 from jaxfed.algorithms.pfedes import PFedESOptions, ProxyExtractor, pfedes
 from jaxfed.errors import ConfigError
 from jaxfed.nn import Model
 from jaxfed.runs.config import Config
 from jaxfed.simulation import Simulation
-
-
-def cross_entropy(logits, y):
-    top = jnp.max(logits, axis=1, keepdims=True)
-    log_p = logits - top - jnp.log(jnp.sum(jnp.exp(logits - top), axis=1, keepdims=True))
-    return -jnp.mean(log_p[jnp.arange(len(y)), y])
 
 
 def conv_relu(x, layer):
