@@ -171,7 +171,7 @@ def test_list_piped_into_a_reader_that_stops_is_not_a_traceback():
 def test_cohort_evaluation_without_the_fixed_cohort_is_a_one_line_error(tmp_path, capsys):
     assert main(["run", "--set", "eval_clients=cohort", "--out", str(tmp_path / "r"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "jaxfed: error: eval_clients: cohort needs sampling=fixed (one cohort trains every round)"
+    assert err == "jaxfed: error: eval_clients: cohort needs sampling=fixed or first (one cohort trains every round)"
 
 
 def test_list_lines_fit_100_columns_and_defaults_are_unquoted(capsys):

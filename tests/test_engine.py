@@ -129,6 +129,10 @@ def test_sampling_without_replacement_and_fixed_cohort():
         tuple(np.asarray(sampling.sample_clients(root, sampling.round_key(root, t), 50, 10, "fixed"))) for t in range(5)
     }
     assert len(fixed) == 1
+    first = {
+        tuple(np.asarray(sampling.sample_clients(root, sampling.round_key(root, t), 50, 10, "first"))) for t in range(5)
+    }
+    assert first == {tuple(range(10))}  # PFLlib's "fix": the first clients, whatever the seed
     assert sampling.num_sampled(100, 0.1) == 10 and sampling.num_sampled(3, 0.01) == 1
 
 
@@ -221,16 +225,17 @@ def test_the_pooled_pass_may_run_another_conv_implementation(digits, digits_fede
     assert got["personalized_acc_mean"] > 0.1  # above chance (10 classes): not a constant prediction
 
 
-@pytest.mark.parametrize("make", [fedavg, local])
-def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federation, make):
+@pytest.mark.parametrize("make, mode", [(fedavg, "fixed"), (local, "fixed"), (fedavg, "first")])
+def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federation, make, mode):
     """``eval_clients="cohort"`` (FedCSPACK's authors): personalized accuracy over the clients
     that train, checked against a per-client loop over the cohort."""
     alg = make(mlp, lr=0.05, local_epochs=1, batch_size=32)
     fed = digits_federation
-    sim = Simulation(alg, mlp, fed, participation=0.3, sampling_mode="fixed", eval_clients="cohort")
+    sim = Simulation(alg, mlp, fed, participation=0.3, sampling_mode=mode, eval_clients="cohort", seed=1)
     state, _ = sim.run_rounds(sim.init(), 2)
     cohort = np.asarray(sim.sampled_ids(0))
     assert list(cohort) == list(np.asarray(sim.sampled_ids(1)))  # the same clients every round
+    assert (list(cohort) == list(range(len(cohort)))) == (mode == "first")
     accuracies = []
     for k in cohort:
         variables = alg.eval_params(state.server, jax.tree.map(lambda a, k=k: a[k], state.clients))
@@ -243,13 +248,15 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
     assert np.isnan(np.delete(per_client["acc"], cohort)).all()
     assert (np.delete(per_client["examples"], cohort) == 0).all()
     np.testing.assert_array_equal(per_client["examples"][cohort], np.asarray(fed.test_count)[cohort])
-    everyone = Simulation(alg, mlp, fed, participation=0.3, sampling_mode="fixed").evaluate(state)
+    everyone = Simulation(alg, mlp, fed, participation=0.3, sampling_mode=mode, seed=1).evaluate(state)
     assert everyone["personalized_acc_mean"] != got  # the untrained clients count there
 
 
 def test_cohort_evaluation_needs_the_fixed_cohort(mlp, digits_federation):
     with pytest.raises(ValueError, match="eval_clients"):
         Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, eval_clients="cohort")
+    with pytest.raises(ValueError, match="^sampling_mode: unknown 'fix'; allowed: uniform, fixed, first$"):
+        Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, sampling_mode="fix")
 
 
 def test_a_variant_runs_its_own_algorithm_and_key(mlp, digits_federation):

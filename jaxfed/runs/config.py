@@ -71,11 +71,15 @@ class Config(Options):
     # federation
     num_clients: int = option(20, "number of clients", check=at_least(1))
     participation: float = option(0.5, "fraction of clients sampled per round, in (0, 1]", check=ratio)
-    sampling: str = option("uniform", "uniform (new clients each round, without replacement) or fixed (one cohort)")
+    sampling: str = option(
+        "uniform",
+        "uniform (new clients each round, without replacement), fixed (one cohort drawn by the seed) or first "
+        "(one cohort: the first participation x num_clients clients, PFLlib's 'fix')",
+    )
     eval_clients: str = option(
         "all",
-        "personalized metrics over all clients, or over the cohort (sampling=fixed: the clients that train; "
-        "the FedCSPACK authors' protocol)",
+        "personalized metrics over all clients, or over the cohort (sampling=fixed or first: the clients that "
+        "train; the FedCSPACK authors' protocol)",
     )
     new_clients: float = option(
         0.0,
@@ -361,7 +365,7 @@ class Config(Options):
         from jaxfed.data import CLUSTER_TASKS, DATASETS, FILE_PARTITION, PARTITIONERS, SYNTHETIC_TASKS
         from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
         from jaxfed.nn.user import is_spec, load_class
-        from jaxfed.simulation import EVAL_CLIENTS, NONFINITE_POLICIES, SAMPLINGS
+        from jaxfed.simulation import COHORT_SAMPLINGS, EVAL_CLIENTS, NONFINITE_POLICIES, SAMPLINGS
 
         options_class = _options_class(self.algorithm)
         if not isinstance(self.options, options_class):
@@ -380,8 +384,8 @@ class Config(Options):
         self.check_partition_file()
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("eval_clients", self.eval_clients, EVAL_CLIENTS)
-        if self.eval_clients == "cohort" and self.sampling != "fixed":
-            raise ConfigError("eval_clients: cohort needs sampling=fixed (one cohort trains every round)")
+        if self.eval_clients == "cohort" and self.sampling not in COHORT_SAMPLINGS:
+            raise ConfigError("eval_clients: cohort needs sampling=fixed or first (one cohort trains every round)")
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
         task = "regression" if self.dataset in SYNTHETIC_TASKS else "classification"

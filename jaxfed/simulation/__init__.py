@@ -6,12 +6,13 @@ stacked uploads) and evaluation (``evaluation.Evaluation``)."""
 
 from jaxfed.simulation.engine import NONFINITE_POLICIES, SimState, Simulation
 from jaxfed.simulation.evaluation import Evaluation
-from jaxfed.simulation.sampling import EVAL_CLIENTS, SAMPLINGS
+from jaxfed.simulation.sampling import COHORT_SAMPLINGS, EVAL_CLIENTS, SAMPLINGS
 from jaxfed.simulation.server import server_step
 from jaxfed.simulation.strategy import CLIENT_AXIS, ClientStrategy, default_client_chunk
 
 __all__ = [
     "CLIENT_AXIS",
+    "COHORT_SAMPLINGS",
     "EVAL_CLIENTS",
     "NONFINITE_POLICIES",
     "SAMPLINGS",

@@ -224,9 +224,14 @@ class Simulation:
         self.num_sampled = sampling.num_sampled(self.num_trained, participation)
         tiered = algorithm.num_tiers is not None
         self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
+        if sampling_mode not in sampling.SAMPLINGS:
+            raise ValueError(f"sampling_mode: unknown '{sampling_mode}'; allowed: {', '.join(sampling.SAMPLINGS)}")
         self.sampling_mode = sampling_mode
-        if eval_clients not in sampling.EVAL_CLIENTS or (eval_clients == "cohort" and sampling_mode != "fixed"):
-            raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling_mode}'; cohort needs fixed")
+        if eval_clients not in sampling.EVAL_CLIENTS or (
+            eval_clients == "cohort" and sampling_mode not in sampling.COHORT_SAMPLINGS
+        ):
+            need = " or ".join(sampling.COHORT_SAMPLINGS)
+            raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling_mode}'; cohort needs {need}")
         self.eval_clients = eval_clients
         self.root = jax.random.key(seed)
         if strategy is not None and (client_chunk is not None or devices is not None):
@@ -599,7 +604,7 @@ class Simulation:
         """``[num_clients]`` bool: the clients whose personalized results count (the fixed cohort
         under ``eval_clients="cohort"``, the trained clients where some are new), or None: all."""
         if self.eval_clients == "cohort":
-            ids = sampling.cohort(self.root, self.num_trained, self.num_sampled)
+            ids = sampling.cohort(self.root, self.num_trained, self.num_sampled, self.sampling_mode)
             ids = ids if self.trained_ids is None else jnp.asarray(self.trained_ids)[ids]
         elif self.trained_ids is not None:
             ids = jnp.asarray(self.trained_ids, jnp.int32)

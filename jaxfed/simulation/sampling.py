@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxfed.errors import ConfigError
 
-SAMPLINGS = ("uniform", "fixed")
+SAMPLINGS = ("uniform", "fixed", "first")
+COHORT_SAMPLINGS = ("fixed", "first")  # one cohort trains every round: eval_clients="cohort" needs one
 EVAL_CLIENTS = ("all", "cohort")
 
 _INIT, _ROUNDS, _COHORT, _PERSONALIZE = 0, 1, 2, 3
@@ -51,15 +52,19 @@ def num_sampled(num_clients: int, participation: float) -> int:
 
 
 def sample_clients(root, round_key_, num_clients: int, count: int, sampling: str = "uniform"):
-    """Sorted ids of ``count`` distinct clients: drawn anew each round (``uniform``) or one
-    cohort drawn once from the root key (``fixed``: :func:`cohort`)."""
-    if sampling == "fixed":
-        return cohort(root, num_clients, count)
+    """Sorted ids of ``count`` distinct clients: drawn anew each round (``uniform``) or one cohort
+    every round (``fixed``, ``first``: :func:`cohort`)."""
+    if sampling in COHORT_SAMPLINGS:
+        return cohort(root, num_clients, count, sampling)
     return _draw(jax.random.fold_in(round_key_, _SAMPLE), num_clients, count)
 
 
-def cohort(root, num_clients: int, count: int):
-    """The sorted ids of ``sampling="fixed"``'s cohort: the same clients every round."""
+def cohort(root, num_clients: int, count: int, sampling: str = "fixed"):
+    """The sorted ids of the cohort that trains every round: drawn once from the root key
+    (``fixed``), or clients ``0 .. count-1`` (``first``: PFLlib's and FedCSPACK's authors' "fix"
+    selection, which with a partition file of theirs picks their clients)."""
+    if sampling == "first":
+        return jnp.arange(count, dtype=jnp.int32)
     return _draw(jax.random.fold_in(root, _COHORT), num_clients, count)
 
 
