@@ -6,6 +6,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+IMAGE_CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
+
+
+def channels_first(example_shape: tuple) -> bool:
+    """Whether one example of this shape looks like an image with its channels first, (C, H, W):
+    models and loaders take images channels last. Said in both the data's and the model's errors."""
+    return len(example_shape) == 3 and example_shape[0] in IMAGE_CHANNELS and example_shape[2] not in IMAGE_CHANNELS
+
 
 class ConfigError(ValueError):
     """A user-facing mistake (bad config value, missing dataset, ...): the message is one line.

@@ -7,6 +7,7 @@ lists these cases with their outcomes; kills at every point of a run are in test
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from jaxfed.cli import main
 from jaxfed.data import Dataset, federate
 from jaxfed.data.validate import DataError
 from jaxfed.errors import ConfigError
+from jaxfed.nn import get_model
 from jaxfed.runs.rundir import RunDirectory, new_run_dir
 
 TINY = ["--set", "num_clients=4", "rounds=2", "eval_every=1", "checkpoint_every=1"]
@@ -142,6 +144,24 @@ def test_federate_checks_data_passed_from_python():
     x[1, 2, 2] = np.inf
     with pytest.raises(DataError, match="x_train has 1 NaN or inf"):
         federate(Dataset("mine", x, good.y_train, good.x_test, good.y_test, 10), parts, parts)
+    first = Dataset("mine", np.moveaxis(x_train, 3, 1), a["y_train"], np.moveaxis(x_test, 3, 1), a["y_test"], 10)
+    with pytest.raises(
+        DataError, match=r"x_train has shape \(40, 1, 28, 28\): channels first.*transpose\(0, 2, 3, 1\)"
+    ):
+        federate(first, parts, [np.arange(10), np.arange(10, 20)])
+    flat = Dataset("mine", x_train.reshape(40, -1), a["y_train"], x_test.reshape(20, -1), a["y_test"], 10)
+    federate(flat, parts, [np.arange(10), np.arange(10, 20)])  # features of any shape: an MLP's
+
+
+@pytest.mark.parametrize(
+    "shape, hint",
+    [((1, 28, 28), "or give the images channels last: x.transpose(0, 2, 3, 1)"), ((28, 28), "x[..., None]")],
+)
+def test_a_model_refusing_images_in_another_layout_says_how_to_fix_them(shape, hint):
+    with pytest.raises(
+        ConfigError, match=rf"^model: 'cnn' cannot take inputs of shape {re.escape(str(shape))} .*{re.escape(hint)}"
+    ):
+        get_model("cnn", shape, 10)
 
 
 # ----- values and options -------------------------------------------------------------------------

@@ -16,12 +16,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.errors import ConfigError, first_line
+from jaxfed.errors import ConfigError, channels_first, first_line
 
 SPLITS = (("x_train", "y_train"), ("x_test", "y_test"))
 ARRAYS = tuple(name for pair in SPLITS for name in pair)
 ZIP_MAGIC = b"PK\x03\x04"
-CHANNEL_COUNTS = (1, 3, 4)
 
 
 class DataError(ConfigError):
@@ -63,7 +62,8 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
 def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | None, *, images: bool = True) -> None:
     """Raise a DataError for the first problem of ``arrays`` (``x_train, y_train, x_test,
     y_test``). ``num_classes`` None: regression (float targets); else integer labels in
-    ``[0, num_classes)``. ``images``: x must be ``(N, H, W)`` or ``(N, H, W, C)``, channels last."""
+    ``[0, num_classes)``. ``images``: x must be ``(N, H, W)`` or ``(N, H, W, C)``, channels last;
+    otherwise any shape of features, but ``(N, C, H, W)`` images are refused as channels first."""
     for name in ARRAYS:
         a = arrays[name]
         if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == np.bool_):  # jnp's: bfloat16 too
@@ -80,6 +80,8 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
             raise DataError(f"{source}: {y_name} has {len(y)} entries for the {len(x)} examples of {x_name}")
         if images:
             _check_image_shape(source, x_name, x.shape)
+        else:  # any features; images among them channels last
+            _check_channels_last(source, x_name, x.shape)
         _check_targets(source, y_name, y, num_classes)
         if jnp.issubdtype(x.dtype, jnp.floating) and not np.isfinite(x).all():
             bad = int(np.count_nonzero(~np.isfinite(x)))
@@ -130,7 +132,11 @@ def _check_image_shape(source: str, name: str, shape: tuple[int, ...]) -> None:
         )
     if len(shape) not in (3, 4):
         raise DataError(f"{source}: {name} has shape {shape}; expected images (N, H, W) or (N, H, W, C)")
-    if len(shape) == 4 and shape[1] in CHANNEL_COUNTS and shape[3] not in CHANNEL_COUNTS:
+    _check_channels_last(source, name, shape)
+
+
+def _check_channels_last(source: str, name: str, shape: tuple[int, ...]) -> None:
+    if len(shape) == 4 and channels_first(shape[1:]):
         raise DataError(
             f"{source}: {name} has shape {shape}: channels first; expected channels last (N, H, W, C), "
             f"e.g. x.transpose(0, 2, 3, 1)"

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxfed.errors import ConfigError, first_line
+from jaxfed.errors import ConfigError, channels_first, first_line
 from jaxfed.nn import user
 from jaxfed.nn.conv import CONV_IMPLS, Conv, max_pool_2x2
 
@@ -317,6 +317,15 @@ def get_model(
     return model
 
 
+def _image_layout_hint(input_shape: tuple) -> str:
+    """How to fix inputs that look like images in a layout no built-in takes (data from Python)."""
+    if len(input_shape) == 2:
+        return ", or give the images a channel axis: x[..., None] (channels last, (N, H, W, 1))"
+    if channels_first(input_shape):
+        return ", or give the images channels last: x.transpose(0, 2, 3, 1)"
+    return ""
+
+
 def _check_fits(model: Model, shown: str, num_classes: int | None = None) -> None:
     """A ConfigError when ``model`` cannot take its input shape or (where ``num_classes`` is
     given) does not give one output per class; checked on shapes, nothing computed."""
@@ -328,6 +337,7 @@ def _check_fits(model: Model, shown: str, num_classes: int | None = None) -> Non
         reason = f"{type(err).__name__}: {first_line(err, 120)}" if num_classes is not None else type(err).__name__
         raise ConfigError(
             f"model: {shown} cannot take inputs of shape {model.input_shape} ({reason}); pick another model"
+            + _image_layout_hint(model.input_shape)
         ) from None
     if out is not None and (not hasattr(out, "shape") or out.shape != (1, num_classes)):
         got = out.shape if hasattr(out, "shape") else type(out).__name__
