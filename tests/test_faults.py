@@ -149,6 +149,9 @@ def test_federate_checks_data_passed_from_python():
         DataError, match=r"x_train has shape \(40, 1, 28, 28\): channels first.*transpose\(0, 2, 3, 1\)"
     ):
         federate(first, parts, [np.arange(10), np.arange(10, 20)])
+    mixed = Dataset("mine", x_train, a["y_train"].astype(np.float32), x_test, a["y_test"], 10)
+    with pytest.raises(DataError, match="y_train has dtype float32, float .regression targets., but y_test int64"):
+        federate(mixed, parts, [np.arange(10), np.arange(10, 20)])
     flat = Dataset("mine", x_train.reshape(40, -1), a["y_train"], x_test.reshape(20, -1), a["y_test"], 10)
     federate(flat, parts, [np.arange(10), np.arange(10, 20)])  # features of any shape: an MLP's
 

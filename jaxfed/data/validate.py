@@ -96,9 +96,15 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
 def check_dataset(dataset, source: str | None = None) -> None:
     """:func:`check_arrays` for a :class:`~jaxfed.data.Dataset` (float targets: regression)."""
     arrays = {name: np.asarray(getattr(dataset, name)) for name in ARRAYS}
+    source = source or f"dataset '{dataset.name}'"
     regression = jnp.issubdtype(arrays["y_train"].dtype, jnp.floating)
-    classes = None if regression else dataset.num_classes
-    check_arrays(source or f"dataset '{dataset.name}'", arrays, classes, images=False)
+    if regression != jnp.issubdtype(arrays["y_test"].dtype, jnp.floating):
+        kinds = {True: "float (regression targets)", False: "not float (class labels)"}
+        raise DataError(
+            f"{source}: y_train has dtype {arrays['y_train'].dtype}, {kinds[regression]}, but y_test "
+            f"{arrays['y_test'].dtype}, {kinds[not regression]}; give both splits one kind of target"
+        )
+    check_arrays(source, arrays, None if regression else dataset.num_classes, images=False)
 
 
 def check_parts(
