@@ -195,13 +195,8 @@ class Options:
         kinds = field_types(type(self))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if _traced(value):
-                continue
-            check = field_check(type(self), field.name)
-            problem = type_problem(value, kinds.get(field.name)) or (check(value) if check else None)
-            if problem:
-                named = f"'{value}'" in problem or ", got " in problem  # the message names the value already
-                raise ConfigError(f"{key_of(field.name)}: {problem}" + ("" if named else f", got {_show(value)}"))
+            if not _traced(value):
+                _check_field(type(self), field.name, value, kinds.get(field.name))
         self.check()
         object.__setattr__(self, "_validated", True)
         return self
@@ -239,6 +234,14 @@ class Options:
         field = cls.field_for(key)
         return parse_value(key, text, field_types(cls)[field.name])
 
+    @classmethod
+    def parse_checked(cls, key: str, text: str):
+        """:meth:`parse`, and the field's own check on the value (:meth:`validate`'s, alone)."""
+        value = cls.parse(key, text)
+        name = cls.field_for(key).name
+        _check_field(cls, name, value, field_types(cls)[name])
+        return value
+
     def with_values(self, values: dict[str, Any]):
         """A copy with ``{key: value}`` applied (values already typed, or strings to parse)."""
         changes = {}
@@ -269,6 +272,15 @@ class Options:
     def from_dict(cls, values: dict[str, Any]):
         """The inverse of :meth:`to_dict` (unknown keys are an error)."""
         return cls().with_values(values)
+
+
+def _check_field(cls, name: str, value, kind) -> None:
+    """A ConfigError naming the key when ``value`` is not of field ``name``'s type or fails its check."""
+    check = field_check(cls, name)
+    problem = type_problem(value, kind) or (check(value) if check else None)
+    if problem:
+        named = f"'{value}'" in problem or ", got " in problem  # the message names the value already
+        raise ConfigError(f"{key_of(name)}: {problem}" + ("" if named else f", got {_show(value)}"))
 
 
 @functools.cache

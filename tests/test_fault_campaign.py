@@ -159,6 +159,23 @@ def test_config_file_mistakes_are_one_clear_line(tmp_path):
         read_config_file(_conf(tmp_path, "[]\nlr = 0.1\n"))
 
 
+@pytest.mark.parametrize(
+    "text, where, error",
+    [
+        ("rounds = 2\n[fedcspack]\nlrr = 0.1\n", "line 3 [fedcspack]", "unknown config key 'lrr'; did you mean lr?"),
+        ("[fedprox]\nmu = abc\n", "line 2 [fedprox]", "mu: expected float, got 'abc'"),
+        ("[fedavgg]\nlr = 0.1\n", "line 2 [fedavgg]", "algorithm: unknown 'fedavgg' (did you mean 'fedavg'?)"),
+        ("rounds = two\n", "line 1", "rounds: expected int, got 'two'"),
+        ("# a comment\nmu = 0.1\n", "line 2", "mu: an option of fedprox"),  # running fedavg
+        ("lr = -1\n", "line 1", "lr: must be >= 0, got -1.0"),
+    ],
+)
+def test_a_config_files_value_errors_name_its_file_line_and_section(tmp_path, capsys, text, where, error):
+    conf = _conf(tmp_path, text)
+    assert main(["run", "fedavg", "--quiet", "--config", str(conf), "--out", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys).startswith(f"jaxfed: error: --config {conf} {where}: {error}")
+
+
 def test_a_huge_value_gives_a_short_line(tmp_path, capsys):
     conf = _conf(tmp_path, "algorithm = " + "x" * 200_000 + "\n")
     assert main(["run", "--quiet", "--config", str(conf), "--out", str(tmp_path / "o")]) == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxfed.errors import ConfigError, DeviceMemoryError, NonFiniteUpdateError, StorageFullError
 from jaxfed.runs import distributed
-from jaxfed.runs.config import Config, read_config_file
+from jaxfed.runs.config import Config, read_config_lines
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -194,13 +194,16 @@ def _number_list(option: str, text: str, kind: type) -> list:
 def config_from_args(args, base: Config | None = None) -> Config:
     """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
     files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set``."""
-    pairs = [pair for path in args.config for pair in read_config_file(path)]
+    lines = [line for path in args.config for line in read_config_lines(path)]
+    pairs, origins = [pair for pair, _ in lines], [origin for _, origin in lines]
     if args.plugin:  # on --resume too: a plugin that moved is found where it is now
         pairs.append("plugins=" + ",".join(plugin_paths(args.plugin)))
     for key, value in (("algorithm", args.algorithm), ("dataset", args.dataset), ("data_dir", args.data_dir)):
         if value is not None:
             pairs.append(f"{key}={value}")
-    return (base or Config()).with_overrides(pairs + list(args.set)).validate()
+    pairs += args.set
+    origins += [None] * (len(pairs) - len(origins))
+    return (base or Config()).with_overrides(pairs, origins).validate()
 
 
 def plugin_paths(plugins: list[str]) -> list[str]:

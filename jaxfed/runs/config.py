@@ -12,6 +12,7 @@ allowed values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import typing
@@ -227,42 +228,44 @@ class Config(Options):
 
     # ----- parsing -------------------------------------------------------------------------------
 
-    def with_overrides(self, pairs: Iterable[str]) -> Config:
+    def with_overrides(self, pairs: Iterable[str], origins: Iterable[str | None] | None = None) -> Config:
         """A copy with ``key=value`` pairs applied: run keys and the selected algorithm's keys.
         ``algorithm=`` (and ``plugins=``) are applied first, wherever they stand, so the other
-        keys are read as the final algorithm's."""
-        parsed = [_split_pair(pair) for pair in pairs]
-        run_types = field_types(Config)
-        run_changes = {key: parse_value(key, raw, run_types[key]) for key, raw in parsed if key in self.run_keys()}
+        keys are read as the final algorithm's. ``origins``: where each pair was written (a config
+        file's line, :func:`read_config_lines`; None: the command line), named by its errors."""
+        pairs = list(pairs)
+        origins = list(origins) if origins is not None else [None] * len(pairs)
+        parsed = [(*_split_pair(pair), origin) for pair, origin in zip(pairs, origins, strict=True)]
+        run_changes = {}
+        for key, raw, origin in parsed:
+            if key in self.run_keys():
+                with _written_at(origin):
+                    run_changes[key] = Config.parse_checked(key, raw)
         for plugin in run_changes.get("plugins", self.plugins):
             registry.import_plugin(plugin)
         algorithm = run_changes.get("algorithm", self.algorithm)
         option_values = {}  # in the pairs' order: a later pair wins, scoped (a file's section) or not
-        for key, raw in parsed:
+        option_origins = {}
+        for key, raw, origin in parsed:
             if "." in key:  # ALGORITHM.key: applies only when that algorithm runs
                 scope, key = key.split(".", 1)
-                scoped = _options_class(scope)  # an unknown algorithm is an error, not a silently ignored key
-                if key in self.run_keys():  # a section holds its algorithm's options only
-                    raise ConfigError(
-                        f"{scope}.{key}: {key} is a run key, not an option of {scope}; set it outside "
-                        f"[{scope}] (or under [run])"
-                    )
-                if scoped.field_for(key) is None:  # so are an unknown key and a bad value, whichever runs
-                    raise ConfigError(_unknown_key_message(key, scope, scoped))
-                scoped.parse(key, raw)
+                with _written_at(origin):
+                    _check_scoped_option(scope, key, raw)
                 if scope == algorithm:
-                    option_values[key] = raw
+                    option_values[key], option_origins[key] = raw, origin
             elif key not in self.run_keys():
-                option_values[key] = raw
+                option_values[key], option_origins[key] = raw, origin
         dataset = run_changes.get("dataset", self.dataset)
         options_class = _options_class(algorithm)
         if algorithm == self.algorithm and self.options is not None:
             options = self.options.rebased(self.dataset, dataset)
         else:
             options = options_class.for_dataset(dataset)
-        unknown = [key for key in option_values if options_class.field_for(key) is None]
-        if unknown:
-            raise ConfigError(_unknown_key_message(unknown[0], algorithm, options_class))
+        for key, raw in option_values.items():
+            with _written_at(option_origins[key]):
+                if options_class.field_for(key) is None:
+                    raise ConfigError(_unknown_key_message(key, algorithm, options_class))
+                options_class.parse_checked(key, raw)
         return dataclasses.replace(self, **run_changes, options=options.with_values(option_values))
 
     def tier_option(self) -> tuple[str, int]:
@@ -429,6 +432,12 @@ def read_config_file(path) -> list[str]:
     comment; the lines after a ``[ALGORITHM]`` header are that algorithm's options, applied only
     when it runs (returned as ``ALGORITHM.key=value``), until the next header (``[run]``: back to
     keys for every run)."""
+    return [pair for pair, _ in read_config_lines(path)]
+
+
+def read_config_lines(path) -> list[tuple[str, str]]:
+    """:func:`read_config_file`'s pairs, each with where it was written (``--config FILE line N``
+    and its ``[section]``), for :meth:`Config.with_overrides` to name in an error."""
     text = _read_config_text(path)
     pairs, section, seen = [], "", {}
     for number, line in enumerate(text.splitlines(), 1):
@@ -451,7 +460,8 @@ def read_config_file(path) -> list[str]:
                 "keep one line per key"
             )
         seen[scoped] = number
-        pairs.append(f"{scoped}={value.strip()}")
+        header = f" [{section[:-1]}]" if section else ""
+        pairs.append((f"{scoped}={value.strip()}", f"--config {path} line {number}{header}"))
     return pairs
 
 
@@ -487,6 +497,30 @@ def _split_pair(pair: str) -> tuple[str, str]:
     return key.strip().replace("-", "_"), raw.strip()
 
 
+@contextlib.contextmanager
+def _written_at(origin: str | None):
+    """Errors of a pair from a config file say where it was written."""
+    try:
+        yield
+    except ConfigError as err:
+        if origin is None:
+            raise
+        raise type(err)(f"{origin}: {err}") from None
+
+
+def _check_scoped_option(scope: str, key: str, raw: str) -> None:
+    """A ``[scope]`` section's ``key = raw`` is that algorithm's option with a valid value, whichever
+    algorithm runs (an unknown algorithm is an error, not a silently ignored section)."""
+    scoped = _options_class(scope)
+    if key in Config.run_keys():  # a section holds its algorithm's options only
+        raise ConfigError(
+            f"{scope}.{key}: {key} is a run key, not an option of {scope}; set it outside [{scope}] (or under [run])"
+        )
+    if scoped.field_for(key) is None:
+        raise ConfigError(_unknown_key_message(key, scope, scoped))
+    scoped.parse_checked(key, raw)
+
+
 def _options_class(algorithm: str, missing_ok: bool = False):
     if missing_ok and algorithm not in registry.names():
         return None
@@ -512,4 +546,4 @@ def _choice(field: str, value: str, allowed) -> None:
 
 registry.RUN_KEYS.update(Config.run_keys())  # an algorithm's option may not shadow one
 
-__all__ = ["Config", "read_config_file", "split_keys"]
+__all__ = ["Config", "read_config_file", "read_config_lines", "split_keys"]
