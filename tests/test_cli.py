@@ -184,6 +184,22 @@ def test_list_lines_fit_100_columns_and_defaults_are_unquoted(capsys):
         assert "  num_clients = 20" in lines or "  batch_size = 16" in lines
 
 
+def test_list_of_an_algorithm_says_how_python_builds_it(capsys):
+    from jaxfed.algorithms import registry
+
+    for name in registry.BUILTINS:
+        line = registry.python_use(name)
+        namespace = {}
+        exec(line.split("; ")[0], namespace)  # the import works and gives the algorithm's function
+        assert namespace[name].__name__ == name and len(f"python: {line}") <= 100
+    assert registry.python_use("fedamp").endswith("fedamp(model, num_clients=..., key=value, ...)")
+    assert main(["list", "fedper"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "python: from jaxfed.algorithms.partial import fedper; fedper(model, key=value, ...)"
+    assert main(["list", "scaffold", "--plugin", str(Path(__file__).parents[1] / "examples" / "scaffold.py")]) == 0
+    assert "python:" not in capsys.readouterr().out  # research code's: its own module says how
+
+
 def test_the_progress_bar_names_the_rounds_running(tmp_path, capsys):
     assert main(["run", "--out", str(tmp_path / "r"), "--set", "num_clients=4", "rounds=6", "rounds_per_call=3"]) == 0
     err = capsys.readouterr().err

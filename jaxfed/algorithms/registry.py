@@ -26,6 +26,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -209,6 +210,23 @@ def get(name: str) -> AlgorithmSpec:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"algorithm: unknown '{clip(name)}'{hint}; allowed: {', '.join(names())}")
     return _REGISTRY[name]
+
+
+def python_use(name: str) -> str | None:
+    """How Python code builds built-in ``name`` (``from jaxfed.algorithms.partial import fedper;
+    fedper(model, key=value, ...)``, its required arguments named), or None where research code
+    registered the name."""
+    module = f"jaxfed.algorithms.{BUILTINS[name]}" if name in BUILTINS else None
+    if module is None or get(name).build.__module__ != module:
+        return None
+    parameters = inspect.signature(getattr(sys.modules[module], name)).parameters.values()
+    required = [
+        f"{p.name}=..." if p.kind == p.KEYWORD_ONLY else p.name
+        for p in parameters
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    arguments = ", ".join([*required, "key=value", "..."])
+    return f"from {module} import {name}; {name}({arguments})"
 
 
 def names() -> list[str]:

@@ -357,6 +357,8 @@ def _list(args) -> int:
     if args.algorithm:
         spec = registry.get(args.algorithm)
         print(f"{spec.name}: {spec.summary}")
+        if registry.python_use(spec.name):
+            print(f"python: {registry.python_use(spec.name)}")
         print(f"options ({spec.options.__name__}; --set key=value):")
         _print_keys(spec.options.describe())
         return 0
