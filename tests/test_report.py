@@ -46,6 +46,8 @@ def test_table_is_the_mean_and_sample_std_over_seeds(tmp_path):
     mean, std = np.mean(finals), np.std(finals, ddof=1)
     assert f"| a | 3 | {mean:.4f} ± {std:.4f} |" in table
     assert "0.8100, 0.8400, 0.8000" in table and "2.0 MB" in table
+    one = markdown(collect({"b": _variant(tmp_path, "b", [0.8])}))
+    assert "| b | 1 | 0.8000 | 0.7900 |" in one  # one seed has no spread to show
 
 
 @pytest.mark.parametrize(

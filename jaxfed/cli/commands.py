@@ -248,7 +248,8 @@ def _run(args) -> int:
     kind = "mse" if s["task"] == "regression" else "acc"
     global_part = f", global {kind} {s[f'global_{kind}']:.4f}" if s[f"global_{kind}"] is not None else ""
     print(
-        f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, {s['rounds']} rounds): "
+        f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, "
+        f"{s['rounds']} round{'s' if s['rounds'] != 1 else ''}): "
         f"personalized {kind} {metric_text(s[f'personalized_{kind}_mean'])} "
         f"(weighted {metric_text(s[f'personalized_{kind}_weighted'])})"
         f"{global_part}; uploaded {human_bytes(s['bytes_up_total'])}; {s['wall_seconds']:.1f} s -> {out}"

@@ -270,8 +270,11 @@ def parse_paper_value(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
-def _fmt(stat: tuple[float, float] | None, digits: int = 4) -> str:
-    return "n/a" if stat is None else f"{stat[0]:.{digits}f} ± {stat[1]:.{digits}f}"
+def _fmt(stat: tuple[float, float] | None, digits: int = 4, seeds: int = 2) -> str:
+    """``mean ± std``; the value alone for one seed (it has no spread)."""
+    if stat is None:
+        return "n/a"
+    return f"{stat[0]:.{digits}f}" + (f" ± {stat[1]:.{digits}f}" if seeds > 1 else "")
 
 
 def _bytes(stat: tuple[float, float] | None) -> str:
@@ -318,8 +321,9 @@ def markdown(
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for v in variants:
         stats = summarize(v, (metric, f"global_{kind}", *traffic))
-        cells = [v.name, str(len(v.runs)), _fmt(stats[metric])] + ([paper.get(v.name, "")] if paper else [])
-        cells.append(_fmt(stats[f"global_{kind}"]))
+        seeds = len(v.runs)
+        cells = [v.name, str(seeds), _fmt(stats[metric], seeds=seeds)] + ([paper.get(v.name, "")] if paper else [])
+        cells.append(_fmt(stats[f"global_{kind}"], seeds=seeds))
         cells += [_bytes(stats[m]) + _ratio(stats[m] and stats[m][0], reference.get(m)) for m in traffic]
         cells.append(", ".join("null" if s[metric] is None else f"{s[metric]:.4f}" for s in v.summaries))
         lines.append("| " + " | ".join(cells) + " |")
