@@ -188,6 +188,11 @@ def test_bad_values_are_one_line(args, expected, tmp_path, capsys):
     assert not RunDirectory(tmp_path / "out").holds_run()
 
 
+def test_a_set_without_a_value_is_told_to_name_the_algorithm_first_only_when_it_is_one(tmp_path, capsys):
+    assert main(["run", "fedavg", "--quiet", "--out", str(tmp_path / "out"), "--set", "lr"]) == 2
+    assert _one_line_error(capsys) == "jaxfed: error: --set: expected key=value, got 'lr'"
+
+
 def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.conf").write_bytes(b"rounds = 2\nlr = 0.1 \xff\n")
     assert main(["run", "--quiet", "--config", str(tmp_path / "bad.conf"), "--out", str(tmp_path / "o")]) == 2

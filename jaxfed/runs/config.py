@@ -493,7 +493,8 @@ def _tuples(run: dict) -> dict:
 def _split_pair(pair: str) -> tuple[str, str]:
     key, sep, raw = pair.partition("=")
     if not sep:
-        raise ConfigError(f"--set: expected key=value, got '{clip(pair)}' (name the algorithm before --set)")
+        hint = " (name the algorithm before --set)" if pair.strip() in registry.names() else ""
+        raise ConfigError(f"--set: expected key=value, got '{clip(pair)}'{hint}")
     return key.strip().replace("-", "_"), raw.strip()
 
 
