@@ -62,8 +62,8 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
 def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | None, *, images: bool = True) -> None:
     """Raise a DataError for the first problem of ``arrays`` (``x_train, y_train, x_test,
     y_test``). ``num_classes`` None: regression (float targets); else integer labels in
-    ``[0, num_classes)``. ``images``: x must be ``(N, H, W)`` or ``(N, H, W, C)``, channels last;
-    otherwise any shape of features, but ``(N, C, H, W)`` images are refused as channels first."""
+    ``[0, num_classes)``. ``images``: x must be ``(N, H, W)`` or ``(N, H, W, C)``, channels last
+    (otherwise features of any shape: a model that cannot take them says so when it is built)."""
     for name in ARRAYS:
         a = arrays[name]
         if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == np.bool_):  # jnp's: bfloat16 too
@@ -80,8 +80,6 @@ def check_arrays(source: str, arrays: dict[str, np.ndarray], num_classes: int | 
             raise DataError(f"{source}: {y_name} has {len(y)} entries for the {len(x)} examples of {x_name}")
         if images:
             _check_image_shape(source, x_name, x.shape)
-        else:  # any features; images among them channels last
-            _check_channels_last(source, x_name, x.shape)
         _check_targets(source, y_name, y, num_classes)
         if jnp.issubdtype(x.dtype, jnp.floating) and not np.isfinite(x).all():
             bad = int(np.count_nonzero(~np.isfinite(x)))
@@ -138,10 +136,6 @@ def _check_image_shape(source: str, name: str, shape: tuple[int, ...]) -> None:
         )
     if len(shape) not in (3, 4):
         raise DataError(f"{source}: {name} has shape {shape}; expected images (N, H, W) or (N, H, W, C)")
-    _check_channels_last(source, name, shape)
-
-
-def _check_channels_last(source: str, name: str, shape: tuple[int, ...]) -> None:
     if len(shape) == 4 and channels_first(shape[1:]):
         raise DataError(
             f"{source}: {name} has shape {shape}: channels first; expected channels last (N, H, W, C), "
