@@ -147,6 +147,9 @@ def test_federate_checks_data_passed_from_python():
     mixed = Dataset("mine", x_train, a["y_train"].astype(np.float32), x_test, a["y_test"], 10)
     with pytest.raises(DataError, match="y_train has dtype float32, float .regression targets., but y_test int64"):
         federate(mixed, parts, [np.arange(10), np.arange(10, 20)])
+    text = Dataset("mine", x_train, a["y_train"].astype(np.float32), x_test, a["y_test"].astype(str), 10)
+    with pytest.raises(DataError, match="y_test has dtype <U.*; expected numbers"):
+        federate(text, parts, [np.arange(10), np.arange(10, 20)])
     for shape in ((784,), (1, 28, 28), (4, 7, 28)):  # features of any shape (an MLP's, a model of one's own)
         x, x_held = x_train.reshape(40, *shape), x_test.reshape(20, *shape)
         federate(Dataset("mine", x, a["y_train"], x_held, a["y_test"], 10), parts, [np.arange(10), np.arange(10, 20)])

@@ -96,7 +96,8 @@ def check_dataset(dataset, source: str | None = None) -> None:
     arrays = {name: np.asarray(getattr(dataset, name)) for name in ARRAYS}
     source = source or f"dataset '{dataset.name}'"
     regression = jnp.issubdtype(arrays["y_train"].dtype, jnp.floating)
-    if regression != jnp.issubdtype(arrays["y_test"].dtype, jnp.floating):
+    numeric = all(jnp.issubdtype(arrays[y].dtype, jnp.number) for y in ("y_train", "y_test"))
+    if numeric and regression != jnp.issubdtype(arrays["y_test"].dtype, jnp.floating):
         kinds = {True: "float (regression targets)", False: "not float (class labels)"}
         raise DataError(
             f"{source}: y_train has dtype {arrays['y_train'].dtype}, {kinds[regression]}, but y_test "
