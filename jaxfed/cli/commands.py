@@ -203,7 +203,7 @@ def config_from_args(args, base: Config | None = None) -> Config:
             pairs.append(f"{key}={value}")
     pairs += args.set
     origins += [None] * (len(pairs) - len(origins))
-    return (base or Config()).with_overrides(pairs, origins).validate()
+    return (base or Config()).validated_with(pairs, origins)
 
 
 def plugin_paths(plugins: list[str]) -> list[str]:

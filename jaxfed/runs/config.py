@@ -233,40 +233,56 @@ class Config(Options):
         ``algorithm=`` (and ``plugins=``) are applied first, wherever they stand, so the other
         keys are read as the final algorithm's. ``origins``: where each pair was written (a config
         file's line, :func:`read_config_lines`; None: the command line), named by its errors."""
+        return self._overridden(pairs, origins)[0]
+
+    def validated_with(self, pairs: Iterable[str], origins: Iterable[str | None] | None = None) -> Config:
+        """``with_overrides(pairs, origins).validate()``: a key's value or rule found broken names
+        where the key was last written, as ``with_overrides``' own errors do."""
+        config, written = self._overridden(pairs, origins)
+        try:
+            return config.validate()
+        except ConfigError as err:
+            with _written_at(written.get(str(err).split(":", 1)[0])):
+                raise
+
+    def _overridden(self, pairs, origins) -> tuple[Config, dict[str, str | None]]:
+        """:meth:`with_overrides`' copy, and where each key it sets was last written."""
         pairs = list(pairs)
         origins = list(origins) if origins is not None else [None] * len(pairs)
         parsed = [(*_split_pair(pair), origin) for pair, origin in zip(pairs, origins, strict=True)]
-        run_changes = {}
+        run_types = field_types(Config)
+        run_changes, written = {}, {}
         for key, raw, origin in parsed:
             if key in self.run_keys():
                 with _written_at(origin):
-                    run_changes[key] = Config.parse_checked(key, raw)
+                    run_changes[key], written[key] = parse_value(key, raw, run_types[key]), origin
         for plugin in run_changes.get("plugins", self.plugins):
             registry.import_plugin(plugin)
         algorithm = run_changes.get("algorithm", self.algorithm)
         option_values = {}  # in the pairs' order: a later pair wins, scoped (a file's section) or not
-        option_origins = {}
         for key, raw, origin in parsed:
             if "." in key:  # ALGORITHM.key: applies only when that algorithm runs
                 scope, key = key.split(".", 1)
                 with _written_at(origin):
                     _check_scoped_option(scope, key, raw)
                 if scope == algorithm:
-                    option_values[key], option_origins[key] = raw, origin
+                    option_values[key], written[key] = raw, origin
             elif key not in self.run_keys():
-                option_values[key], option_origins[key] = raw, origin
+                option_values[key], written[key] = raw, origin
         dataset = run_changes.get("dataset", self.dataset)
-        options_class = _options_class(algorithm)
+        with _written_at(written.get("algorithm")):
+            options_class = _options_class(algorithm)
         if algorithm == self.algorithm and self.options is not None:
             options = self.options.rebased(self.dataset, dataset)
         else:
             options = options_class.for_dataset(dataset)
         for key, raw in option_values.items():
-            with _written_at(option_origins[key]):
+            with _written_at(written[key]):
                 if options_class.field_for(key) is None:
                     raise ConfigError(_unknown_key_message(key, algorithm, options_class))
-                options_class.parse_checked(key, raw)
-        return dataclasses.replace(self, **run_changes, options=options.with_values(option_values))
+                options_class.parse(key, raw)
+        config = dataclasses.replace(self, **run_changes, options=options.with_values(option_values))
+        return config, written
 
     def tier_option(self) -> tuple[str, int]:
         """The option that sets the selected algorithm's client tiers (``tiers``, or ``model_tiers`` /
