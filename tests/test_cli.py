@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxfed.cli.commands import _parser, config_from_args, main
@@ -172,6 +173,18 @@ def test_cohort_evaluation_without_the_fixed_cohort_is_a_one_line_error(tmp_path
     assert main(["run", "--set", "eval_clients=cohort", "--out", str(tmp_path / "r"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "jaxfed: error: eval_clients: cohort needs sampling=fixed or first (one cohort trains every round)"
+
+
+def test_the_first_clients_as_the_cohort_from_the_command_line(tmp_path, capsys):
+    """``sampling=first`` (PFLlib's 'fix'): clients 0..5 train and are the ones evaluated."""
+    settings = ["--quiet", "--set", "sampling=first", "eval_clients=cohort", "participation=0.3", "rounds=1"]
+    assert main(["run", *settings, "--out", str(tmp_path / "r")]) == 0
+    examples = np.load(tmp_path / "r" / "clients" / "1.npz")["examples"]
+    assert np.flatnonzero(examples).tolist() == [0, 1, 2, 3, 4, 5]
+    capsys.readouterr()
+    assert main(["run", "fedhm", *settings, "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxfed: error: sampling: first trains clients 0..5 only, the first tiers of"), err
 
 
 def test_list_lines_fit_100_columns_and_defaults_are_unquoted(capsys):

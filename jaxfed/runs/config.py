@@ -75,7 +75,8 @@ class Config(Options):
     sampling: str = option(
         "uniform",
         "uniform (new clients each round, without replacement), fixed (one cohort drawn by the seed) or first "
-        "(one cohort: the first participation x num_clients clients, PFLlib's 'fix')",
+        "(one cohort: clients 0..n-1, n = participation x the trained clients, rounded; PFLlib's 'fix', which "
+        "rounds down; not with client tiers)",
     )
     eval_clients: str = option(
         "all",

@@ -226,6 +226,11 @@ class Simulation:
         self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
         if sampling_mode not in sampling.SAMPLINGS:
             raise ValueError(f"sampling_mode: unknown '{sampling_mode}'; allowed: {', '.join(sampling.SAMPLINGS)}")
+        if sampling_mode == "first" and tiered:  # tiers are blocks of ids: the first clients are the first tiers
+            raise ConfigError(
+                f"sampling: first trains clients 0..{self.num_sampled - 1} only, the first tiers of "
+                f"{algorithm.num_tiers}; use sampling=fixed (a cohort drawn over all tiers)"
+            )
         self.sampling_mode = sampling_mode
         if eval_clients not in sampling.EVAL_CLIENTS or (
             eval_clients == "cohort" and sampling_mode not in sampling.COHORT_SAMPLINGS
