@@ -123,3 +123,35 @@ def test_resample_gives_every_client_its_own_draw_even_beyond_the_pool():
     assert all(len(p) == 3 for p in test) and max(p.max() for p in train) < 300
     with pytest.raises(ConfigError, match="client_train_size"):
         partition("resample", y_train, y_test, 10, np.random.default_rng(0), client_train_size=301)
+
+
+def test_the_fedcspack_authors_clients_are_a_partition_of_the_pooled_images(tmp_path):
+    """experiments/fedcspack/authors_data.py: every pooled example in exactly one client's split,
+    each client's test split ceil(25%) of its examples, and jaxfed reads the files it writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jaxfed.data import load_partition
+
+    labels = np.repeat(np.arange(10), 7000)  # Fashion-MNIST's 60 000 + 10 000, 7000 per class
+    rng = np.random.default_rng(0)
+    x = (np.arange(len(labels)) % 251).astype(np.uint8)[:, None, None] * np.ones((1, 2, 2), np.uint8)
+    cut = rng.permutation(len(labels))
+    train, test = cut[:60000], cut[60000:]
+    np.savez(
+        tmp_path / "fashion_mnist.npz", x_train=x[train], y_train=labels[train], x_test=x[test], y_test=labels[test]
+    )
+    script = Path(__file__).parents[1] / "experiments" / "fedcspack" / "authors_data.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path), str(tmp_path / "out")], check=True, capture_output=True)
+    with np.load(tmp_path / "out" / "fashion_mnist.npz") as data:
+        y_train, y_test = data["y_train"], data["y_test"]
+    assert (
+        len(y_train) + len(y_test) == 70000 and np.bincount(np.concatenate([y_train, y_test])).tolist() == [7000] * 10
+    )
+    parts = load_partition(tmp_path / "out" / "authors_parts.npz", 20, len(y_train), len(y_test))
+    for split, size in zip(parts, (len(y_train), len(y_test))):
+        assert np.array_equal(np.sort(np.concatenate(split)), np.arange(size))  # each example once
+    for tr, te in zip(*parts):
+        assert len(te) == int(np.ceil(0.25 * (len(tr) + len(te))))
+    assert min(len(tr) + len(te) for tr, te in zip(*parts)) >= 64  # the authors' least_samples
