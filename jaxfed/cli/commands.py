@@ -245,10 +245,12 @@ def _run(args) -> int:
         return EXIT_FAILED
     if not distributed.is_primary():
         return 0
+    from jaxfed.nn import user
+
     kind = "mse" if s["task"] == "regression" else "acc"
     global_part = f", global {kind} {s[f'global_{kind}']:.4f}" if s[f"global_{kind}"] is not None else ""
     print(
-        f"{s['algorithm']} on {s['dataset']} ({s['model']}, {s['num_clients']} clients, "
+        f"{s['algorithm']} on {s['dataset']} ({user.label(s['model'])}, {s['num_clients']} clients, "
         f"{s['rounds']} round{'s' if s['rounds'] != 1 else ''}): "
         f"personalized {kind} {metric_text(s[f'personalized_{kind}_mean'])} "
         f"(weighted {metric_text(s[f'personalized_{kind}_weighted'])})"
