@@ -150,11 +150,11 @@ def _load_digits():
 
 
 def _load_tfds(name: str, data_dir: str | None, download: bool):
-    searched = f"no {name}.npz in {data_dir} and no TFDS copy there" if data_dir else "no --data-dir given"
+    searched = f"no {name}.npz in {data_dir} and no TFDS copy there" if data_dir else "no data directory given"
     how = (
         f"dataset: '{name}' is not available offline ({searched}); put {name}.npz (x_train, y_train, x_test, "
-        f"y_test) in the directory passed as --data-dir, or run once with --set download=true on a machine with "
-        f"internet; {DATA_HELP}"
+        f"y_test) in a directory and pass it (--data-dir DIR; from Python data_dir=DIR), or download once "
+        f"(--set download=true; download=True) on a machine with internet; {DATA_HELP}"
     )
     try:
         import tensorflow_datasets as tfds
