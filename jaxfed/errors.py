@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import difflib
 import traceback
 from pathlib import Path
 from typing import Any
 
 IMAGE_CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
+
+
+def unknown_choice(value, allowed) -> str:
+    """What a value outside a list of names is told, after its field's name: ``unknown 'fedavgg'
+    (did you mean 'fedavg'?); allowed: fedavg, fedprox, ...``."""
+    names = [str(a) for a in allowed]
+    close = difflib.get_close_matches(str(value), names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown '{clip(str(value))}'{hint}; allowed: {', '.join(names)}"
 
 
 def channels_first(example_shape: tuple) -> bool:

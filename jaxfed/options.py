@@ -18,7 +18,6 @@ tuple of them, written comma-separated).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import numbers
@@ -30,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxfed.errors import ConfigError, clip
+from jaxfed.errors import ConfigError, clip, unknown_choice
 
 Check = Callable[[Any], "str | None"]  # None when the value is allowed, else what is allowed
 LR_SCHEDULES = ("constant", "cosine")
@@ -114,11 +113,7 @@ def weight_share(value):
 
 def one_of(*allowed: str) -> Check:
     def check(value):
-        if value in allowed:
-            return None
-        close = difflib.get_close_matches(str(value), allowed, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        return f"unknown '{clip(str(value))}'{hint}; allowed: {', '.join(allowed)}"
+        return None if value in allowed else unknown_choice(value, allowed)
 
     check.allowed = allowed
     return check

@@ -255,7 +255,8 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
 def test_cohort_evaluation_needs_the_fixed_cohort(mlp, digits_federation):
     with pytest.raises(ValueError, match="eval_clients"):
         Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, eval_clients="cohort")
-    with pytest.raises(ValueError, match="^sampling_mode: unknown 'fix'; allowed: uniform, fixed, first$"):
+    unknown = r"^sampling_mode: unknown 'fix' \(did you mean 'fixed'\?\); allowed: uniform, fixed, first$"
+    with pytest.raises(ValueError, match=unknown):
         Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, sampling_mode="fix")
 
 

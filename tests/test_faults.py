@@ -155,6 +155,21 @@ def test_federate_checks_data_passed_from_python():
         federate(Dataset("mine", x, a["y_train"], x_held, a["y_test"], 10), parts, [np.arange(10), np.arange(10, 20)])
 
 
+def test_a_misspelt_name_from_python_is_told_the_close_one():
+    from jaxfed.data import load_dataset, partition
+
+    y = np.arange(100) % 10
+    misspelt = r"^partition: unknown 'dirichlett' \(did you mean 'dirichlet'\?\); allowed: iid, "
+    with pytest.raises(ConfigError, match=misspelt):
+        partition("dirichlett", y, y, 5, np.random.default_rng(0))
+    with pytest.raises(ConfigError, match=r"^dataset: unknown 'mnst' \(did you mean 'mnist'\?\); allowed: digits, "):
+        load_dataset("mnst")
+    with pytest.raises(ConfigError, match=r"^model: unknown 'resnet9' \(did you mean 'resnet8'\?\); allowed: "):
+        get_model("resnet9", (28, 28, 1), 10)
+    with pytest.raises(ConfigError, match=r"^norm: unknown 'layer'; allowed: "):  # nothing close: no guess
+        get_model("cnn", (28, 28, 1), 10, norm="layer")
+
+
 @pytest.mark.parametrize(
     "shape, hint",
     [((1, 28, 28), "or give the images channels last: x.transpose(0, 2, 3, 1)"), ((28, 28), "x[..., None]")],

@@ -21,7 +21,6 @@ when it is imported (``import jaxfed`` does), and ``register`` refuses a clash.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import hashlib
 import importlib
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jaxfed.errors import ConfigError, clip, where_raised
+from jaxfed.errors import ConfigError, unknown_choice, where_raised
 from jaxfed.options import Options, key_of
 
 Builder = Callable[[Any, Any, Any], Any]  # (model, options, config) -> FederatedAlgorithm
@@ -206,9 +205,7 @@ def get(name: str) -> AlgorithmSpec:
     if name not in _REGISTRY and name in BUILTINS:
         importlib.import_module(f"jaxfed.algorithms.{BUILTINS[name]}")
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, names(), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"algorithm: unknown '{clip(name)}'{hint}; allowed: {', '.join(names())}")
+        raise ConfigError(f"algorithm: {unknown_choice(name, names())}")
     return _REGISTRY[name]
 
 

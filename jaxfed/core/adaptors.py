@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfed.core import lowrank
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 
 CONV_ADAPTORS = ("balanced_2d", "channel", "in_layer", "out_layer")
 CONV_PRECONDITIONERS = ("per_tap", "matricized")
@@ -55,7 +55,7 @@ class AdaptorPlan(NamedTuple):
 def conv_layout(kind: str, kernel_shape) -> str:
     """The lowrank layout of a conv adaptor kind (``channel``: the cheaper of in / out layer)."""
     if kind not in CONV_ADAPTORS:
-        raise ConfigError(f"conv_adaptor: unknown '{kind}'; allowed: {', '.join(CONV_ADAPTORS)}")
+        raise ConfigError(f"conv_adaptor: {unknown_choice(kind, CONV_ADAPTORS)}")
     if kind == "channel":
         _, _, cin, cout = kernel_shape
         return "outcol" if cin > cout else "im2col"
@@ -184,7 +184,7 @@ def lora_preconditioner(plan: AdaptorPlan, eps: float = 1e-5, conv: str = "per_t
     (the taps summed: up to sqrt(taps) times larger). Bias and norm gradients pass unchanged.
     """
     if conv not in CONV_PRECONDITIONERS:
-        raise ConfigError(f"conv_precondition: unknown '{conv}'; allowed: {', '.join(CONV_PRECONDITIONERS)}")
+        raise ConfigError(f"conv_precondition: {unknown_choice(conv, CONV_PRECONDITIONERS)}")
 
     def conv_grams(spec, p):
         """``(P_down, P_up)``, each ``[C, taps, r, r]`` (one tap when matricized)."""

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 
 
 class Factors(NamedTuple):
@@ -175,7 +175,7 @@ def decompose(matrix: jax.Array, method: str = "svd") -> Decomposition:
         return _svd_decomposition(matrix)
     if method == "gram":
         return _gram_decomposition(matrix)
-    raise ValueError(f"factorization: unknown '{method}'; allowed: {', '.join(FACTORIZATIONS)}")
+    raise ValueError(f"factorization: {unknown_choice(method, FACTORIZATIONS)}")
 
 
 def factorize(matrix: jax.Array, rank: int, method: str = "svd") -> Factors:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from jaxfed.core.tree import WeightedSum, mean_of, weighted_share
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 
 WEIGHTS = ("cos_kl", "cos", "kl")
 EPS = 1e-8  # torch.cosine_similarity's eps
@@ -107,7 +107,7 @@ def select_packs(theta: jax.Array, threshold: jax.Array, k: int):
 def pack_weights(theta: jax.Array, beta: jax.Array, weight: str = "cos_kl") -> jax.Array:
     """The double weight ``|theta + beta|`` (``cos_kl``), or ``|theta|`` (``cos``), ``|beta|`` (``kl``)."""
     if weight not in WEIGHTS:
-        raise ConfigError(f"weight: unknown '{weight}'; allowed: {', '.join(WEIGHTS)}")
+        raise ConfigError(f"weight: {unknown_choice(weight, WEIGHTS)}")
     return jnp.abs({"cos_kl": theta + beta, "cos": theta, "kl": beta}[weight])
 
 

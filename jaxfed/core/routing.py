@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfed.core.tree import WeightedSum, weighted_share
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 
 ROUTERS = ("learned", "oracle")
 ORACLE_LOGIT_GAP = 100.0
@@ -44,7 +44,7 @@ def mixture_share(components, pi: jax.Array, weight) -> WeightedSum:
 
 def check_router(router: str, num_components: int, num_clusters: int) -> None:
     if router not in ROUTERS:
-        raise ConfigError(f"router: unknown '{router}'; allowed: {', '.join(ROUTERS)}")
+        raise ConfigError(f"router: {unknown_choice(router, ROUTERS)}")
     if router == "oracle" and num_clusters > num_components:
         raise ConfigError(
             f"router: oracle routes each of num_clusters={num_clusters} clusters to its own component; "

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 
 CLUSTER_TASKS = ("none", "rotation", "label_shift")
 ROTATIONS = 4  # rotation: cluster c turns by c x 90 degrees, so 4 distinct clusters at most
@@ -36,7 +36,7 @@ def _check_disjoint(parts, size: int, split: str) -> None:
 def apply_cluster_task(dataset, train_parts, test_parts, task: str, num_clusters: int):
     """A copy of ``dataset`` in which each client's examples follow its cluster's transform."""
     if task not in CLUSTER_TASKS:
-        raise ConfigError(f"cluster_task: unknown '{task}'; allowed: {', '.join(CLUSTER_TASKS)}")
+        raise ConfigError(f"cluster_task: {unknown_choice(task, CLUSTER_TASKS)}")
     if task == "none":
         return dataset
     clusters = client_clusters(len(train_parts), num_clusters)

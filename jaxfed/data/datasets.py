@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxfed.data.validate import ARRAYS, DataError, check_arrays, read_npz
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 
 DATA_DIR_ENV = "JAXFED_DATA_DIR"
 DATA_HELP = "the README's Data section shows how to write the .npz files"
@@ -54,7 +54,7 @@ def default_model(dataset: str) -> str:
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:
     """Load ``name``: ``digits`` from scikit-learn, else ``DATA_DIR/<name>.npz``, else TFDS."""
     if name not in DATASETS:
-        raise ConfigError(f"dataset: unknown '{name}'; allowed: {', '.join(DATASETS)}")
+        raise ConfigError(f"dataset: {unknown_choice(name, DATASETS)}")
     if name == "digits":
         source, arrays = "digits", _load_digits()
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxfed.data.validate import ZIP_MAGIC, DataError, check_parts
-from jaxfed.errors import ConfigError, first_line
+from jaxfed.errors import ConfigError, first_line, unknown_choice
 
 MAX_DIRICHLET_TRIES = 1000
 
@@ -57,7 +57,7 @@ def partition(
     elif name == "label_groups":
         return label_groups(y_train, y_test, num_clients, rng, num_groups=num_groups, num_classes=num_classes)
     else:
-        raise ConfigError(f"partition: unknown '{name}'; allowed: {', '.join(PARTITIONERS)}")
+        raise ConfigError(f"partition: {unknown_choice(name, PARTITIONERS)}")
     _check_non_empty(train)
     return train, test_like_train(train, y_train, y_test, rng, num_classes)
 

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxfed.errors import ConfigError, channels_first, first_line
+from jaxfed.errors import ConfigError, channels_first, first_line, unknown_choice
 from jaxfed.nn import user
 from jaxfed.nn.conv import CONV_IMPLS, Conv, max_pool_2x2
 
@@ -300,11 +300,11 @@ def get_model(
     picks the convolution implementation (see :mod:`jaxfed.nn.conv`); ``hidden`` the hidden
     widths of ``mlp`` (default 200, 200). ``norm`` and ``conv`` apply to the built-ins only."""
     if not user.is_spec(name) and name not in MODELS:
-        raise ConfigError(f"model: unknown '{name}'; allowed: {', '.join(MODELS)}, or {user.FORMS}")
+        raise ConfigError(f"model: {unknown_choice(name, MODELS)}, or {user.FORMS}")
     if norm not in NORMS:
-        raise ConfigError(f"norm: unknown '{norm}'; allowed: {', '.join(NORMS)}")
+        raise ConfigError(f"norm: {unknown_choice(norm, NORMS)}")
     if conv not in CONV_IMPLS:
-        raise ConfigError(f"conv: unknown '{conv}'; allowed: {', '.join(CONV_IMPLS)}")
+        raise ConfigError(f"conv: {unknown_choice(conv, CONV_IMPLS)}")
     if hidden is not None and name != "mlp":
         raise ConfigError(f"mlp_hidden: applies to model mlp only, not '{name}'")
     if user.is_spec(name):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxfed.algorithms import registry
-from jaxfed.errors import ConfigError, clip
+from jaxfed.errors import ConfigError, clip, unknown_choice
 from jaxfed.options import (
     Options,
     at_least,
@@ -557,9 +557,7 @@ def _unknown_key_message(key: str, algorithm: str, options_class) -> str:
 
 def _choice(field: str, value: str, allowed) -> None:
     if value not in allowed:
-        close = difflib.get_close_matches(value, list(allowed), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{field}: unknown '{clip(value)}'{hint}; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"{field}: {unknown_choice(value, allowed)}")
 
 
 registry.RUN_KEYS.update(Config.run_keys())  # an algorithm's option may not shadow one

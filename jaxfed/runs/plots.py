@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxfed.errors import ConfigError, first_line
+from jaxfed.errors import ConfigError, first_line, unknown_choice
 from jaxfed.runs.keys import NEUTRAL_KEYS
 
 METRICS = (
@@ -157,7 +157,7 @@ TWO_PANELS = {"left": 0.065, "right": 0.985, "bottom": 0.13, "top": 0.92, "wspac
 def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_mean") -> Path:
     """Write a two-panel PNG (``metric`` vs round, vs cumulative bytes up) for ``run_dirs``."""
     if metric not in METRICS:
-        raise ConfigError(f"--metric: unknown '{metric}'; allowed: {', '.join(METRICS)}")
+        raise ConfigError(f"--metric: {unknown_choice(metric, METRICS)}")
     runs = [read_run(d) for d in run_dirs]
     labels = run_labels([config for config, _ in runs])
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 from jaxfed.runs.plots import flat_config, read_json, read_run, run_dirs_below
 
 PER = ("row", "run")
@@ -28,7 +28,7 @@ def load_runs(dirs, per: str = "row") -> list[dict]:
     row of ``metrics.jsonl``; ``per="run"``, one per run, with its ``summary.json`` (``finished``
     says whether there is one; an unfinished run's record has its config alone)."""
     if per not in PER:
-        raise ConfigError(f"per: unknown '{per}'; allowed: {', '.join(PER)}")
+        raise ConfigError(f"per: {unknown_choice(per, PER)}")
     records = []
     for run_dir in run_directories(dirs):
         config, rows = read_run(run_dir)

@@ -61,7 +61,7 @@ from jaxfed.core import (
     weighted_mean,
 )
 from jaxfed.data import ClientData, FederatedData
-from jaxfed.errors import ConfigError, NonFiniteUpdateError
+from jaxfed.errors import ConfigError, NonFiniteUpdateError, unknown_choice
 from jaxfed.simulation import accounting, sampling, server
 from jaxfed.simulation.evaluation import Evaluation
 from jaxfed.simulation.strategy import ClientStrategy
@@ -197,11 +197,11 @@ class Simulation:
         new_client_updates: int = 1,
     ):
         if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite: unknown '{nonfinite}'; allowed: {', '.join(NONFINITE_POLICIES)}")
+            raise ValueError(f"nonfinite: {unknown_choice(nonfinite, NONFINITE_POLICIES)}")
         if matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"matmul_precision: unknown '{matmul_precision}'; allowed: {', '.join(MATMUL_PRECISIONS)}")
+            raise ValueError(f"matmul_precision: {unknown_choice(matmul_precision, MATMUL_PRECISIONS)}")
         if client_state not in CLIENT_STATES:
-            raise ValueError(f"client_state: unknown '{client_state}'; allowed: {', '.join(CLIENT_STATES)}")
+            raise ValueError(f"client_state: {unknown_choice(client_state, CLIENT_STATES)}")
         if client_state == "host" and jax.process_count() > 1:
             raise ValueError("client_state: host keeps client states in this process's memory; one process only")
         check_server_step(algorithm)
@@ -225,7 +225,7 @@ class Simulation:
         tiered = algorithm.num_tiers is not None
         self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
         if sampling_mode not in sampling.SAMPLINGS:
-            raise ValueError(f"sampling_mode: unknown '{sampling_mode}'; allowed: {', '.join(sampling.SAMPLINGS)}")
+            raise ValueError(f"sampling_mode: {unknown_choice(sampling_mode, sampling.SAMPLINGS)}")
         if sampling_mode == "first" and tiered:  # tiers are blocks of ids: the first clients are the first tiers
             raise ConfigError(
                 f"sampling: first trains clients 0..{self.num_sampled - 1} only, the first tiers of "

@@ -38,7 +38,7 @@ import numpy as np
 from jaxfed.cli.bench.flops import local_step_flops
 from jaxfed.cli.bench.measure import matmul_gflops, peak_memory_bytes
 from jaxfed.data.datasets import default_model
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, unknown_choice
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
 from jaxfed.simulation.strategy import device_shares, size_ordered_groups
@@ -94,7 +94,7 @@ WORKLOADS = {
 
 def workload_config(name: str, overrides=()) -> Config:
     if name not in WORKLOADS:
-        raise ConfigError(f"workload: unknown '{name}'; allowed: {', '.join(WORKLOADS)}")
+        raise ConfigError(f"workload: {unknown_choice(name, WORKLOADS)}")
     return Config().with_overrides([*WORKLOADS[name], "checkpoint_every=0", *overrides]).validate()
 
 
