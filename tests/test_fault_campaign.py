@@ -175,17 +175,17 @@ def test_config_file_mistakes_are_one_clear_line(tmp_path):
 def test_a_config_files_value_errors_name_its_file_line_and_section(tmp_path, capsys, text, where, error):
     conf = _conf(tmp_path, text)
     assert main(["run", "fedavg", "--quiet", "--config", str(conf), "--out", str(tmp_path / "o")]) == 2
-    assert _one_line_error(capsys).startswith(f"jaxfed: error: --config {conf} {where}: {error}")
+    assert _one_line_error(capsys).startswith(f"jaxfed: error: --config: {conf} {where}: {error}")
 
 
 def test_a_config_file_is_checked_as_the_command_line_leaves_it(tmp_path):
-    lines = [("rounds=0", "--config run.conf line 1"), ("algorithm=fedavgg", "--config run.conf line 2")]
-    with pytest.raises(ConfigError, match=r"^--config run.conf line 2: algorithm: unknown 'fedavgg'"):
+    lines = [("rounds=0", "--config: run.conf line 1"), ("algorithm=fedavgg", "--config: run.conf line 2")]
+    with pytest.raises(ConfigError, match=r"^--config: run.conf line 2: algorithm: unknown 'fedavgg'"):
         Config().validated_with(*zip(*lines))
-    overridden = Config().validated_with(["rounds=0", "rounds=1"], ["--config run.conf line 1", None])
+    overridden = Config().validated_with(["rounds=0", "rounds=1"], ["--config: run.conf line 1", None])
     assert overridden.rounds == 1  # the file's value lost to --set: never checked
     with pytest.raises(ConfigError, match=r"^rounds: must be >= 1, got 0$"):  # --set's own: no file to name
-        Config().validated_with(["rounds=2", "rounds=0"], ["--config run.conf line 1", None])
+        Config().validated_with(["rounds=2", "rounds=0"], ["--config: run.conf line 1", None])
 
 
 def test_a_huge_value_gives_a_short_line(tmp_path, capsys):

@@ -478,7 +478,7 @@ def read_config_lines(path) -> list[tuple[str, str]]:
             )
         seen[scoped] = number
         header = f" [{section[:-1]}]" if section else ""
-        pairs.append((f"{scoped}={value.strip()}", f"--config {path} line {number}{header}"))
+        pairs.append((f"{scoped}={value.strip()}", f"--config: {path} line {number}{header}"))
     return pairs
 
 
