@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import chex
 import jax
@@ -18,7 +19,7 @@ from jaxfed.algorithms.feddecomp import FedDecompOptions
 from jaxfed.cli.commands import _parser, config_from_args, main
 from jaxfed.errors import ConfigError
 from jaxfed.options import TrainingOptions, option, positive
-from jaxfed.runs.config import Config, read_config_file
+from jaxfed.runs.config import Config, read_config_file, read_config_lines
 from jaxfed.simulation import Simulation
 
 
@@ -244,3 +245,17 @@ def test_defaults_dict_is_the_default_instances_dict_and_skips_a_field_without_d
     defaults = Required.defaults_dict()
     assert "depth" not in defaults and defaults["width"] == 7
     assert defaults["lr"] == TrainingOptions().lr
+
+
+REPOSITORY = Path(__file__).parents[1]
+EXPERIMENT_CONFIGS = sorted(str(p.relative_to(REPOSITORY)) for p in REPOSITORY.glob("experiments/*/*.conf"))
+
+
+@pytest.mark.parametrize("conf", EXPERIMENT_CONFIGS)
+def test_every_experiment_config_file_reads_as_config_keys(conf):
+    """Each paper's setting parses: known keys, values of their types, sections of real algorithms
+    (the rules that need the data, such as a partition file's path, run when it runs)."""
+    path = REPOSITORY / conf
+    paper = path.parent.name  # the paper's algorithm, as its run.sh names it
+    algorithm = paper if paper in registry.names() else "fedavg"
+    Config(algorithm=algorithm).with_overrides(*zip(*read_config_lines(path)))

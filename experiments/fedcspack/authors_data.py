@@ -16,11 +16,11 @@ does each client's 75 / 25 split of its classes (the sizes are theirs: ceil(25%)
 Writes ``OUT/fashion_mnist.npz`` (training arrays: every client's training split, client by
 client; test arrays: every client's test split, so the global accuracy is over the pooled
 clients' test sets, images no client trained on) and ``OUT/authors_parts.npz`` (the partition
-file). Usage::
+file). ``experiments/fedcspack/run.sh DATA fmnist_authors_data`` runs it before its runs; alone::
 
     python experiments/fedcspack/authors_data.py DATA_DIR OUT [--alpha 0.3]
-    experiments/fedcspack/run.sh OUT fmnist_authors -- --set partition=file \\
-        partition_file=OUT/authors_parts.npz sampling=first
+    jaxfed run fedcspack --config experiments/fedcspack/fmnist_authors.conf --data-dir OUT \\
+        --set partition=file partition_file=OUT/authors_parts.npz sampling=first
 """
 
 from __future__ import annotations
