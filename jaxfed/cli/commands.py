@@ -360,8 +360,9 @@ def _list(args) -> int:
     if args.algorithm:
         spec = registry.get(args.algorithm)
         print(f"{spec.name}: {spec.summary}")
-        if registry.python_use(spec.name):
-            print(f"python: {registry.python_use(spec.name)}")
+        python_use = registry.python_use(spec.name)
+        if python_use:
+            print(f"python: {python_use}")
         print(f"options ({spec.options.__name__}; --set key=value):")
         _print_keys(spec.options.describe())
         return 0

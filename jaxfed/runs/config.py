@@ -405,7 +405,8 @@ class Config(Options):
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("eval_clients", self.eval_clients, EVAL_CLIENTS)
         if self.eval_clients == "cohort" and self.sampling not in COHORT_SAMPLINGS:
-            raise ConfigError("eval_clients: cohort needs sampling=fixed or first (one cohort trains every round)")
+            need = " or ".join(COHORT_SAMPLINGS)
+            raise ConfigError(f"eval_clients: cohort needs sampling={need} (one cohort trains every round)")
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _choice("cluster_task", self.cluster_task, CLUSTER_TASKS)
         task = "regression" if self.dataset in SYNTHETIC_TASKS else "classification"
@@ -453,7 +454,7 @@ def read_config_file(path) -> list[str]:
 
 
 def read_config_lines(path) -> list[tuple[str, str]]:
-    """:func:`read_config_file`'s pairs, each with where it was written (``--config FILE line N``
+    """:func:`read_config_file`'s pairs, each with where it was written (``--config: FILE line N``
     and its ``[section]``), for :meth:`Config.with_overrides` to name in an error."""
     text = _read_config_text(path)
     pairs, section, seen = [], "", {}
