@@ -1,11 +1,18 @@
 """Models and the patches convolution against XLA's convolution."""
 
+import importlib.util
+import sys
+from pathlib import Path
+
+import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxfed.nn import MODELS, conv2d, get_model
+from jaxfed.nn.conv import Conv
 
 
 @pytest.mark.parametrize("kernel", [(1, 1), (3, 3), (5, 5), (3, 2)])
@@ -32,6 +39,19 @@ def test_patches_conv_gradients_equal_xla():
 
     for a, b in zip(loss("patches")(x, k), loss("xla")(x, k)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "inits",
+    [{}, {"kernel_init": nn.initializers.uniform(0.3), "bias_init": nn.initializers.normal(0.5)}],
+    ids=["default", "given"],
+)
+def test_conv_initializes_as_flax_conv(inits):
+    """Defaults and given ``kernel_init`` / ``bias_init``: Flax ``nn.Conv``'s parameters for the same key."""
+    x = jax.random.normal(jax.random.key(3), (2, 8, 8, 3))
+    ours = Conv(5, (3, 3), **inits).init(jax.random.key(4), x)
+    flax_conv = nn.Conv(5, (3, 3), **inits).init(jax.random.key(4), x)
+    chex.assert_trees_all_equal(ours, flax_conv)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -75,3 +95,24 @@ def test_max_pool_2x2_equals_flax_max_pool_with_its_gradient(shape, padding):
     grads = [jax.grad(lambda z, f=f: jnp.sum(jnp.sin(f(z))))(x) for f in (
         lambda z: max_pool_2x2(z, padding), lambda z: nn.max_pool(z, (2, 2), (2, 2), padding=padding))]  # fmt: skip
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
+
+
+def test_authors_fmnist_cnn_torch_init_draws_torch_default_bounds(monkeypatch):
+    """experiments/fedcspack/models.py: with torch's initialization every kernel and bias is
+    uniform in ±1/sqrt(fan_in) (``nn.Conv2d`` / ``nn.Linear``'s defaults); without it, Flax's."""
+    path = Path(__file__).parents[1] / "experiments" / "fedcspack" / "models.py"
+    spec = importlib.util.spec_from_file_location("fedcspack_models", path)
+    models = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, models)  # its dataclasses look their module up
+    spec.loader.exec_module(models)
+    x = jnp.zeros((1, 28, 28, 1))
+    torch_params = models.AuthorsFMNISTCNNTorchInit().init(jax.random.key(0), x)["params"]
+    flax_params = models.AuthorsFMNISTCNN().init(jax.random.key(0), x)["params"]
+    fan_in = {"conv1": 5 * 5 * 1, "conv2": 5 * 5 * 10, "fc1": 4 * 4 * 20, "fc2": 256, "head": 50}
+    for layer, n in fan_in.items():
+        bound = 1 / np.sqrt(n)
+        kernel, bias = np.asarray(torch_params[layer]["kernel"]), np.asarray(torch_params[layer]["bias"])
+        assert np.abs(kernel).max() <= bound and np.abs(bias).max() <= bound, layer
+        assert np.abs(kernel).max() > 0.9 * bound and np.abs(bias).min() < np.abs(bias).max(), layer
+        np.testing.assert_allclose(kernel.std(), bound / np.sqrt(3), rtol=0.15, err_msg=layer)  # uniform's std
+        assert not np.any(flax_params[layer]["bias"]), layer

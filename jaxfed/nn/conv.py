@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -72,7 +72,8 @@ def max_pool_2x2(x, padding: str = "VALID"):
 
 
 class Conv(nn.Module):
-    """A drop-in for ``flax.linen.Conv`` (same parameters and initializers) computed by :func:`conv2d`."""
+    """A drop-in for ``flax.linen.Conv`` (same parameters, initializers and ``kernel_init`` /
+    ``bias_init`` fields) computed by :func:`conv2d`."""
 
     features: int
     kernel_size: Sequence[int]
@@ -80,12 +81,14 @@ class Conv(nn.Module):
     padding: str = "SAME"
     use_bias: bool = True
     impl: str = "patches"
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros_init()
 
     @nn.compact
     def __call__(self, x):
         kh, kw = self.kernel_size
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (kh, kw, x.shape[-1], self.features))
+        kernel = self.param("kernel", self.kernel_init, (kh, kw, x.shape[-1], self.features))
         y = conv2d(x, kernel, self.strides, self.padding, self.impl)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
+            y = y + self.param("bias", self.bias_init, (self.features,))
         return y
