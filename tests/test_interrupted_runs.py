@@ -112,3 +112,40 @@ def test_report_does_not_take_the_summary_of_a_finished_run_whose_extension_was_
     (variant,) = collect({"variant": parent})
     assert [run.name for run in variant.runs] == ["seed1"]  # seed0 has not finished its 4 rounds
     assert variant.summaries[0]["rounds"] == 4
+
+
+def test_a_run_interrupted_while_a_checkpoint_is_written_completes_it(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while a checkpoint was written in the background left only its temporary directory
+    (orbax's write is asynchronous): a first checkpoint lost that way left nothing to resume from."""
+    import threading
+    import time
+
+    from jaxfed.cli import main
+    from jaxfed.runs.checkpoint import RunCheckpoints
+    from jaxfed.simulation.engine import Simulation
+
+    save, wait, run_rounds = RunCheckpoints.save, RunCheckpoints.wait, Simulation.run_rounds
+    writes, calls = [], [0]
+
+    def slow_save(self, *args):  # the write still under way when the interrupt comes
+        writes.append(threading.Thread(target=lambda: (time.sleep(0.5), save(self, *args))))
+        writes[-1].start()
+
+    def interrupted(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return run_rounds(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunCheckpoints, "save", slow_save)
+    monkeypatch.setattr(RunCheckpoints, "wait", lambda self: ([w.join() for w in writes], wait(self)))
+    monkeypatch.setattr(Simulation, "run_rounds", interrupted)
+    out = tmp_path / "run"
+    settings = ["num_clients=8", "rounds=3", "eval_every=1", "rounds_per_call=1", "checkpoint_every=1"]
+    assert main(["run", "--quiet", "--out", str(out), "--set", *settings]) == 130
+    assert RunDirectory(out).checkpoints.rounds() == [1]
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("interrupted; the checkpoint of round 1 is intact (--resume continues from it)")
+    )

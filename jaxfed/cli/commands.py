@@ -464,8 +464,9 @@ def main(argv=None) -> int:
     except (StorageFullError, DeviceMemoryError) as err:
         print(f"jaxfed: error: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("jaxfed: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        kept = getattr(err, "intact", None)  # a run's loop says what it keeps
+        print(f"jaxfed: interrupted; {kept}" if kept else "jaxfed: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into a reader that stopped (jaxfed list | head): not an error
         import os

@@ -243,6 +243,9 @@ def drive(
 
     try:
         return run_calls(state, done)
+    except KeyboardInterrupt as err:
+        err.intact = finish_checkpoints(dirs)
+        raise
     except Exception as err:
         if is_device_out_of_memory(err):
             raise device_out_of_memory(dirs[0], err) from None
@@ -257,6 +260,15 @@ def _intact(directory: RunDirectory) -> str:
     """What a run stopped by a failure keeps: its newest complete checkpoint, in words."""
     intact = directory.checkpoints.rounds()
     return f"the checkpoint of round {intact[-1]} is intact" if intact else "no checkpoint was completed"
+
+
+def finish_checkpoints(dirs: list[RunDirectory]) -> str:
+    """Complete the checkpoints begun in ``dirs`` (an interrupted run would otherwise lose one
+    being written in the background); what the (first) run keeps, in words."""
+    for directory in dirs:
+        directory.checkpoints.wait()
+    intact = _intact(dirs[0])
+    return f"{intact} (--resume continues from it)" if dirs[0].checkpoints.rounds() else intact
 
 
 def device_out_of_memory(directory: RunDirectory, err: BaseException) -> DeviceMemoryError:
