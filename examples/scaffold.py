@@ -125,6 +125,7 @@ def scaffold(model, options: ScaffoldOptions | None = None, *, num_clients: int,
 
     return FederatedAlgorithm(
         name="scaffold",
+        options=options,  # recorded in config.json; a resume with other options is refused
         init=init,
         broadcast=broadcast,
         client_update=client_update,

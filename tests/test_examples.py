@@ -67,6 +67,7 @@ def test_scaffold_client_step_matches_fedavg_then_the_control_formula(scaffold_m
 
 def test_scaffold_server_step_is_the_papers_formula(scaffold_module, mlp):
     alg = scaffold_module.scaffold(mlp, num_clients=8, server_lr=0.5)
+    assert alg.options.server_lr == 0.5  # recorded, so that a resume compares them
     server, _ = alg.init(jax.random.key(0))
     rng = np.random.default_rng(0)
     uploads = [

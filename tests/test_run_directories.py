@@ -20,7 +20,7 @@ from jaxfed.runs.build import build
 from jaxfed.runs.checkpoint import INTEGRITY, record_digest
 from jaxfed.runs.config import Config
 from jaxfed.runs.driver import recorded_config
-from jaxfed.runs.fingerprint import differences, fingerprint
+from jaxfed.runs.fingerprint import check_same_simulation, differences, fingerprint
 from jaxfed.runs.plots import run_labels
 from jaxfed.runs.rundir import LOCK_FILE, LoopSettings, RunDirectory, RunRecord
 
@@ -260,3 +260,17 @@ def test_jaxfed_run_calls_back_and_load_runs_gives_what_the_files_hold(base, tmp
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="empty holds no metrics.jsonl and no run directories"):
         jaxfed.load_runs(tmp_path / "empty")
+
+
+def test_options_known_on_neither_side_are_not_compared_and_said_so():
+    """An algorithm built without ``options=`` (the SCAFFOLD example did so) resumed with other
+    options silently; now the resume warns that they were not compared."""
+    for saved_options, current_options, said in (
+        (None, None, "records no options"),
+        ({"lr": 0.1}, None, "known for the checkpoint only"),
+        ({"lr": 0.1}, {"lr": 0.1}, None),
+    ):
+        warnings = []
+        saved, current = ({"algorithm": "x", "options": o} for o in (saved_options, current_options))
+        check_same_simulation(saved, current, "RUN", warnings.append, code_warning=False)
+        assert [said in w for w in warnings] == ([True] if said else []), warnings

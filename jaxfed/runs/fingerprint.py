@@ -248,8 +248,8 @@ def check_same_simulation(
     """A one-line ConfigError naming what differs when the fingerprint ``saved`` (a checkpoint's
     record, of the run in ``where``) is not ``current``'s (``defaults``: of the options an older
     record lacks, :func:`differences`). ``saved`` None (a record from before fingerprints): not
-    compared, a warning through ``log`` (where given); options known on one side only: not
-    compared, a warning too; a file of user code changed since (:func:`changed_code`): a warning
+    compared, a warning through ``log`` (where given); options known on one side only or on
+    neither: not compared, a warning too; a file of user code changed since (:func:`changed_code`): a warning
     (``code_warning=False``: the caller warns once for many checkpoints, :func:`warn_changed_code`)."""
     if saved is None:
         if log is not None:
@@ -269,6 +269,11 @@ def check_same_simulation(
         log(
             f"warning: the algorithm's options are known for {'the checkpoint' if known[0] else 'this simulation'} "
             "only (its record carries none), so they are not compared"
+        )
+    if log is not None and not any(known):
+        log(
+            "warning: the algorithm records no options (its FederatedAlgorithm was built with options=None), so "
+            "they are not compared with the checkpoint's; pass options=... to FederatedAlgorithm"
         )
     if log is not None and code_warning:
         warn_changed_code(saved, current, where, log)
