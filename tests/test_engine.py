@@ -375,9 +375,18 @@ def test_new_clients_and_other_data_are_refused_in_one_line(mlp, digits_federati
     from jaxfed import Config, ConfigError
 
     alg = fedavg(mlp)
-    for bad, says in (([3, 3], "distinct"), ([10], "in 0..9"), (list(range(10)), "at least one must train")):
+    for bad, says in (
+        ([3, 3], "distinct"),
+        ([10], "in 0..9"),
+        (list(range(10)), "at least one must train"),
+        (3, r"client ids \(a list\) or a fraction of the clients in \[0, 1\), got 3 \(client 3 alone: \[3\]\)"),
+        (1.0, r"a fraction of the clients must be in \[0, 1\), got 1.0"),
+    ):
         with pytest.raises(ConfigError, match=f"new_clients: .*{says}"):
             Simulation(alg, mlp, digits_federation, new_clients=bad)
+    # a fraction: the clients the run key new_clients holds out
+    held = Config().with_overrides(["new_clients=0.2", "num_clients=10"]).held_out_ids()
+    assert held == (2, 7) and Simulation(alg, mlp, digits_federation, new_clients=0.2).new_clients.tolist() == [2, 7]
     with pytest.raises(ConfigError, match="new_client_ids: give new_clients .* or new_client_ids"):
         Config().with_overrides(["new_clients=0.2", "new_client_ids=1,2"]).validate()
     assert Config().with_overrides(["new_clients=0.2", "num_clients=20"]).held_out_ids() == (2, 7, 12, 17)

@@ -310,11 +310,9 @@ class Config(Options):
         ``new_clients``' fraction of them spread evenly over the ids: at least one when above 0)."""
         if self.new_client_ids:
             return tuple(self.new_client_ids)
-        if not self.new_clients:
-            return ()
-        from jaxfed.simulation.sampling import spread_ids
+        from jaxfed.simulation.sampling import fraction_ids
 
-        return tuple(int(i) for i in spread_ids(max(1, round(self.new_clients * self.num_clients)), self.num_clients))
+        return fraction_ids(self.new_clients, self.num_clients)
 
     def hidden_widths(self) -> tuple[int, ...] | None:
         """``mlp_hidden`` as widths (None when empty)."""

@@ -163,7 +163,8 @@ class Simulation:
     ``"host"`` (in this process's memory; each call moves the clients it samples): for client
     states larger than the device's memory.
 
-    ``new_clients``: ids of clients held out of training (never sampled, never uploading): each
+    ``new_clients``: ids of clients held out of training (never sampled, never uploading), or a
+    fraction of the clients spread evenly over the ids (as the run key ``new_clients``): each
     evaluation reports them as new clients, with the global model and after the algorithm's own
     personalization on their training split (``new_client_updates`` local updates from a fresh
     client state where the algorithm has no ``personalize``), under ``new_*``; the personalized
@@ -193,7 +194,7 @@ class Simulation:
         matmul_precision: str = "default",
         strategy: ClientStrategy | None = None,
         client_state: str = "device",
-        new_clients: Sequence[int] | None = None,
+        new_clients: Sequence[int] | float | None = None,
         new_client_updates: int = 1,
     ):
         if nonfinite not in NONFINITE_POLICIES:

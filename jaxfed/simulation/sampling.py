@@ -73,9 +73,16 @@ def _draw(key, num_clients: int, count: int):
 
 
 def held_out(new_clients, num_clients: int):
-    """The sorted ids (numpy int32) of the clients held out of training as new clients, or None
-    for none; a ConfigError for ids that are not distinct integers in ``0..num_clients-1`` or
-    that leave no client to train."""
+    """The sorted ids (numpy int32) of the clients held out of training as new clients (given as
+    ids, or as a fraction of the clients: :func:`fraction_ids`), or None for none; a ConfigError
+    for ids that are not distinct integers in ``0..num_clients-1`` or that leave no client to train."""
+    if isinstance(new_clients, float):
+        new_clients = fraction_ids(new_clients, num_clients)
+    elif np.ndim(new_clients) == 0 and new_clients is not None:
+        raise ConfigError(
+            f"new_clients: client ids (a list) or a fraction of the clients in [0, 1), got {new_clients!r} "
+            f"(client {new_clients} alone: [{new_clients}])"
+        )
     if new_clients is None or len(new_clients) == 0:
         return None
     ids = np.asarray(new_clients)
@@ -86,6 +93,16 @@ def held_out(new_clients, num_clients: int):
     if len(ids) >= num_clients:
         raise ConfigError(f"new_clients: all {num_clients} clients held out; at least one must train")
     return np.sort(ids).astype(np.int32)
+
+
+def fraction_ids(fraction: float, num_clients: int) -> tuple[int, ...]:
+    """The ids of ``fraction`` of the clients held out as new clients: :func:`spread_ids` of at
+    least one when ``fraction`` is above 0; a ConfigError outside ``[0, 1)``."""
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"new_clients: a fraction of the clients must be in [0, 1), got {fraction}")
+    if not fraction:
+        return ()
+    return tuple(int(i) for i in spread_ids(max(1, round(fraction * num_clients)), num_clients))
 
 
 def spread_ids(count: int, num_clients: int):
