@@ -368,6 +368,8 @@ def test_new_clients_never_train_and_are_evaluated_after_their_own_local_update(
     assert untouched != adapted_acc  # the local update did change the personal models
     trained = np.setdiff1d(np.arange(fed.num_clients), new)
     assert np.isnan(per_client["acc"][new]).all() and np.isnan(np.delete(per_client["new_acc"], new)).all()
+    assert not per_client["examples"][new].any() and not np.delete(per_client["new_examples"], new).any()
+    assert per_client["new_examples"][new].min() > 0
     assert evaluation["personalized_acc_mean"] == pytest.approx(np.mean(per_client["acc"][trained]), rel=1e-6)
 
 

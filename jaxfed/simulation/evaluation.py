@@ -124,8 +124,13 @@ def global_metrics(correct, loss, regression: bool = False) -> dict:
 
 
 def scattered(values: dict, ids, num_clients: int) -> dict:
-    """Arrays over ``ids`` as ``[num_clients]`` arrays in client-id order (NaN for the others)."""
-    return {k: jnp.full(num_clients, jnp.nan, v.dtype).at[ids].set(v) for k, v in values.items()}
+    """Arrays over ``ids`` as ``[num_clients]`` arrays in client-id order: the others' metrics
+    NaN and their examples counted 0, as :func:`per_client` gives a client without test examples."""
+
+    def fill(key):
+        return 0.0 if key.endswith("examples") else jnp.nan
+
+    return {k: jnp.full(num_clients, fill(k), v.dtype).at[ids].set(v) for k, v in values.items()}
 
 
 class Evaluation:
