@@ -201,6 +201,7 @@ def test_config_json_describes_the_simulation_so_two_runs_get_their_own_labels(b
     written = json.loads((base.out / "config.json").read_text())
     assert written == expected
     other = recorded_config(_tiny("lr=0.2", "seed=1"), SETTINGS)
+    assert other["dataset"] == "digits"  # the data's own name where the caller records none (was null)
     assert run_labels([written, other]) == ["fedavg lr=0.05 seed=0", "fedavg lr=0.2 seed=1"]
     # a registered builder that leaves the record's options unset: the registry's build sets them
     jaxfed.register(

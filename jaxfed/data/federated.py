@@ -56,6 +56,7 @@ class FederatedData:
     test_idx: jax.Array  # [num_clients, max_test]
     test_count: jax.Array  # [num_clients]
     num_classes: int = struct.field(pytree_node=False)
+    name: str = struct.field(pytree_node=False, default="")  # the dataset's, as run directories record it
 
     @property
     def num_clients(self) -> int:
@@ -118,4 +119,5 @@ def federate(dataset, train_parts, test_parts, *, allow_empty_train: bool = Fals
         test_idx=jnp.asarray(test_idx),
         test_count=jnp.asarray(test_count),
         num_classes=dataset.num_classes,
+        name=dataset.name,
     )

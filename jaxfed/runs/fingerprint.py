@@ -164,10 +164,12 @@ def fingerprint(sim, data=None) -> dict:
 
 
 def describe(sim) -> dict:
-    """:func:`simulation_keys` (``options`` where known) and the data's sizes: ``config.json`` of a
-    simulation built in research code."""
+    """:func:`simulation_keys` (``options`` where known), the dataset's name (where the data has
+    one) and the data's sizes: ``config.json`` of a simulation built in research code."""
     described = {key: value for key, value in simulation_keys(sim).items() if value is not None}
     data = sim.data
+    if data.name:
+        described["dataset"] = data.name
     described["data"] = {
         "train_examples": len(data.x_train),
         "test_examples": len(data.x_test),

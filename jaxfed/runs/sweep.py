@@ -221,8 +221,9 @@ def stack_data(datas: list[FederatedData]) -> tuple[FederatedData, FederatedData
     between them (index tables padded to a common width first) and none on the shared ones."""
     widths = {name: max(getattr(d, name).shape[1] for d in datas) for name in ("train_idx", "test_idx")}
     fields, axes = {}, {}
+    statics = {f.name: getattr(datas[0], f.name) for f in dataclasses.fields(FederatedData) if _is_static(f)}
     for field in dataclasses.fields(FederatedData):
-        if field.name == "num_classes":
+        if _is_static(field):
             continue
         values = [np.asarray(getattr(d, field.name)) for d in datas]
         if field.name in widths:
@@ -230,8 +231,12 @@ def stack_data(datas: list[FederatedData]) -> tuple[FederatedData, FederatedData
         same = all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values[1:])
         fields[field.name] = jnp.asarray(values[0]) if same else jnp.asarray(np.stack(values))
         axes[field.name] = None if same else 0
-    num_classes = datas[0].num_classes
-    return FederatedData(**fields, num_classes=num_classes), FederatedData(**axes, num_classes=num_classes)
+    return FederatedData(**fields, **statics), FederatedData(**axes, **statics)
+
+
+def _is_static(field: dataclasses.Field) -> bool:
+    """A field of a Flax struct that is metadata (``pytree_node=False``), not an array."""
+    return not field.metadata.get("pytree_node", True)
 
 
 class Sweep:
