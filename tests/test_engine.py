@@ -231,7 +231,7 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
     that train, checked against a per-client loop over the cohort."""
     alg = make(mlp, lr=0.05, local_epochs=1, batch_size=32)
     fed = digits_federation
-    sim = Simulation(alg, mlp, fed, participation=0.3, sampling_mode=mode, eval_clients="cohort", seed=1)
+    sim = Simulation(alg, mlp, fed, participation=0.3, sampling=mode, eval_clients="cohort", seed=1)
     state, _ = sim.run_rounds(sim.init(), 2)
     cohort = np.asarray(sim.sampled_ids(0))
     assert list(cohort) == list(np.asarray(sim.sampled_ids(1)))  # the same clients every round
@@ -248,16 +248,18 @@ def test_cohort_evaluation_is_the_mean_over_the_fixed_cohort(mlp, digits_federat
     assert np.isnan(np.delete(per_client["acc"], cohort)).all()
     assert (np.delete(per_client["examples"], cohort) == 0).all()
     np.testing.assert_array_equal(per_client["examples"][cohort], np.asarray(fed.test_count)[cohort])
-    everyone = Simulation(alg, mlp, fed, participation=0.3, sampling_mode=mode, seed=1).evaluate(state)
+    everyone = Simulation(alg, mlp, fed, participation=0.3, sampling=mode, seed=1).evaluate(state)
     assert everyone["personalized_acc_mean"] != got  # the untrained clients count there
 
 
 def test_cohort_evaluation_needs_the_fixed_cohort(mlp, digits_federation):
     with pytest.raises(ValueError, match="eval_clients"):
         Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, eval_clients="cohort")
-    unknown = r"^sampling_mode: unknown 'fix' \(did you mean 'fixed'\?\); allowed: uniform, fixed, first$"
+    unknown = r"^sampling: unknown 'fix' \(did you mean 'fixed'\?\); allowed: uniform, fixed, first$"
     with pytest.raises(ValueError, match=unknown):
-        Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, sampling_mode="fix")
+        Simulation(fedavg(mlp), mlp, digits_federation, participation=0.3, sampling="fix")
+    with pytest.warns(DeprecationWarning, match="sampling_mode"):  # the keyword's old name still works
+        assert Simulation(fedavg(mlp), mlp, digits_federation, sampling_mode="fixed").sampling == "fixed"
 
 
 def test_a_variant_runs_its_own_algorithm_and_key(mlp, digits_federation):

@@ -121,7 +121,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         model,
         part.data,
         participation=config.participation,
-        sampling_mode=config.sampling,
+        sampling=config.sampling,
         eval_clients=config.eval_clients,
         seed=config.seed,
         devices=devices,

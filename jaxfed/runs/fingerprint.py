@@ -77,7 +77,7 @@ def simulation_keys(sim) -> dict:
         "model": model_name(sim.model),
         "num_clients": sim.num_clients,
         "participation": sim.num_sampled / sim.num_clients,
-        "sampling": sim.sampling_mode,
+        "sampling": sim.sampling,
         "eval_clients": sim.eval_clients,
         "eval_batch_size": sim.evaluation.batch_size,
         "matmul_precision": sim.matmul_precision,

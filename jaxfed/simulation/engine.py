@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -64,6 +65,7 @@ from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import ConfigError, NonFiniteUpdateError, unknown_choice
 from jaxfed.simulation import accounting, sampling, server
 from jaxfed.simulation.evaluation import Evaluation
+from jaxfed.simulation.sampling import COHORT_SAMPLINGS, EVAL_CLIENTS, SAMPLINGS, held_out, num_sampled, tier_bounds
 from jaxfed.simulation.strategy import ClientStrategy
 
 NONFINITE_POLICIES = ("error", "skip")
@@ -182,7 +184,7 @@ class Simulation:
         data: FederatedData,
         *,
         participation: float = 1.0,
-        sampling_mode: str = "uniform",
+        sampling: str = "uniform",
         eval_clients: str = "all",
         seed: int = 0,
         devices: Sequence[jax.Device] | None = None,
@@ -196,7 +198,11 @@ class Simulation:
         client_state: str = "device",
         new_clients: Sequence[int] | float | None = None,
         new_client_updates: int = 1,
+        sampling_mode: str | None = None,
     ):
+        if sampling_mode is not None:  # the keyword's name before it took the run key's
+            warnings.warn("Simulation(sampling_mode=...) is now sampling=...", DeprecationWarning, stacklevel=2)
+            sampling = sampling_mode
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: {unknown_choice(nonfinite, NONFINITE_POLICIES)}")
         if matmul_precision not in MATMUL_PRECISIONS:
@@ -217,27 +223,25 @@ class Simulation:
         self.model = model
         self.pooled_eval_model = pooled_eval_model or model
         self.num_clients = data.num_clients
-        self.new_clients = sampling.held_out(new_clients, self.num_clients)
+        self.new_clients = held_out(new_clients, self.num_clients)
         self.trained_ids = None  # None: every client trains
         if self.new_clients is not None:
             self.trained_ids = np.setdiff1d(np.arange(self.num_clients), self.new_clients).astype(np.int32)
         self.num_trained = self.num_clients if self.trained_ids is None else len(self.trained_ids)
-        self.num_sampled = sampling.num_sampled(self.num_trained, participation)
+        self.num_sampled = num_sampled(self.num_trained, participation)
         tiered = algorithm.num_tiers is not None
-        self.tiers = sampling.tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
-        if sampling_mode not in sampling.SAMPLINGS:
-            raise ValueError(f"sampling_mode: {unknown_choice(sampling_mode, sampling.SAMPLINGS)}")
-        if sampling_mode == "first" and tiered:  # tiers are blocks of ids: the first clients are the first tiers
+        self.tiers = tier_bounds(self.num_clients, algorithm.num_tiers) if tiered else None
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"sampling: {unknown_choice(sampling, SAMPLINGS)}")
+        if sampling == "first" and tiered:  # tiers are blocks of ids: the first clients are the first tiers
             raise ConfigError(
                 f"sampling: first trains clients 0..{self.num_sampled - 1} only, the first tiers of "
                 f"{algorithm.num_tiers}; use sampling=fixed (a cohort drawn over all tiers)"
             )
-        self.sampling_mode = sampling_mode
-        if eval_clients not in sampling.EVAL_CLIENTS or (
-            eval_clients == "cohort" and sampling_mode not in sampling.COHORT_SAMPLINGS
-        ):
-            need = " or ".join(sampling.COHORT_SAMPLINGS)
-            raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling_mode}'; cohort needs {need}")
+        self.sampling = sampling
+        if eval_clients not in EVAL_CLIENTS or (eval_clients == "cohort" and sampling not in COHORT_SAMPLINGS):
+            need = " or ".join(COHORT_SAMPLINGS)
+            raise ValueError(f"eval_clients: '{eval_clients}' with sampling '{sampling}'; cohort needs {need}")
         self.eval_clients = eval_clients
         self.root = jax.random.key(seed)
         if strategy is not None and (client_chunk is not None or devices is not None):
@@ -348,8 +352,8 @@ class Simulation:
     def _sample(self, key):
         """The sorted ids of the clients a round of key ``key`` samples (never a new client)."""
         if self.trained_ids is None:
-            return sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling_mode)
-        drawn = sampling.sample_clients(self.root, key, self.num_trained, self.num_sampled, self.sampling_mode)
+            return sampling.sample_clients(self.root, key, self.num_clients, self.num_sampled, self.sampling)
+        drawn = sampling.sample_clients(self.root, key, self.num_trained, self.num_sampled, self.sampling)
         return jnp.asarray(self.trained_ids)[drawn]  # trained_ids is sorted: so are these
 
     # ----- rounds ----------------------------------------------------------------------------
@@ -610,7 +614,7 @@ class Simulation:
         """``[num_clients]`` bool: the clients whose personalized results count (the fixed cohort
         under ``eval_clients="cohort"``, the trained clients where some are new), or None: all."""
         if self.eval_clients == "cohort":
-            ids = sampling.cohort(self.root, self.num_trained, self.num_sampled, self.sampling_mode)
+            ids = sampling.cohort(self.root, self.num_trained, self.num_sampled, self.sampling)
             ids = ids if self.trained_ids is None else jnp.asarray(self.trained_ids)[ids]
         elif self.trained_ids is not None:
             ids = jnp.asarray(self.trained_ids, jnp.int32)
