@@ -10,9 +10,13 @@ the round being run and the tier being served reach every function in one record
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
+
+from jaxfed.errors import ConfigError, clip
 
 PyTree = Any
 
@@ -405,3 +409,93 @@ def check_server_step(algorithm: FederatedAlgorithm) -> None:
             f"{algorithm.name}: give exactly one of aggregation (a sum over clients) and server_update "
             f"(every upload at once); got {' and '.join(given) if given else 'neither'}"
         )
+
+
+# ----- the contract's rules on what the functions return, checked where the engine traces them ---
+# Each check reads shapes and structures only (no computation): the engine calls them as it traces
+# a round or an evaluation, so a function that breaks the contract is named there, in one line,
+# instead of failing later inside JAX, Flax or the run directory.
+
+
+def check_client_update(result, client_state) -> tuple:
+    """``client_update``'s ``result`` as ``(client_state, message_up, metrics)``; a ConfigError
+    unless it is that triple, its client state has the structure and shapes of the one it was
+    given (``init``'s), and its metrics are a dict of scalars."""
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise ConfigError(f"client_update: must return (client_state, message_up, metrics), got {_kind(result)}")
+    new_state, message_up, metrics = result
+    _check_same_tree("client_update", "client state", client_state, new_state)
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"client_update: its metrics must be a dict of scalars, got {_kind(metrics)}")
+    for key, value in metrics.items():
+        if jnp.shape(value) != ():
+            raise ConfigError(
+                f"client_update: metric '{key}' has shape {jnp.shape(value)}; metrics must be scalars "
+                "(one number per client, averaged over the round's clients)"
+            )
+    return result
+
+
+def check_server_state(function: str, new_state, server_state):
+    """``new_state``, what ``function`` (``aggregation.apply`` or ``server_update``) returned; a
+    ConfigError unless it has the structure and shapes of ``server_state``, the one it was given."""
+    _check_same_tree(function, "server state", server_state, new_state)
+    return new_state
+
+
+def check_variables(function: str, variables):
+    """``variables``, what ``function`` (``eval_params``, ``personalize``, ``global_params``)
+    returned; a ConfigError unless they are Flax variables, a dict with a ``"params"`` entry."""
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        keys = f" with keys {clip(', '.join(map(str, variables)))}" if isinstance(variables, Mapping) else ""
+        raise ConfigError(
+            f"{function}: must return Flax variables {{'params': ..., **collections}}, "
+            f"got {_kind(variables) if not keys else 'a dict'}{keys}"
+        )
+    return variables
+
+
+def _check_same_tree(function: str, what: str, given, returned) -> None:
+    difference = first_difference(given, returned)
+    if difference is not None:
+        raise ConfigError(
+            f"{function}: the {what} it returns differs from the one it was given (init's) {difference}; "
+            f"return a {what} of the same structure and shapes"
+        )
+
+
+def first_difference(expected, got, path: tuple = ()) -> str | None:
+    """Where pytree ``got`` first differs from ``expected`` in structure or leaf shape
+    (``at .personal['fc1']: ...``), or None where they agree."""
+    node, other = (jax.tree.structure(t, is_leaf=lambda x, t=t: x is not t) for t in (expected, got))
+    if node != other:
+        return f"at {_place(path)}: {_kind(got)}, not {_kind(expected)}"
+    if node.num_nodes == 1 and node.num_leaves == 1:  # a leaf
+        shapes = jnp.shape(expected), jnp.shape(got)
+        return None if shapes[0] == shapes[1] else f"at {_place(path)}: shape {shapes[1]}, not {shapes[0]}"
+    children = (jax.tree_util.tree_flatten_with_path(t, is_leaf=lambda x, t=t: x is not t)[0] for t in (expected, got))
+    for (key, e), (_, g) in zip(*children):
+        found = first_difference(e, g, path + key)
+        if found is not None:
+            return found
+    return None
+
+
+def _place(path: tuple) -> str:
+    return jax.tree_util.keystr(path) if path else "the top"
+
+
+def _kind(value) -> str:
+    """A pytree node described for an error: ``ClientState(personal, model_state)``, ``a dict
+    with keys a, b``, ``an array of shape (3,)``."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return clip(f"{type(value).__name__}({', '.join(value._fields)})")
+    if isinstance(value, Mapping):
+        return clip(f"a {type(value).__name__} with keys {', '.join(map(str, value))}")
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if value is None:
+        return "None"
+    if hasattr(value, "shape") or isinstance(value, (int, float, complex, bool)):
+        return f"an array of shape {jnp.shape(value)}"
+    return f"a {type(value).__name__}"

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxfed.contract import FederatedAlgorithm, RoundInfo, check_server_step
+from jaxfed.contract import FederatedAlgorithm, RoundInfo, check_client_update, check_server_step
 from jaxfed.core import (
     all_finite,
     concat_clients,
@@ -468,8 +468,8 @@ class Simulation:
         client_id, tier, client_state, indices, count, rng = client
         if info.tier is None and self.tiers is not None:  # padded tiers: the client's tier's message
             message_down = jax.tree.map(lambda m: m[tier], message_down)
-        new_state, message, metrics = alg.client_update(
-            message_down, client_state, ClientData(x, y, indices, count), rng, info
+        new_state, message, metrics = check_client_update(
+            alg.client_update(message_down, client_state, ClientData(x, y, indices, count), rng, info), client_state
         )
         real = client_id < self.num_clients
         bad = real & ~all_finite((new_state, message, metrics))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfed.contract import RoundInfo
+from jaxfed.contract import RoundInfo, check_client_update, check_variables
 from jaxfed.core.losses import example_losses, is_regression
 from jaxfed.data import ClientData
 from jaxfed.simulation import sampling
@@ -221,7 +221,8 @@ class Evaluation:
         """``(correct, loss)`` per pooled test example of the global model, or None without one."""
         if algorithm.global_params is None:
             return None
-        return self.pooled_outcomes(algorithm.eval_model or self.pooled_model, algorithm.global_params(server), data)
+        variables = check_variables("global_params", algorithm.global_params(server))
+        return self.pooled_outcomes(algorithm.eval_model or self.pooled_model, variables, data)
 
     def summary(self, correct, loss, count, data, pooled) -> dict:
         """The personalized summaries of per-client outcomes (and the per-client arrays) and,
@@ -293,17 +294,19 @@ class Evaluation:
 
         def personalized_model(server_view, client_state, own, personalizing):
             if own is None:
-                return algorithm.eval_params(server_view, client_state)
+                return check_variables("eval_params", algorithm.eval_params(server_view, client_state))
             (client_id, indices, count), (x, y, key, info, message) = own, personalizing
             own_data, rng = ClientData(x, y, indices, count), jax.random.fold_in(key, client_id)
             if algorithm.personalize is not None:
-                return algorithm.personalize(server_view, client_state, own_data, rng, info)
+                variables = algorithm.personalize(server_view, client_state, own_data, rng, info)
+                return check_variables("personalize", variables)
 
             def local_update(step, state):  # its upload is dropped: a new client sends nothing
-                return algorithm.client_update(message, state, own_data, jax.random.fold_in(rng, step), info)[0]
+                result = algorithm.client_update(message, state, own_data, jax.random.fold_in(rng, step), info)
+                return check_client_update(result, state)[0]
 
             adapted = jax.lax.fori_loop(0, self.new_client_updates, local_update, client_state)
-            return algorithm.eval_params(server_view, adapted)
+            return check_variables("eval_params", algorithm.eval_params(server_view, adapted))
 
         def one_client(shared, args):
             server_view, x, y, personalizing = shared

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfed.contract import FederatedAlgorithm, RoundInfo, check_server_step
+from jaxfed.contract import FederatedAlgorithm, RoundInfo, check_server_state, check_server_step
 from jaxfed.core import concat_clients, tree_add, tree_select
 
 
@@ -34,8 +34,10 @@ def apply(algorithm: FederatedAlgorithm, server_state, totals, decoded, weights,
     or each group's stacked decoded uploads and weights (a ``server_update``)."""
     info = RoundInfo(round=jnp.asarray(round_, jnp.int32), tier=None)  # the step aggregates every tier
     if algorithm.aggregation is not None:
-        return algorithm.aggregation.apply(server_state, functools.reduce(tree_add, totals), info)
-    return algorithm.server_update(server_state, concat_clients(decoded), jnp.concatenate(weights), info)
+        new_state = algorithm.aggregation.apply(server_state, functools.reduce(tree_add, totals), info)
+        return check_server_state("aggregation.apply", new_state, server_state)
+    new_state = algorithm.server_update(server_state, concat_clients(decoded), jnp.concatenate(weights), info)
+    return check_server_state("server_update", new_state, server_state)
 
 
 def server_step(algorithm: FederatedAlgorithm, server_state, uploads, weights, round_=0):
