@@ -10,13 +10,14 @@ from typing import Any
 IMAGE_CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
 
 
-def unknown_choice(value, allowed) -> str:
+def unknown_choice(value, allowed, hint: str = "") -> str:
     """What a value outside a list of names is told, after its field's name: ``unknown 'fedavgg'
-    (did you mean 'fedavg'?); allowed: fedavg, fedprox, ...``."""
+    (did you mean 'fedavg'?); allowed: fedavg, fedprox, ...``, with ``hint`` (where the value may
+    come from besides) before the list."""
     names = [str(a) for a in allowed]
     close = difflib.get_close_matches(str(value), names, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"unknown '{clip(str(value))}'{hint}; allowed: {', '.join(names)}"
+    guess = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown '{clip(str(value))}'{guess}{'; ' + hint if hint else ''}; allowed: {', '.join(names)}"
 
 
 def channels_first(example_shape: tuple) -> bool:

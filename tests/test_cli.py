@@ -123,7 +123,8 @@ def test_installed_entry_point_lists_and_fails_cleanly():
 
     built_in = [name for name in registry.names() if registry.get(name).build.__module__.startswith("jaxfed.")]
     assert bad.stderr.strip().splitlines() == [
-        f"jaxfed: error: algorithm: unknown 'nope'; allowed: {', '.join(built_in)}"
+        "jaxfed: error: algorithm: unknown 'nope'; an algorithm of your own needs its plugin: --plugin "
+        f"FILE_OR_MODULE (also on --resume; key plugins); allowed: {', '.join(built_in)}"
     ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import make_federation
 
 import jaxfed
 from jaxfed.algorithms import Aggregation
@@ -14,7 +15,6 @@ from jaxfed.algorithms.ditto import ditto
 from jaxfed.contract import first_difference
 from jaxfed.errors import ConfigError
 from jaxfed.simulation import Simulation
-from tests.conftest import make_federation
 
 
 @pytest.fixture(scope="module")

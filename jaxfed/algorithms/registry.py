@@ -31,7 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jaxfed.errors import ConfigError, unknown_choice, where_raised
+from jaxfed.contract import FederatedAlgorithm
+from jaxfed.errors import ConfigError, clip, unknown_choice, where_raised
 from jaxfed.options import Options, key_of
 
 Builder = Callable[[Any, Any, Any], Any]  # (model, options, config) -> FederatedAlgorithm
@@ -42,6 +43,8 @@ class AlgorithmSpec(NamedTuple):
     options: type[Options]
     build: Builder
     summary: str  # one line: what it is (the builder's or the options' docstring's first line)
+    module: str = ""  # the module that registered it (research code's; "" for a built-in)
+    file: str | None = None  # that module's file, where it has one
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -171,27 +174,46 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
     clash = sorted(set(by_key) & RUN_KEYS)
     if clash:
         raise ValueError(f"register({name!r}): option(s) {', '.join(clash)} shadow run-level config keys")
-    spec = _REGISTRY[name] = _spec(name, options, build)
+    module = sys.modules.get(build.__module__)
+    file = getattr(module, "__file__", None)
+    spec = _REGISTRY[name] = _spec(name, options, build)._replace(
+        module=build.__module__, file=str(Path(file).resolve()) if file else None
+    )
     return spec
 
 
 def _spec(name: str, options: type[Options], build: Builder) -> AlgorithmSpec:
     doc = (build.__doc__ or options.__doc__ or "").strip().splitlines()
-    return AlgorithmSpec(name, options, _carrying_options(build), doc[0] if doc else "")
+    return AlgorithmSpec(name, options, _checked(name, build), doc[0] if doc else "")
 
 
-def _carrying_options(build: Builder) -> Builder:
-    """``build`` whose algorithm carries the options it was built with (its ``options`` field,
-    where the builder left it None): what run directories record and a resume compares."""
+def _checked(name: str, build: Builder) -> Builder:
+    """``build`` whose result is checked (a ConfigError naming the algorithm and the builder
+    unless it is a :class:`~jaxfed.contract.FederatedAlgorithm`) and carries the options it was
+    built with (its ``options`` field, where the builder left it None): what run directories
+    record and a resume compares."""
 
     @functools.wraps(build)
     def built(model, options, config):
         algorithm = build(model, options, config)
-        if getattr(algorithm, "options", False) is None:
+        if not isinstance(algorithm, FederatedAlgorithm):
+            kind = "None" if algorithm is None else f"a {type(algorithm).__name__}"
+            raise ConfigError(
+                f"algorithm '{name}': its builder {_where(build)} returned {kind}, not a "
+                "jaxfed.algorithms.FederatedAlgorithm (return the record the builder makes)"
+            )
+        if algorithm.options is None:
             algorithm = algorithm._replace(options=options)
         return algorithm
 
     return built
+
+
+def _where(function) -> str:
+    """``build (path/to/plugin.py line 12)``: a function and where it is defined."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    place = f" ({code.co_filename} line {code.co_firstlineno})" if code is not None else ""
+    return f"{getattr(function, '__qualname__', clip(repr(function)))}{place}"
 
 
 def builtin(name: str, options: type[Options], build: Builder) -> None:
@@ -205,7 +227,8 @@ def get(name: str) -> AlgorithmSpec:
     if name not in _REGISTRY and name in BUILTINS:
         importlib.import_module(f"jaxfed.algorithms.{BUILTINS[name]}")
     if name not in _REGISTRY:
-        raise ConfigError(f"algorithm: {unknown_choice(name, names())}")
+        hint = "an algorithm of your own needs its plugin: --plugin FILE_OR_MODULE (also on --resume; key plugins)"
+        raise ConfigError(f"algorithm: {unknown_choice(name, names(), hint)}")
     return _REGISTRY[name]
 
 
@@ -236,14 +259,44 @@ def options_with(key: str) -> list[str]:
     return [name for name in names() if get(name).options.field_for(key) is not None]
 
 
+def registered_by(plugin: str) -> list[str]:
+    """The algorithms a plugin registered (``--plugin``'s value: a ``.py`` file or a module name)."""
+    if plugin.endswith(".py"):
+        file = str(Path(plugin).resolve())
+        return [spec.name for spec in _REGISTRY.values() if spec.file == file]
+    return [spec.name for spec in _REGISTRY.values() if spec.module == plugin]
+
+
+def plugins_to_record(algorithm: str, plugins: tuple[str, ...]) -> tuple[str, ...]:
+    """The plugins a run of ``algorithm`` records (``config.json``), so that ``--resume`` imports
+    them again: ``plugins``, plus the file of the module that registered ``algorithm`` where research
+    code imported it from Python (none of ``plugins`` registered it; not a script run as
+    ``__main__``, which would run again)."""
+    spec = _REGISTRY.get(algorithm)
+    if spec is None or not _imported_from_python(spec) or any(algorithm in registered_by(p) for p in plugins):
+        return tuple(plugins)
+    return (*plugins, spec.file)
+
+
+def _imported_from_python(spec: AlgorithmSpec) -> bool:
+    """Whether research code registered ``spec`` from a module it imported, whose file is still
+    there (not a ``--plugin`` file, not the script being run)."""
+    plugin_file = spec.module.startswith("jaxfed_plugin_")
+    return spec.file is not None and not plugin_file and spec.module != "__main__" and Path(spec.file).is_file()
+
+
 def import_plugin(spec: str) -> None:
-    """Import a module by dotted name, or a ``.py`` file by path, so its ``register`` calls run.
-    A plugin that cannot be imported (missing, a syntax error, an exception at import, a
-    ``register`` call refused) is one ConfigError naming it, the line and the problem."""
+    """Import a module by dotted name (from ``sys.path`` or the working directory, as
+    ``model=module:Class``), or a ``.py`` file by path, so its ``register`` calls run. A file
+    whose algorithms are registered already (imported from Python under its module name) is not
+    imported again. A plugin that cannot be imported (missing, a syntax error, an exception at
+    import, a ``register`` call refused) is one ConfigError naming it, the line and the problem."""
     path = Path(spec)
     if spec.endswith(".py"):
         if not path.is_file():
             raise ConfigError(f"plugins: no file '{spec}' (a plugin that moved: pass --plugin with its new path)")
+        if registered_by(spec):
+            return
         module_name = f"jaxfed_plugin_{path.stem}"
         loaded = sys.modules.get(module_name)
         if loaded is not None:
@@ -267,9 +320,6 @@ def import_plugin(spec: str) -> None:
                 del _REGISTRY[name]
             raise ConfigError(f"plugins: importing {spec} failed: {where_raised(err, str(path))}") from None
         return
-    try:
-        importlib.import_module(spec)
-    except ModuleNotFoundError as err:
-        raise ConfigError(f"plugins: cannot import '{spec}' ({err})") from None
-    except Exception as err:
-        raise ConfigError(f"plugins: importing {spec} failed: {where_raised(err)}") from None
+    from jaxfed.nn import user
+
+    user.import_module(spec, "plugins")

@@ -203,7 +203,24 @@ def config_from_args(args, base: Config | None = None) -> Config:
             pairs.append(f"{key}={value}")
     pairs += args.set
     origins += [None] * (len(pairs) - len(origins))
-    return (base or Config()).validated_with(pairs, origins)
+    config = (base or Config()).validated_with(pairs, origins)
+    if base is None and not any(pair.partition("=")[0].strip() == "algorithm" for pair in pairs):
+        refuse_unnamed_plugin_algorithm(getattr(args, "command", None) or "run", args.plugin)
+    return config
+
+
+def refuse_unnamed_plugin_algorithm(command: str, plugins: list[str]) -> None:
+    """A ConfigError where ``--plugin`` registered algorithms but no algorithm was named (neither
+    given nor in a ``--config`` file): the run would silently be the default algorithm's."""
+    from jaxfed.algorithms import registry
+
+    for plugin in plugins:
+        registered = registry.registered_by(plugin)
+        if registered and Config.algorithm not in registered:
+            raise ConfigError(
+                f"algorithm: not given; {plugin} registers {', '.join(registered)}: "
+                f"jaxfed {command} {registered[0]} --plugin {plugin}"
+            )
 
 
 def plugin_paths(plugins: list[str]) -> list[str]:

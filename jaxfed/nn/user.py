@@ -65,7 +65,7 @@ def label(name: str) -> str:
 def load_class(spec: str) -> type[nn.Module]:
     """The ``flax.linen.Module`` subclass ``spec`` names (its module imported once per process)."""
     target, class_name = split_spec(spec)
-    module = _import_file(target) if target.endswith(".py") else _import_module(target)
+    module = _import_file(target) if target.endswith(".py") else import_module(target, "model")
     where = f"{target}" if target.endswith(".py") else f"module '{target}'"
     if not hasattr(module, class_name):
         found = module_classes(module)
@@ -121,7 +121,10 @@ def _import_file(target: str):
     return module
 
 
-def _import_module(target: str):
+def import_module(target: str, field: str):
+    """The module named ``target`` (dotted), imported from ``sys.path`` or the working directory:
+    the one rule for user code named by a module (``model=module:Class``, ``--plugin module``).
+    Each failure is a ConfigError line starting with ``field``."""
     importlib.invalidate_caches()  # a module written since the last import is found
     try:
         with _importable(Path(os.getcwd())):
@@ -129,11 +132,11 @@ def _import_module(target: str):
     except ModuleNotFoundError as err:
         if err.name is not None and (target == err.name or target.startswith(err.name + ".")):
             raise ConfigError(
-                f"model: no module '{target}' on sys.path or in the working directory ({os.getcwd()})"
+                f"{field}: no module '{target}' on sys.path or in the working directory ({os.getcwd()})"
             ) from None
-        raise ConfigError(f"model: importing {target} failed: {where_raised(err)}") from None
+        raise ConfigError(f"{field}: importing {target} failed: {where_raised(err)}") from None
     except Exception as err:
-        raise ConfigError(f"model: importing {target} failed: {where_raised(err)}") from None
+        raise ConfigError(f"{field}: importing {target} failed: {where_raised(err)}") from None
 
 
 @contextlib.contextmanager

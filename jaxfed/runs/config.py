@@ -333,6 +333,13 @@ class Config(Options):
         values = {key: value for key, value in super().to_dict().items() if key != "options"}
         return {**values, "options": self.options.to_dict() if self.options is not None else {}}
 
+    def recorded(self) -> dict:
+        """:meth:`to_dict` as a run directory records it (``config.json``, its checkpoints):
+        ``plugins`` with the file of the module that registered the algorithm where research code
+        imported it from Python (:func:`~jaxfed.algorithms.registry.plugins_to_record`), so that
+        ``jaxfed run --out DIR --resume`` imports it."""
+        return {**self.to_dict(), "plugins": list(registry.plugins_to_record(self.algorithm, self.plugins))}
+
     @classmethod
     def from_dict(cls, values: dict) -> Config:
         """The inverse of :meth:`to_dict` (imports the config's plugins first)."""

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
+from jaxfed.algorithms import registry
 from jaxfed.data import describe as describe_partition
 from jaxfed.errors import (
     DeviceMemoryError,
@@ -365,7 +366,7 @@ def run(
             )  # no log: check_resumable compared the config already, its warnings would mislead
             warn_changed_code(point.record.get("fingerprint"), current, directory.path, log)
         log(f"partition: {describe_partition(built.partition_summary)}")
-        job = Run(LoopSettings.of(config), config.to_dict(), current, on_evaluation)
+        job = Run(LoopSettings.of(config), config.recorded(), current, on_evaluation)
         return _run_in(directory, built.simulation, job, resume, at_most, progress, log, built.partition_summary)
 
 
@@ -415,6 +416,9 @@ def recorded_config(sim, settings: LoopSettings, config: dict | None = None) -> 
     """``config.json`` of a simulation built in research code: what it is, the loop settings,
     then the caller's ``config`` keys (its ``options`` added to the algorithm's)."""
     recorded = {**describe(sim), **settings._asdict()}
+    plugins = registry.plugins_to_record(sim.algorithm.name, ())
+    if plugins:
+        recorded["plugins"] = list(plugins)
     config = dict(config or {})
     if isinstance(config.get("options"), dict) and "options" in recorded:
         config["options"] = {**recorded["options"], **config["options"]}

@@ -535,7 +535,7 @@ def _run_members(configs, dirs, start, progress, log, traced, resume=False) -> l
     sweep = Sweep(configs, traced)
     settings, partitions = LoopSettings.of(configs[0]), [part.partition_summary for part in sweep.parts]
     return _drive_members(
-        sweep, [c.to_dict() for c in configs], dirs, settings, start, progress, log, resume, partitions, "--resume"
+        sweep, [c.recorded() for c in configs], dirs, settings, start, progress, log, resume, partitions, "--resume"
     )
 
 
