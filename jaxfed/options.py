@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import typing
@@ -32,6 +33,7 @@ import optax
 from jaxfed.errors import ConfigError, clip, unknown_choice
 
 Check = Callable[[Any], "str | None"]  # None when the value is allowed, else what is allowed
+CHECK_SIGNATURE = "check(value) -> str | None (None: allowed; else what is wrong, e.g. 'must be >= 0')"
 LR_SCHEDULES = ("constant", "cosine")
 CLIENT_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 CLIENT_OPTIMIZER_HELP = (
@@ -187,6 +189,7 @@ class Options:
         through may, costs nothing."""
         if self.__dict__.get("_validated"):
             return self
+        check_declarations(type(self))
         kinds = field_types(type(self))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -276,6 +279,47 @@ def _check_field(cls, name: str, value, kind) -> None:
     if problem:
         named = f"'{value}'" in problem or ", got " in problem  # the message names the value already
         raise ConfigError(f"{key_of(name)}: {problem}" + ("" if named else f", got {_show(value)}"))
+
+
+@functools.cache
+def check_declarations(cls) -> None:
+    """A ConfigError naming ``Class.key`` for a field whose ``check`` cannot be called as
+    ``check(value)``, or whose default (the class's own) fails its type or its check: mistakes of
+    the options class, not of its user (checked once per class: ``register`` and :meth:`Options.validate`)."""
+    kinds = field_types(cls)
+    for field in dataclasses.fields(cls):
+        where = f"{cls.__name__}.{key_of(field.name)}"
+        check = field_check(cls, field.name)
+        if check is not None and not _takes_one_value(check):
+            shown = f"{getattr(check, '__name__', type(check).__name__)}{_signature(check)}"
+            raise ConfigError(f"{where}: its check {shown} must take the value alone: {CHECK_SIGNATURE}")
+        if field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING:
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            problem = type_problem(default, kinds.get(field.name)) or (check(default) if check else None)
+            if problem:
+                raise ConfigError(
+                    f"{where}: the default {_show(default)} the options class declares fails its own check "
+                    f"({problem}); declare an allowed default"
+                )
+
+
+def _takes_one_value(check) -> bool:
+    if not callable(check):
+        return False
+    try:
+        inspect.signature(check).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a C function): trusted
+        return True
+    return True
+
+
+def _signature(check) -> str:
+    try:
+        return str(inspect.signature(check))
+    except (TypeError, ValueError):
+        return ""
 
 
 @functools.cache

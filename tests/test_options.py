@@ -18,7 +18,7 @@ from jaxfed.algorithms.fedcspack import FedCSPACKOptions
 from jaxfed.algorithms.feddecomp import FedDecompOptions
 from jaxfed.cli.commands import _parser, config_from_args, main
 from jaxfed.errors import ConfigError
-from jaxfed.options import TrainingOptions, option, positive
+from jaxfed.options import TrainingOptions, non_negative, option, positive, resolve
 from jaxfed.runs.config import Config, read_config_file, read_config_lines
 from jaxfed.simulation import Simulation
 
@@ -162,6 +162,50 @@ def test_register_refuses_clashes_and_duplicates():
     with pytest.raises(ValueError, match="rounds shadow run-level config keys"):
         registry.register("clash", Clash, lambda model, options, config: None)
     assert "clash" not in registry.names()
+
+
+def in_unit_interval(name, value):  # the audit's check: (name, value), not check(value)
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
+def test_a_check_of_another_signature_is_refused_naming_the_option():
+    @dataclasses.dataclass(frozen=True)
+    class WrongCheck(TrainingOptions):
+        server_momentum: float = option(0.9, "server momentum", check=in_unit_interval)
+
+    message = (
+        r"^WrongCheck\.server_momentum: its check in_unit_interval\(name, value\) must take the value alone: "
+        r"check\(value\) -> str \| None \(None: allowed; else what is wrong"
+    )
+    with pytest.raises(ConfigError, match=message):
+        registry.register("audit_wrong_check", WrongCheck, lambda model, options, config: None)
+    assert "audit_wrong_check" not in registry.names()
+    with pytest.raises(ConfigError, match=message):  # from Python, unregistered: at its first validation
+        resolve(WrongCheck)
+
+
+def test_a_default_failing_its_own_check_is_said_to_be_the_options_class_default():
+    # a plugin's default lam=-0.1 was reported as `lam: must be >= 0, got -0.1`, as if the user set it
+    @dataclasses.dataclass(frozen=True)
+    class BadDefault(TrainingOptions):
+        lam: float = option(-0.1, "a penalty", check=non_negative)
+
+    @dataclasses.dataclass(frozen=True)
+    class BadInheritedDefault(_Toy):
+        step: float = -1.0
+
+    expected = {
+        BadDefault: "BadDefault.lam: the default -0.1 the options class declares fails its own check (must be >= 0)",
+        BadInheritedDefault: "BadInheritedDefault.step: the default -1.0 the options class declares fails its own "
+        "check (must be > 0)",
+    }
+    for options, message in expected.items():
+        with pytest.raises(ConfigError) as caught:
+            registry.register("audit_bad_default", options, lambda model, options, config: None)
+        assert str(caught.value) == message + "; declare an allowed default"
+        with pytest.raises(ConfigError, match="the options class declares"):
+            resolve(options, None, {"lam": 1.0} if options is BadDefault else {"step": 1.0})
+    assert "audit_bad_default" not in registry.names()
 
 
 def test_cosine_schedule_is_the_formula_written_out():

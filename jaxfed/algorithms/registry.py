@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.errors import ConfigError, clip, unknown_choice, where_raised
-from jaxfed.options import Options, key_of
+from jaxfed.options import Options, check_declarations, key_of
 
 Builder = Callable[[Any, Any, Any], Any]  # (model, options, config) -> FederatedAlgorithm
 
@@ -174,6 +174,7 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
     clash = sorted(set(by_key) & RUN_KEYS)
     if clash:
         raise ValueError(f"register({name!r}): option(s) {', '.join(clash)} shadow run-level config keys")
+    check_declarations(options)
     module = sys.modules.get(build.__module__)
     file = getattr(module, "__file__", None)
     spec = _REGISTRY[name] = _spec(name, options, build)._replace(
