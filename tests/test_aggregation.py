@@ -211,6 +211,24 @@ def test_a_row_of_weight_0_contributes_nothing_even_nan(uniform, mlp):
         np.testing.assert_allclose(got, (kept[0] * r[0] + kept[2] * r[2]) / kept.sum(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["aggregation", "server_update"])
+def test_server_step_keeps_the_server_state_where_every_weight_is_0_as_the_engine_does(form, mlp):
+    """The engine's rule 3 is server_step's too: a server with momentum (FedAvgM-like) whose
+    apply moves its state even on an empty sum keeps it where no row carried weight."""
+    alg = fedavg(mlp)
+    moved = lambda server: jax.tree.map(lambda a: a + 1.0, server)  # noqa: E731
+    if form == "aggregation":
+        alg = alg._replace(aggregation=Aggregation(alg.aggregation.contribute, lambda s, t, i: moved(s)))
+    else:
+        alg = alg._replace(aggregation=None, server_update=lambda s, m, w, i: moved(s))
+    server, _ = alg.init(jax.random.key(0))
+    rows = jax.tree.map(lambda a: jnp.stack([a, a]), server.params)
+    for weights, expected in ((np.zeros(2), server), (np.array([0.0, 2.0]), moved(server))):
+        new = server_step(alg, server, rows, weights)
+        for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
     """``chunk=None`` with a memory budget: all clients at once when the round fits, else the
     widest chunk that fits (chosen from XLA's memory analysis); numbers as vmapping them all."""

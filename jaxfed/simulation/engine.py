@@ -496,9 +496,9 @@ class Simulation:
         round_ok = jnp.bool_(True) if self.nonfinite == "skip" else ~jnp.any(bad)
         weights = [jnp.where(round_ok, g.rows.weight, 0.0) for g in groups]
         totals, decoded = [g.total for g in groups], [g.rows.message_up for g in groups]
+        # a rejected round (nonfinite=error) has every weight 0: apply keeps the server state
         server_state = server.apply(self.algorithm, state.server, totals, decoded, weights, state.round)
         any_weight = jnp.any(jnp.concatenate(weights) > 0)
-        server_state = tree_select(round_ok & any_weight, server_state, state.server)
         clients = state.clients
         for g in groups:
             kept = g.is_real & ~g.rows.bad if self.nonfinite == "skip" else jnp.broadcast_to(round_ok, g.ids.shape)

@@ -3,8 +3,9 @@
 An upload is decoded (``receive``, tiers only) into the shape every tier shares; with an
 ``aggregation`` it becomes its contribution (zero for a row of weight 0: padding, a skipped
 client) and the contributions' sum is applied; with a ``server_update`` every decoded upload is
-stacked and handed over at once. :func:`server_step` runs this on stacked uploads (tests,
-research code); the engine sums contributions as the clients run instead.
+stacked and handed over at once; a round in which no row carried weight keeps the old server
+state. :func:`server_step` runs this on stacked uploads (tests, research code); the engine sums
+contributions as the clients run instead, then applies the same :func:`apply`.
 """
 
 from __future__ import annotations
@@ -31,17 +32,21 @@ def contribution(algorithm: FederatedAlgorithm, server_state, decoded, weight, i
 
 def apply(algorithm: FederatedAlgorithm, server_state, totals, decoded, weights, round_):
     """The new server state from each group's summed contributions (``totals``, an aggregation)
-    or each group's stacked decoded uploads and weights (a ``server_update``)."""
+    or each group's stacked decoded uploads and weights (a ``server_update``); the old one where
+    no row carried weight (every client padding or skipped), whatever the algorithm returns."""
     info = RoundInfo(round=jnp.asarray(round_, jnp.int32), tier=None)  # the step aggregates every tier
     if algorithm.aggregation is not None:
         new_state = algorithm.aggregation.apply(server_state, functools.reduce(tree_add, totals), info)
-        return check_server_state("aggregation.apply", new_state, server_state)
-    new_state = algorithm.server_update(server_state, concat_clients(decoded), jnp.concatenate(weights), info)
-    return check_server_state("server_update", new_state, server_state)
+        new_state = check_server_state("aggregation.apply", new_state, server_state)
+    else:
+        new_state = algorithm.server_update(server_state, concat_clients(decoded), jnp.concatenate(weights), info)
+        new_state = check_server_state("server_update", new_state, server_state)
+    return tree_select(jnp.any(jnp.concatenate(weights) > 0), new_state, server_state)
 
 
 def server_step(algorithm: FederatedAlgorithm, server_state, uploads, weights, round_=0):
-    """The server's step on stacked uploads, as a round makes it.
+    """The server's step on stacked uploads, as a round makes it (the engine's own step:
+    :func:`apply`, so a round in which every weight is 0 keeps ``server_state`` here too).
 
     Args:
       algorithm: the algorithm.
@@ -52,8 +57,7 @@ def server_step(algorithm: FederatedAlgorithm, server_state, uploads, weights, r
       round_: the round being run (0-based).
 
     Returns:
-      the new server state (without the engine's rule that a round where no client carried
-      weight keeps the old state).
+      the new server state; ``server_state`` itself where every weight is 0.
     """
     check_server_step(algorithm)
     if not isinstance(uploads, list):
