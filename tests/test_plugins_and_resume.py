@@ -150,3 +150,27 @@ def test_an_algorithm_registered_from_python_is_recorded_as_its_plugin(
     algorithm = registry.get("audit_from_python").build(mlp, Config(algorithm="audit_from_python").options, None)
     sim = Simulation(algorithm._replace(name="audit_from_python"), mlp, make_federation(digits, num_clients=4))
     assert recorded_config(sim, LoopSettings(rounds=1))["plugins"] == [str(plugin.resolve())]
+
+
+def test_a_new_sweep_beside_another_sweeps_runs_is_refused(tmp_path, capsys, digits_federation, mlp):
+    """A second sweep into the --out of another (`--seeds 1` after `--seeds 0`, or research code's
+    `run_simulation_sweep`) ran its members beside the first's, and `jaxfed report` pooled them as
+    one variant's seeds; a Python resume naming none of the members there started a new sweep."""
+    from jaxfed.algorithms.fedavg import fedavg
+    from jaxfed.cli import main
+    from jaxfed.runs.sweep import Sweep, run_simulation_sweep
+    from jaxfed.simulation import Simulation
+
+    out = tmp_path / "sweep"
+    tiny = ["--set", "num_clients=4", "rounds=1"]
+    assert main(["sweep", "fedavg", "--quiet", "--seeds", "0", "--out", str(out), *tiny]) == 0
+    capsys.readouterr()
+    assert main(["sweep", "fedavg", "--quiet", "--seeds", "1", "--out", str(out), *tiny]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds the runs of another sweep (seed0_lr0.05)" in err, err
+    sim = Simulation(fedavg(mlp, lr=0.05), mlp, digits_federation, participation=0.5)
+    sweep = Sweep.of_simulation(sim, seeds=[3])
+    for resume, says in ((False, "holds the runs of another sweep"), (True, "none of this sweep's members")):
+        with pytest.raises(ConfigError, match=f"{says} .*resume with the sweep that wrote them"):
+            run_simulation_sweep(sweep, out, 1, resume=resume, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["seed0_lr0.05"]

@@ -247,8 +247,9 @@ def test_a_finished_sweep_resumed_is_skipped_or_extended_and_mistakes_are_one_li
     assert main([*args, "rounds=4", "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "".join(err) and err[-1] == (
-        "jaxfed: error: sweep: members restored at different rounds (seed0_lr0.05 2, seed1_lr0.05 3) after an "
-        "unreadable checkpoint was set aside; run the same command again to go on from the rounds that read"
+        "jaxfed: error: sweep: members at different rounds (seed0_lr0.05 2, seed1_lr0.05 3) cannot run as one "
+        "compiled sweep: a member new to the grid starts at round 0 (run new members as a sweep into another out), "
+        "or an unreadable checkpoint was set aside (run the same command again to go on from the rounds that read)"
     )
     assert main([*args, "rounds=4", "--resume"]) == 0  # one program from round 2, one from round 3
     assert rows(member)[:3] == three and [r["round"] for r in rows(out / "seed1_lr0.05")] == [1, 2, 3, 4]
@@ -306,8 +307,10 @@ def test_a_sweep_of_a_user_built_simulation_runs_each_member_as_it_runs_alone(di
         for key in swept[0]:  # lr traced instead of folded into the program: equal to float32 rounding
             np.testing.assert_allclose(swept[0][key], single[0][key], rtol=1e-5, atol=1e-6, err_msg=key)
     assert summaries[0]["personalized_acc_mean"] != summaries[1]["personalized_acc_mean"]  # the seeds differ
-    config = json.loads((outs[1] / "config.json").read_text())
-    assert config["seed"] == 1 and config["options"] == {"lr": 0.2} and config["algorithm"] == "fedavg"
+    for m, seed in enumerate((0, 1)):  # each member records the simulation it is, as run_simulation does alone
+        config = json.loads((outs[m] / "config.json").read_text())
+        assert config == json.loads((tmp_path / f"alone{seed}" / "config.json").read_text())
+    assert config["seed"] == 1 and config["options"]["lr"] == 0.2 and config["participation"] == 0.5
     assert [(v.name, v.seeds) for v in collect({"s": tmp_path / "sweep"})] == [("s", [0, 1])]
     swapped = Sweep.of_simulation(sim, [0, 1], {"lr": [0.2]}, algorithm, data={0: datas[1], 1: datas[0]})
     with pytest.raises(ConfigError, match=r"differs from the one that wrote .*seed0_lr0.2 in partition \('#"):

@@ -48,7 +48,7 @@ from jaxfed.options import field_types, key_of
 from jaxfed.runs.build import build, build_algorithm, build_data, build_model, build_simulation, load_config_dataset
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host_for
-from jaxfed.runs.driver import drive
+from jaxfed.runs.driver import drive, recorded_config
 from jaxfed.runs.fingerprint import (
     check_same_simulation,
     fingerprint,
@@ -431,14 +431,7 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
             f"--out {root}: is a run directory (its own metrics, checkpoints or summary.json); "
             "choose another --out for a sweep"
         )
-    if resume and not any(out.is_dir() for out in outs):
-        others = [p.name for p in run_dirs_below(root) if p not in outs]
-        if others:  # another command's --resume would start a new sweep beside the one to continue
-            raise ConfigError(
-                f"--out {root}: none of this sweep's members ({outs[0].name}, ...) are there, it holds "
-                f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}; resume with the command that "
-                "started the sweep (its algorithm, --plugin, --seeds, --lrs, --grid and --set)"
-            )
+    refuse_other_runs(root, outs, resume)
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
         for directory in dirs:
@@ -461,6 +454,29 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
             for i, result in zip(batch, results):
                 summaries[i] = result
     return outs, summaries
+
+
+def refuse_other_runs(root: Path, outs: list[Path], resume: bool, resume_how: str = "") -> None:
+    """A ConfigError if the sweep's ``root`` holds run directories that are not its members
+    ``outs`` where they would be mistaken for them: a new sweep beside another one (``jaxfed
+    report root`` would pool them), a resume that names none of the members there (it would start
+    a new sweep beside the one to continue). A resume may name some members only, or add new ones.
+    ``resume_how``: how to resume (default: the CLI's words)."""
+    others = [p.name for p in run_dirs_below(root) if p not in outs]
+    if not others or (resume and any(out.is_dir() for out in outs)):
+        return
+    listed_others = f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}"
+    how = resume_how or (
+        "resume with the command that started the sweep (its algorithm, --plugin, --seeds, --lrs, --grid and --set)"
+    )
+    if not resume:
+        raise ConfigError(
+            f"--out {root}: holds the runs of another sweep ({listed_others}); choose another --out, or to continue "
+            f"that sweep, {how}"
+        )
+    raise ConfigError(
+        f"--out {root}: none of this sweep's members ({outs[0].name}, ...) are there, it holds {listed_others}; {how}"
+    )
 
 
 def refuse_taken(directory: RunDirectory) -> int:
@@ -595,8 +611,9 @@ def restore_members(
     if len(set(rounds)) > 1:
         shown = ", ".join(f"{d.path.name} {r}" for d, r in zip(dirs, rounds))
         raise ConfigError(
-            f"sweep: members restored at different rounds ({shown}) after an unreadable checkpoint was set aside; "
-            "run the same command again to go on from the rounds that read"
+            f"sweep: members at different rounds ({shown}) cannot run as one compiled sweep: a member new to "
+            "the grid starts at round 0 (run new members as a sweep into another out), or an unreadable checkpoint "
+            "was set aside (run the same command again to go on from the rounds that read)"
         )
 
     def placed(like, *xs):
@@ -681,13 +698,16 @@ def run_simulation_sweep(
     """Run a :meth:`Sweep.of_simulation` into one run directory per member,
     ``out/<simulation_member_name>``, as :func:`~jaxfed.runs.driver.run_simulation` runs one
     simulation (metrics, checkpoints, summary, plots; ``resume``: every member from its newest
-    checkpoint). Each member's ``config.json`` is ``config`` (default: the algorithm's name and
-    the loop settings) with its ``seed`` and its values under ``options``, so ``jaxfed report
-    out`` makes one variant per combination of values. Returns ``(out_dirs, summaries)``."""
+    checkpoint). Each member's ``config.json`` is what ``run_simulation`` records of the
+    template simulation (:func:`~jaxfed.runs.driver.recorded_config`: the algorithm and its
+    options, model, clients, data, loop settings, and ``config``'s keys) with the member's
+    ``seed`` and its values under ``options``, so ``jaxfed report out`` makes one variant per
+    combination of values and tells two sweeps of other fixed settings apart. Returns
+    ``(out_dirs, summaries)``."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     settings = LoopSettings(settings) if isinstance(settings, int) else settings
     start = time.perf_counter()
-    base = config or {"algorithm": sweep.template.algorithm.name, **settings._asdict()}
+    base = recorded_config(sweep.template, settings, config)
     configs = [
         {
             **base,
@@ -697,6 +717,7 @@ def run_simulation_sweep(
         for m in sweep.members
     ]
     outs = [Path(out) / simulation_member_name(m) for m in sweep.members]
+    refuse_other_runs(Path(out), outs, resume, "resume with the sweep that wrote them (its seeds and values)")
     dirs = [RunDirectory(path, settings.keep_checkpoints) for path in outs]
     with contextlib.ExitStack() as locks:
         for directory in dirs:
