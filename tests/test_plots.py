@@ -51,6 +51,20 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
     assert "no run has global_acc" in capsys.readouterr().err
 
 
+def test_a_sweeps_directory_is_plotted_as_its_members(tmp_path):
+    """`jaxfed plot SWEEP` said "no metrics.jsonl (not a jaxfed run directory)", where `jaxfed
+    report SWEEP` takes it: a sweep's directory stands for its members."""
+    from jaxfed.runs.plots import with_members
+
+    sweep = tmp_path / "sweep"
+    members = [_fake_run(sweep / f"seed{s}", {"algorithm": "fedavg", "seed": s}, [0.5, 0.6], 1e6) for s in (0, 1)]
+    alone = _fake_run(tmp_path / "alone", {"algorithm": "fedavg"}, [0.5], 1e6)
+    assert with_members([sweep, alone]) == [*members, alone]
+    assert with_members([tmp_path / "empty"]) == [tmp_path / "empty"]  # read_run says what it is not
+    assert main(["plot", str(sweep), "--out", str(tmp_path / "sweep.png")]) == 0
+    assert (tmp_path / "sweep.png").read_bytes().startswith(PNG)
+
+
 def test_plot_of_something_that_is_not_a_run_is_one_line_exit_2(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()

@@ -87,6 +87,16 @@ def run_dirs_below(path: str | Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
 
 
+def with_members(paths) -> list[Path]:
+    """``paths`` with each sweep's directory (no ``metrics.jsonl``, run directories below it)
+    replaced by its members, in order."""
+    expanded = []
+    for path in map(Path, paths):
+        members = [] if (path / "metrics.jsonl").exists() else run_dirs_below(path)
+        expanded += members or [path]
+    return expanded
+
+
 def read_json(path: Path) -> dict:
     """A run directory's ``config.json`` or ``summary.json``; a one-line ConfigError naming the
     file when it cannot be read or is damaged."""
@@ -158,6 +168,7 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_me
     """Write a two-panel PNG (``metric`` vs round, vs cumulative bytes up) for ``run_dirs``."""
     if metric not in METRICS:
         raise ConfigError(f"--metric: {unknown_choice(metric, METRICS)}")
+    run_dirs = with_members(run_dirs)
     runs = [read_run(d) for d in run_dirs]
     labels = run_labels([config for config, _ in runs])
 
@@ -206,6 +217,7 @@ def plot_client_distribution(run_dirs, out_file: str | Path, name: str = "") -> 
     """Write a two-panel PNG of the per-client values ``name`` (default ``acc``, or ``mse`` for a
     regression run; ``new_acc`` etc. for held-out clients) of ``run_dirs``: their empirical
     distribution after the last evaluation, and their median with the 10-90% band over rounds."""
+    run_dirs = with_members(run_dirs)
     runs = [(read_run(d)[0], read_clients(d)) for d in run_dirs]
     missing = [str(d) for d, (_, per_round) in zip(run_dirs, runs) if not per_round]
     if missing:
