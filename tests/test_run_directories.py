@@ -275,3 +275,15 @@ def test_options_known_on_neither_side_are_not_compared_and_said_so():
         saved, current = ({"algorithm": "x", "options": o} for o in (saved_options, current_options))
         check_same_simulation(saved, current, "RUN", warnings.append, code_warning=False)
         assert [said in w for w in warnings] == ([True] if said else []), warnings
+
+
+def test_the_cli_resume_of_a_run_written_from_python_says_to_resume_it_from_python(base, capsys):
+    """`jaxfed run --out DIR --resume` of run_simulation's directory read its config.json as a
+    config: `dataset: unknown 'mnist_sub'`, or the default digits config and a fingerprint mismatch."""
+    from jaxfed.cli import main
+
+    before = _files(base.out)
+    assert main(["run", "--quiet", "--out", str(base.out), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "was written by jaxfed.run_simulation" in err and "resume=True" in err
+    assert _files(base.out) == before

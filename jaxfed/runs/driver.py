@@ -27,6 +27,7 @@ import jax
 from jaxfed.algorithms import registry
 from jaxfed.data import describe as describe_partition
 from jaxfed.errors import (
+    ConfigError,
     DeviceMemoryError,
     NonFiniteUpdateError,
     StorageFullError,
@@ -316,6 +317,11 @@ def resume_point(out_dir: str | Path, log=None, plugins=()) -> tuple[Config, Res
         split_host(int(host_devices))
     point = ResumePoint(*RunDirectory(out_dir).newest_checkpoint_record(log))
     values = point.record["config"]
+    if "data" in values:  # describe()'s key: a simulation built in research code, not from a config
+        raise ConfigError(
+            f"--resume: {out_dir} was written by jaxfed.run_simulation (a simulation built in Python, not from a "
+            "config); resume it from Python: run_simulation(sim, out_dir, settings, resume=True)"
+        )
     return Config.from_dict({**values, "plugins": list(plugins)} if plugins else values), point
 
 

@@ -182,7 +182,8 @@ class RunDirectory:
         """A ConfigError if a run is here already (a new run must not overwrite it)."""
         if self.checkpoints.rounds():
             raise ConfigError(
-                f"--out {self.path}: already holds a run; pass --resume to continue it, or choose another --out"
+                f"--out {self.path}: already holds a run; pass --resume (resume=True from Python) to continue it, "
+                "or choose another --out"
             )
         below = run_dirs_below(self.path)
         if below:
