@@ -14,7 +14,7 @@ from jaxfed.data.partition import (
     summarize,
 )
 from jaxfed.data.synthetic import SYNTHETIC_TASKS, auto_samples_per_client, synthetic_task
-from jaxfed.data.validate import DataError
+from jaxfed.data.validate import DataError, DataWarning
 
 __all__ = [
     "CLUSTER_TASKS",
@@ -25,6 +25,7 @@ __all__ = [
     "Batch",
     "ClientData",
     "DataError",
+    "DataWarning",
     "Dataset",
     "FederatedData",
     "apply_cluster_task",

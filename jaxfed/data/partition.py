@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxfed.data.validate import ZIP_MAGIC, DataError, check_parts
+from jaxfed.data.validate import ZIP_MAGIC, DataError, check_integer_labels, check_parts
 from jaxfed.errors import ConfigError, first_line, unknown_choice
 
 MAX_DIRICHLET_TRIES = 1000
@@ -34,7 +34,11 @@ def partition(
     client_test_size: int = 100,
     num_groups: int = 10,
 ):
-    """Split train and test examples over ``num_clients`` clients with partitioner ``name``."""
+    """Split train and test examples over ``num_clients`` clients with partitioner ``name``
+    (``y_train``, ``y_test``: integer class labels)."""
+    y_train, y_test = np.asarray(y_train), np.asarray(y_test)
+    check_integer_labels("partition", "y_train", y_train)
+    check_integer_labels("partition", "y_test", y_test)
     num_classes = int(max(y_train.max(), y_test.max())) + 1
     if num_clients < 1:
         raise ConfigError(f"num_clients: must be >= 1, got {num_clients}")

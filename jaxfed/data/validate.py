@@ -5,11 +5,15 @@ is wrong with it: a file that is not an ``.npz`` (or is truncated or corrupt), a
 a non-numeric dtype, inconsistent lengths or image shapes, channel-first or flattened images,
 NaN or inf values, labels that are not integers in ``[0, classes)``, an empty split.
 :func:`read_npz` and :func:`check_arrays` serve the loaders (``jaxfed run --data-dir``);
-:func:`check_dataset` serves data passed from Python (:func:`jaxfed.data.federate`).
+:func:`check_dataset` serves data passed from Python (:func:`jaxfed.data.federate`), where float
+targets are a regression's: one row of ``num_classes`` outputs per example (class labels stored
+as floats are refused); one-hot targets and inputs left unscaled (uint8, or values beyond
+:data:`LARGE_INPUT`) are a :class:`DataWarning`.
 """
 
 from __future__ import annotations
 
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -21,10 +25,15 @@ from jaxfed.errors import ConfigError, channels_first, first_line
 SPLITS = (("x_train", "y_train"), ("x_test", "y_test"))
 ARRAYS = tuple(name for pair in SPLITS for name in pair)
 ZIP_MAGIC = b"PK\x03\x04"
+LARGE_INPUT = 10.0  # normalized inputs (jaxfed's loaders: per-channel standardized) stay well below
 
 
 class DataError(ConfigError):
     """A dataset that cannot be used as it is (one line; the CLI exits with code 2)."""
+
+
+class DataWarning(UserWarning):
+    """Data that runs but is likely not what was meant (one-hot targets, unscaled inputs)."""
 
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -104,6 +113,60 @@ def check_dataset(dataset, source: str | None = None) -> None:
             f"{arrays['y_test'].dtype}, {kinds[not regression]}; give both splits one kind of target"
         )
     check_arrays(source, arrays, None if regression else dataset.num_classes, images=False)
+    if regression:
+        for name in ("y_train", "y_test"):
+            _check_regression_width(source, name, arrays[name], dataset.num_classes)
+        _warn_one_hot(source, arrays["y_train"])
+    _warn_unscaled(source, arrays["x_train"])
+
+
+def _check_regression_width(source: str, name: str, y: np.ndarray, num_classes: int) -> None:
+    """Float targets are a regression's: ``num_classes`` outputs per example. Whole numbers in
+    ``[0, num_classes)`` one per example are class labels stored as floats."""
+    width = int(np.prod(y.shape[1:]))
+    if width == num_classes:
+        return
+    low, high = float(y.min()), float(y.max())
+    if width == 1 and np.all(y == np.round(y)) and low >= 0 and high < num_classes:
+        fix = f"{name}.astype(np.int64)" if y.ndim == 1 else f"{name}.ravel().astype(np.int64)"
+        raise DataError(
+            f"{source}: {name} is {y.dtype} with values {low:g}..{high:g}: class labels must be integers ({fix}); "
+            f"float targets are regression (num_classes must then be {width}, the targets per example)"
+        )
+    raise DataError(
+        f"{source}: {name} has float targets of shape {y.shape}: a regression with {width} output(s) per example, "
+        f"but num_classes is {num_classes}; set num_classes={width} (class labels must be integers)"
+    )
+
+
+def _warn_one_hot(source: str, y: np.ndarray) -> None:
+    """A :class:`DataWarning` for float targets that are exactly one-hot: class labels meant,
+    most likely, though they train as a regression (squared error, no accuracy)."""
+    if y.ndim != 2 or y.shape[1] < 2 or not np.all((y == 0) | (y == 1)) or not np.all(y.sum(axis=1) == 1):
+        return
+    warnings.warn(
+        f"{source}: y_train is one-hot ({y.dtype}, shape {y.shape}): it trains as a {y.shape[1]}-output regression "
+        "(squared error, no accuracy); for classification pass integer labels: y_train.argmax(1), y_test.argmax(1)",
+        DataWarning,
+        stacklevel=4,
+    )
+
+
+def _warn_unscaled(source: str, x: np.ndarray) -> None:
+    """A :class:`DataWarning` for inputs used as given that look unscaled: uint8 (raw pixels), or
+    floats beyond :data:`LARGE_INPUT` (other integers pass: token ids)."""
+    if x.dtype == np.uint8:
+        found = f"is uint8 (values {int(x.min())}..{int(x.max())})"
+    elif jnp.issubdtype(x.dtype, jnp.floating) and (top := float(np.abs(x).max())) > LARGE_INPUT:
+        found = f"has values up to {top:g}"
+    else:
+        return
+    warnings.warn(
+        f"{source}: x_train {found}, used as given (data from Python is not normalized): scale it, "
+        "e.g. x / 255.0 for pixels, or standardize ((x - mean) / std), or SGD may diverge",
+        DataWarning,
+        stacklevel=4,
+    )
 
 
 def check_parts(
@@ -144,6 +207,16 @@ def _check_image_shape(source: str, name: str, shape: tuple[int, ...]) -> None:
         )
 
 
+def check_integer_labels(source: str, name: str, y: np.ndarray) -> None:
+    """A DataError unless ``y`` has an integer dtype (labels stored as whole-number floats are
+    told the cast)."""
+    if np.issubdtype(y.dtype, np.integer):
+        return
+    whole = np.issubdtype(y.dtype, np.floating) and y.size and np.all(y == np.round(y))
+    fix = f" ({name}.astype(int))" if whole else ""
+    raise DataError(f"{source}: {name} has dtype {y.dtype}; class labels must be integers{fix}")
+
+
 def _check_targets(source: str, name: str, y: np.ndarray, num_classes: int | None) -> None:
     if num_classes is None:  # regression
         if not jnp.issubdtype(y.dtype, jnp.floating):
@@ -153,8 +226,7 @@ def _check_targets(source: str, name: str, y: np.ndarray, num_classes: int | Non
         return
     if y.ndim != 1:
         raise DataError(f"{source}: {name} has shape {y.shape}; expected one integer label per example (N,)")
-    if not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"{source}: {name} has dtype {y.dtype}; class labels must be integers")
+    check_integer_labels(source, name, y)
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= num_classes:
         raise DataError(f"{source}: {name} has labels {low}..{high}; this dataset's are 0..{num_classes - 1}")

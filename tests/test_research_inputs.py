@@ -1,0 +1,81 @@
+"""Input mistakes of research code written against the Python API (float or one-hot labels,
+unscaled inputs, a model that does not fit the data): each is one line before anything compiles,
+or a warning where the input may be meant (docs/reliability.md, "Research code from Python")."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+from jaxfed.data import Dataset, DataWarning, federate, partition, synthetic_task
+from jaxfed.data.validate import DataError
+
+PARTS = [np.arange(20), np.arange(20, 40)], [np.arange(10), np.arange(10, 20)]
+
+
+def _data(y_train, y_test, num_classes=10, x=None):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 8, 8, 1)).astype(np.float32) if x is None else x
+    return Dataset("mine", x, y_train, x[:20], y_test, num_classes)
+
+
+def _labels(n):
+    return np.arange(n) % 10
+
+
+def test_class_labels_stored_as_floats_are_told_the_cast():
+    floats = _data(_labels(40).astype(np.float32), _labels(20).astype(np.float32))
+    expected = (
+        "dataset 'mine': y_train is float32 with values 0..9: class labels must be integers "
+        "(y_train.astype(np.int64)); float targets are regression (num_classes must then be 1"
+    )
+    with pytest.raises(DataError, match="^" + re.escape(expected)):
+        federate(floats, *PARTS)
+    column = _data(_labels(40)[:, None] * 1.0, _labels(20)[:, None] * 1.0)
+    with pytest.raises(DataError, match=re.escape("(y_train.ravel().astype(np.int64))")):
+        federate(column, *PARTS)
+
+
+def test_regression_targets_need_num_classes_of_their_width():
+    y = np.random.default_rng(1).normal(size=(60, 3)).astype(np.float32)
+    with pytest.raises(DataError, match=re.escape("y_train has float targets of shape (40, 3): a regression with 3")):
+        federate(_data(y[:40], y[40:], num_classes=10), *PARTS)
+    federate(_data(y[:40], y[40:], num_classes=3), *PARTS)
+    federate(_data(y[:40, 0], y[40:, 0], num_classes=1), *PARTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        federate(*synthetic_task("synthetic_linear", 4, 2, 20, np.random.default_rng(0)))
+
+
+def test_one_hot_float_targets_warn_to_pass_the_argmax():
+    onehot = _data(np.eye(10, dtype=np.float32)[_labels(40)], np.eye(10, dtype=np.float32)[_labels(20)])
+    with pytest.warns(DataWarning, match=re.escape("y_train is one-hot (float32, shape (40, 10))")) as caught:
+        federate(onehot, *PARTS)
+    assert "y_train.argmax(1)" in str(caught[0].message) and caught[0].filename == __file__
+
+
+def test_partition_refuses_float_labels_naming_the_cast():
+    y = _labels(100)
+    expected = "partition: y_train has dtype float32; class labels must be integers (y_train.astype(int))"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        partition("dirichlet", y.astype(np.float32), y, 4, np.random.default_rng(0))
+    with pytest.raises(DataError, match=r"^partition: y_test has dtype float64; class labels must be integers$"):
+        partition("iid", y, y + 0.5, 4, np.random.default_rng(0))
+
+
+def test_unscaled_inputs_warn_and_loaded_or_scaled_ones_do_not(digits):
+    y = _labels(40)
+    raw = np.random.default_rng(0).integers(0, 256, (40, 8, 8, 1)).astype(np.uint8)
+    uint8 = r"^dataset 'mine': x_train is uint8 \(values 0\.\.25\d\), used as given .*x / 255\.0"
+    with pytest.warns(DataWarning, match=uint8):
+        federate(_data(y, y[:20], x=raw), *PARTS)
+    with pytest.warns(DataWarning, match=r"x_train has values up to 2\d\d, used as given"):
+        federate(_data(y, y[:20], x=raw.astype(np.float32)), *PARTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        federate(_data(y, y[:20], x=raw / 255.0), *PARTS)
+        federate(_data(y, y[:20], x=raw.astype(np.int32)), *PARTS)  # token ids
+        federate(digits, [np.arange(len(digits.y_train))], [np.arange(len(digits.y_test))])
