@@ -7,11 +7,16 @@ from __future__ import annotations
 import re
 import warnings
 
+import flax.linen as nn
 import numpy as np
 import pytest
 
+from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.data import Dataset, DataWarning, federate, partition, synthetic_task
 from jaxfed.data.validate import DataError
+from jaxfed.errors import ConfigError
+from jaxfed.nn import Model
+from jaxfed.simulation import Simulation
 
 PARTS = [np.arange(20), np.arange(20, 40)], [np.arange(10), np.arange(10, 20)]
 
@@ -79,3 +84,66 @@ def test_unscaled_inputs_warn_and_loaded_or_scaled_ones_do_not(digits):
         federate(_data(y, y[:20], x=raw / 255.0), *PARTS)
         federate(_data(y, y[:20], x=raw.astype(np.int32)), *PARTS)  # token ids
         federate(digits, [np.arange(len(digits.y_train))], [np.arange(len(digits.y_test))])
+
+
+class Flat(nn.Module):
+    """A user's model of any input shape: flattens, then ``outputs`` outputs."""
+
+    outputs: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.outputs)(x.reshape(x.shape[0], -1))
+
+
+class ConvNet(nn.Module):
+    """A user's CNN whose Dense layer is sized by the image it was made for."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.relu(nn.Conv(4, (3, 3))(x)).reshape(x.shape[0], -1))
+
+
+def _simulation(model, fed):
+    return Simulation(fedavg(model), model, fed)
+
+
+def _one_line(raised) -> str:
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_wrapped_model_with_another_output_count_is_refused_at_construction(digits, digits_federation):
+    with pytest.raises(
+        ConfigError, match=r"^model: 'Flat' returns \(1, 5\) for a batch of 1; expected \(1, 10\)"
+    ) as raised:
+        _simulation(Model.wrap(Flat(5), digits.input_shape), digits_federation)
+    assert "the data's num_classes" in _one_line(raised)
+
+
+def test_a_wrapped_model_made_for_another_input_shape_is_refused_at_construction(digits, digits_federation):
+    expected = (
+        "model: 'ConvNet' was made for inputs of shape (28, 28, 1) but the data's examples have shape (8, 8, 1); "
+        "wrap it for the data's: Model.wrap(module, dataset.input_shape)"
+    )
+    with pytest.raises(ConfigError, match="^" + re.escape(expected) + "$"):
+        _simulation(Model.wrap(ConvNet(), (28, 28, 1)), digits_federation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _simulation(Model.wrap(ConvNet(), digits.input_shape), digits_federation)
+        _simulation(Model.wrap(Flat(), (64,)), digits_federation)  # a shape it takes as well as the data's
+
+
+def test_a_module_class_for_its_instance_is_one_line():
+    expected = r"^model: got the class Flat, not a module; pass an instance: Model.wrap\(Flat\(\), \.\.\.\)$"
+    with pytest.raises(ConfigError, match=expected):
+        Model.wrap(Flat, (8, 8, 1))
+
+
+def test_a_wrapped_cnn_on_channel_first_images_warns(digits):
+    x_train, x_test = digits.x_train.transpose(0, 3, 1, 2), digits.x_test.transpose(0, 3, 1, 2)
+    chw = Dataset("chw", x_train, digits.y_train, x_test, digits.y_test, 10)
+    fed = federate(chw, [np.arange(len(x_train))], [np.arange(len(x_test))])
+    with pytest.warns(UserWarning, match=re.escape("model: 'ConvNet' takes inputs of shape (1, 8, 8), images with")):
+        _simulation(Model.wrap(ConvNet(), chw.input_shape), fed)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfed.errors import ConfigError, channels_first, first_line, unknown_choice
 from jaxfed.nn import user
@@ -232,7 +234,8 @@ class Model(NamedTuple):
 
     @classmethod
     def wrap(cls, module: nn.Module, input_shape, name: str = "", input_dtype=jnp.float32) -> Model:
-        """A :class:`Model` of ``module`` for examples of ``input_shape`` (no batch axis)."""
+        """A :class:`Model` of ``module`` (an instance) for examples of ``input_shape`` (no batch axis)."""
+        check_instance(module)
         return cls(name or type(module).__name__, module, tuple(input_shape), input_dtype)
 
     def accepts(self, argument: str) -> bool:
@@ -326,25 +329,89 @@ def _image_layout_hint(input_shape: tuple) -> str:
     return ""
 
 
-def _check_fits(model: Model, shown: str, num_classes: int | None = None) -> None:
-    """A ConfigError when ``model`` cannot take its input shape or (where ``num_classes`` is
-    given) does not give one output per class; checked on shapes, nothing computed."""
-    x = jax.ShapeDtypeStruct((1,) + model.input_shape, model.input_dtype)
+def check_instance(module) -> None:
+    """A ConfigError for a module class given where its instance is needed (``Model.wrap(Net, ...)``)."""
+    if isinstance(module, type):
+        raise ConfigError(
+            f"model: got the class {module.__name__}, not a module; pass an instance: "
+            f"Model.wrap({module.__name__}(), ...)"
+        )
+
+
+def check_data_fits(model: Model, example_shape: tuple, example_dtype, outputs: int) -> None:
+    """What :class:`~jaxfed.simulation.Simulation` checks of a :class:`Model` and its data before
+    anything compiles: :func:`_check_fits` for examples of ``example_shape`` and ``example_dtype``
+    and ``outputs`` outputs (classes, or targets of a regression), and a warning for a model that
+    takes images channels first (Flax's convolutions take them channels last; a model may
+    transpose them itself, so it is not refused)."""
+    if channels_first(model.input_shape):
+        warnings.warn(
+            f"model: '{model.name}' takes inputs of shape {model.input_shape}, images with their channels first "
+            "(C, H, W) by the look of them; Flax convolutions take channels last (H, W, C): give the data "
+            "x.transpose(0, 2, 3, 1) and wrap the model for that shape, unless the model transposes them itself",
+            stacklevel=3,
+        )
+    arguments = (model, tuple(example_shape), np.dtype(example_dtype), outputs)
+    try:
+        hash(arguments)
+    except TypeError:  # a module holding arrays: checked every time
+        _data_fits(*arguments)
+    else:
+        _data_fits_once(*arguments)
+
+
+def _data_fits(model: Model, example_shape: tuple, example_dtype, outputs: int) -> None:
+    hint = "the data's num_classes, or its targets per example in a regression"
+    _check_fits(model, f"'{model.name}'", outputs, example_shape, example_dtype, hint)
+
+
+_data_fits_once = functools.lru_cache(maxsize=256)(_data_fits)  # a model and data seen before fit (errors: not cached)
+
+
+def _check_fits(
+    model: Model,
+    shown: str,
+    num_classes: int | None = None,
+    example_shape: tuple | None = None,
+    example_dtype=None,
+    outputs_hint: str = "give the class a num_classes field",
+) -> None:
+    """A ConfigError when ``model`` cannot take its input shape, cannot take examples of
+    ``example_shape`` (where given: the data's, which may differ from the model's input shape in
+    a model that takes both), or (where ``num_classes`` is given) does not give one output per
+    class (``outputs_hint``: what to do then); checked on shapes, nothing computed."""
+    check_instance(model.module)
+    example_shape = model.input_shape if example_shape is None else example_shape
+    x = jax.ShapeDtypeStruct((1,) + example_shape, example_dtype or model.input_dtype)
+    applied = num_classes is not None or example_shape != model.input_shape
     try:
         variables = jax.eval_shape(model.init, jax.random.key(0))
-        out = jax.eval_shape(lambda v, x: model.apply(v, x)[0], variables, x) if num_classes is not None else None
     except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
-        reason = f"{type(err).__name__}: {first_line(err, 120)}" if num_classes is not None else type(err).__name__
+        _cannot_take(model, shown, err, num_classes is not None)
+    try:
+        out = jax.eval_shape(lambda v, x: model.apply(v, x)[0], variables, x) if applied else None
+    except Exception as err:  # Flax's ScopeParamShapeError for another shape
+        if example_shape == model.input_shape:
+            _cannot_take(model, shown, err, num_classes is not None)
         raise ConfigError(
-            f"model: {shown} cannot take inputs of shape {model.input_shape} ({reason}); pick another model"
-            + _image_layout_hint(model.input_shape)
+            f"model: {shown} was made for inputs of shape {model.input_shape} but the data's examples have shape "
+            f"{example_shape}; wrap it for the data's: "
+            "Model.wrap(module, dataset.input_shape)"
         ) from None
-    if out is not None and (not hasattr(out, "shape") or out.shape != (1, num_classes)):
+    if num_classes is not None and (not hasattr(out, "shape") or out.shape != (1, num_classes)):
         got = out.shape if hasattr(out, "shape") else type(out).__name__
         raise ConfigError(
             f"model: {shown} returns {got} for a batch of 1; expected (1, {num_classes}) (one output per class: "
-            "give the class a num_classes field)"
+            f"{outputs_hint})"
         )
+
+
+def _cannot_take(model: Model, shown: str, err: Exception, with_reason: bool):
+    reason = f"{type(err).__name__}: {first_line(err, 120)}" if with_reason else type(err).__name__
+    raise ConfigError(
+        f"model: {shown} cannot take inputs of shape {model.input_shape} ({reason}); pick another model"
+        + _image_layout_hint(model.input_shape)
+    ) from None
 
 
 class Mixture(NamedTuple):

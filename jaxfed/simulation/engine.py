@@ -63,6 +63,7 @@ from jaxfed.core import (
 )
 from jaxfed.data import ClientData, FederatedData
 from jaxfed.errors import ConfigError, NonFiniteUpdateError, unknown_choice
+from jaxfed.nn.models import Model, check_data_fits
 from jaxfed.simulation import accounting, sampling, server
 from jaxfed.simulation.evaluation import Evaluation
 from jaxfed.simulation.sampling import COHORT_SAMPLINGS, EVAL_CLIENTS, SAMPLINGS, held_out, num_sampled, tier_bounds
@@ -212,6 +213,8 @@ class Simulation:
         if client_state == "host" and jax.process_count() > 1:
             raise ValueError("client_state: host keeps client states in this process's memory; one process only")
         check_server_step(algorithm)
+        if isinstance(model, Model):
+            check_data_fits(model, data.x_train.shape[1:], data.x_train.dtype, data.num_classes)
         if algorithm.personalize is not None and algorithm.evaluates_global:
             raise ValueError(
                 f"{algorithm.name}: evaluates_global evaluates one model for every client; drop personalize"
