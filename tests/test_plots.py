@@ -36,6 +36,14 @@ def test_labels_name_the_algorithm_and_the_differing_keys():
     assert run_labels(configs) == ["fedavg lr=0.05", "fedavg lr=0.1", "local lr=0.05"]
 
 
+def test_runs_of_one_configuration_are_labelled_by_their_directories(tmp_path):
+    from jaxfed.runs.plots import plot_labels
+
+    configs = [{"algorithm": "fedavg", "lr": 0.05}, {"algorithm": "fedavg", "lr": 0.05}, {"algorithm": "local"}]
+    dirs = [tmp_path / "a", tmp_path / "copy", tmp_path / "l"]
+    assert plot_labels(dirs, configs) == ["fedavg (a)", "fedavg (copy)", "local"]  # were "fedavg" twice
+
+
 def test_plot_command_writes_a_png(tmp_path, capsys):
     a = _fake_run(tmp_path / "a", {"algorithm": "fedavg", "lr": 0.05}, [0.5, 0.7, 0.8], 1e6)
     b = _fake_run(tmp_path / "b", {"algorithm": "fedprox", "lr": 0.05}, [0.4, 0.6], 2e6)

@@ -130,6 +130,13 @@ def run_labels(configs: list[dict]) -> list[str]:
     return [" ".join(w) for w in words]
 
 
+def plot_labels(run_dirs: list[Path], configs: list[dict]) -> list[str]:
+    """:func:`run_labels`, with the run directory's name after a label two runs share (runs of one
+    configuration, e.g. a run and its copy)."""
+    labels = run_labels(configs)
+    return [f"{label} ({Path(d).name})" if labels.count(label) > 1 else label for label, d in zip(labels, run_dirs)]
+
+
 def differing_keys(configs: list[dict], ignore=frozenset()) -> list[str]:
     """The keys (run keys and algorithm options) outside ``ignore`` that every config has and whose
     value differs between them."""
@@ -170,7 +177,7 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_me
         raise ConfigError(f"--metric: {unknown_choice(metric, METRICS)}")
     run_dirs = with_members(run_dirs)
     runs = [read_run(d) for d in run_dirs]
-    labels = run_labels([config for config, _ in runs])
+    labels = plot_labels(run_dirs, [config for config, _ in runs])
 
     import matplotlib
 
@@ -223,7 +230,7 @@ def plot_client_distribution(run_dirs, out_file: str | Path, name: str = "") -> 
     if missing:
         raise ConfigError(f"--clients: {missing[0]} has no per-client results (clients/; runs before they existed)")
     name = name or ("mse" if "mse" in next(iter(runs[0][1].values())) else "acc")
-    labels = run_labels([config for config, _ in runs])
+    labels = plot_labels(run_dirs, [config for config, _ in runs])
 
     import matplotlib
 
