@@ -4,6 +4,7 @@ plugin module in the working directory, a plugin without an algorithm named, an 
 registered from Python recorded as its plugin (each test failed before its fix)."""
 
 import importlib
+import json
 import sys
 
 import pytest
@@ -152,25 +153,23 @@ def test_an_algorithm_registered_from_python_is_recorded_as_its_plugin(
     assert recorded_config(sim, LoopSettings(rounds=1))["plugins"] == [str(plugin.resolve())]
 
 
-def test_a_new_sweep_beside_another_sweeps_runs_is_refused(tmp_path, capsys, digits_federation, mlp):
-    """A second sweep into the --out of another (`--seeds 1` after `--seeds 0`, or research code's
-    `run_simulation_sweep`) ran its members beside the first's, and `jaxfed report` pooled them as
-    one variant's seeds; a Python resume naming none of the members there started a new sweep."""
+def test_a_python_sweep_resumed_where_none_of_its_members_are_is_refused(tmp_path, digits_federation, mlp):
+    """`run_simulation_sweep(..., resume=True)` naming none of the members in its directory
+    started a new sweep beside them (the CLI refused it already); a new sweep beside another one
+    runs, and each member's config.json tells the two apart."""
     from jaxfed.algorithms.fedavg import fedavg
-    from jaxfed.cli import main
     from jaxfed.runs.sweep import Sweep, run_simulation_sweep
     from jaxfed.simulation import Simulation
 
     out = tmp_path / "sweep"
-    tiny = ["--set", "num_clients=4", "rounds=1"]
-    assert main(["sweep", "fedavg", "--quiet", "--seeds", "0", "--out", str(out), *tiny]) == 0
-    capsys.readouterr()
-    assert main(["sweep", "fedavg", "--quiet", "--seeds", "1", "--out", str(out), *tiny]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "holds the runs of another sweep (seed0_lr0.05)" in err, err
-    sim = Simulation(fedavg(mlp, lr=0.05), mlp, digits_federation, participation=0.5)
+    for lr in (0.05, 0.2):
+        sim = Simulation(fedavg(mlp, lr=lr), mlp, digits_federation, participation=0.5)
+        run_simulation_sweep(
+            Sweep.of_simulation(sim, seeds=[int(lr == 0.2)]), out, 1, progress=False, log=lambda m: None
+        )
+    configs = [json.loads((out / name / "config.json").read_text()) for name in ("seed0", "seed1")]
+    assert [c["options"]["lr"] for c in configs] == [0.05, 0.2]  # the fixed lr of each: two variants
     sweep = Sweep.of_simulation(sim, seeds=[3])
-    for resume, says in ((False, "holds the runs of another sweep"), (True, "none of this sweep's members")):
-        with pytest.raises(ConfigError, match=f"{says} .*resume with the sweep that wrote them"):
-            run_simulation_sweep(sweep, out, 1, resume=resume, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["seed0_lr0.05"]
+    with pytest.raises(ConfigError, match="none of this sweep's members .*resume with the sweep that wrote them"):
+        run_simulation_sweep(sweep, out, 1, resume=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["seed0", "seed1"]

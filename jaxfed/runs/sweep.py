@@ -457,23 +457,18 @@ def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool
 
 
 def refuse_other_runs(root: Path, outs: list[Path], resume: bool, resume_how: str = "") -> None:
-    """A ConfigError if the sweep's ``root`` holds run directories that are not its members
-    ``outs`` where they would be mistaken for them: a new sweep beside another one (``jaxfed
-    report root`` would pool them), a resume that names none of the members there (it would start
-    a new sweep beside the one to continue). A resume may name some members only, or add new ones.
-    ``resume_how``: how to resume (default: the CLI's words)."""
+    """A ConfigError for a resume of the sweep in ``root`` that names none of the members there
+    (``outs`` are this sweep's): it would start a new sweep beside the one to continue. A resume
+    may name some members only, or add new ones; a new sweep may sit beside another one (``jaxfed
+    report`` tells them apart by the keys their ``config.json`` differ in). ``resume_how``: how
+    to resume (default: the CLI's words)."""
     others = [p.name for p in run_dirs_below(root) if p not in outs]
-    if not others or (resume and any(out.is_dir() for out in outs)):
+    if not resume or not others or any(out.is_dir() for out in outs):
         return
     listed_others = f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}"
     how = resume_how or (
         "resume with the command that started the sweep (its algorithm, --plugin, --seeds, --lrs, --grid and --set)"
     )
-    if not resume:
-        raise ConfigError(
-            f"--out {root}: holds the runs of another sweep ({listed_others}); choose another --out, or to continue "
-            f"that sweep, {how}"
-        )
     raise ConfigError(
         f"--out {root}: none of this sweep's members ({outs[0].name}, ...) are there, it holds {listed_others}; {how}"
     )
