@@ -130,6 +130,7 @@ def test_a_plugin_given_without_an_algorithm_is_refused_naming_its_algorithms(ow
     config_file.write_text("algorithm = audit_unnamed\n")
     assert _cli_config(["run", "--config", str(config_file), "--plugin", str(plugin)]).algorithm == "audit_unnamed"
     assert _cli_config(["run", "--plugin", str(plugin), "--set", "algorithm=fedavg"]).algorithm == "fedavg"
+    _cli_config(["sweep", "--plugin", str(plugin), "--grid", "algorithm=audit_unnamed,fedavg"])  # the grid names it
     resumed = Config(algorithm="audit_unnamed", plugins=(str(plugin),))  # --resume: the saved config's algorithm
     assert _cli_config(["run", "--plugin", str(plugin)], base=resumed).algorithm == "audit_unnamed"
 
@@ -151,6 +152,30 @@ def test_an_algorithm_registered_from_python_is_recorded_as_its_plugin(
     algorithm = registry.get("audit_from_python").build(mlp, Config(algorithm="audit_from_python").options, None)
     sim = Simulation(algorithm._replace(name="audit_from_python"), mlp, make_federation(digits, num_clients=4))
     assert recorded_config(sim, LoopSettings(rounds=1))["plugins"] == [str(plugin.resolve())]
+
+
+def test_the_module_calling_register_is_recorded_a_packages_by_its_dotted_name(own_registry, tmp_path, monkeypatch):
+    """The plugin recorded was the builder's module: functools.py for a functools.partial builder,
+    the helper's file for a builder defined elsewhere; and a package's module, recorded by its
+    file, failed its relative imports on --resume."""
+    package = tmp_path / "auditpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text(
+        "from jaxfed.algorithms.fedavg import fedavg\n\ndef build(model, options, config, extra=0):\n"
+        "    return fedavg(model, options)\n"
+    )
+    (package / "algos.py").write_text(
+        "import functools\nimport jaxfed\nfrom jaxfed.algorithms.fedavg import FedAvgOptions\n"
+        "from .helpers import build\n"
+        "jaxfed.register('audit_in_package', FedAvgOptions, functools.partial(build, extra=2))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("auditpkg.algos")
+    assert registry.get("audit_in_package").module == "auditpkg.algos"
+    assert Config(algorithm="audit_in_package").recorded()["plugins"] == ["auditpkg.algos"]
+    assert registry.registered_by("auditpkg") == registry.registered_by("auditpkg.algos") == ["audit_in_package"]
+    registry.import_plugin("auditpkg.algos")  # what --resume does: imported already, not again
 
 
 def test_a_python_sweep_resumed_where_none_of_its_members_are_is_refused(tmp_path, digits_federation, mlp):

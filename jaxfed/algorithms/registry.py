@@ -153,13 +153,18 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
     option named by a Python keyword is declared ``lambda_`` (``global_``, ``in_``, ...) and
     written ``--set lambda=0.5`` (:func:`jaxfed.options.key_of`). Refused (ValueError): two
     fields with one key (``mu`` and ``mu_``) and an option that shadows a run-level key."""
+    caller = sys._getframe(1).f_globals.get("__name__", "")  # the module calling register: the plugin
     if build is None:
 
         def decorator(fn):
-            register(name, options, fn, replace=replace)
+            _register(name, options, fn, replace, caller)
             return fn
 
         return decorator
+    return _register(name, options, build, replace, caller)
+
+
+def _register(name: str, options: type[Options], build: Builder, replace: bool, module_name: str) -> AlgorithmSpec:
     if not (isinstance(options, type) and issubclass(options, Options) and dataclasses.is_dataclass(options)):
         raise TypeError(f"register({name!r}): options must be a dataclass subclassing jaxfed.options.Options")
     if (name in _REGISTRY or name in BUILTINS) and not replace:
@@ -175,10 +180,9 @@ def register(name: str, options: type[Options], build: Builder | None = None, *,
     if clash:
         raise ValueError(f"register({name!r}): option(s) {', '.join(clash)} shadow run-level config keys")
     check_declarations(options)
-    module = sys.modules.get(build.__module__)
-    file = getattr(module, "__file__", None)
+    file = getattr(sys.modules.get(module_name), "__file__", None)
     spec = _REGISTRY[name] = _spec(name, options, build)._replace(
-        module=build.__module__, file=str(Path(file).resolve()) if file else None
+        module=module_name, file=str(Path(file).resolve()) if file else None
     )
     return spec
 
@@ -265,18 +269,19 @@ def registered_by(plugin: str) -> list[str]:
     if plugin.endswith(".py"):
         file = str(Path(plugin).resolve())
         return [spec.name for spec in _REGISTRY.values() if spec.file == file]
-    return [spec.name for spec in _REGISTRY.values() if spec.module == plugin]
+    return [spec.name for spec in _REGISTRY.values() if spec.module == plugin or spec.module.startswith(plugin + ".")]
 
 
 def plugins_to_record(algorithm: str, plugins: tuple[str, ...]) -> tuple[str, ...]:
     """The plugins a run of ``algorithm`` records (``config.json``), so that ``--resume`` imports
-    them again: ``plugins``, plus the file of the module that registered ``algorithm`` where research
-    code imported it from Python (none of ``plugins`` registered it; not a script run as
-    ``__main__``, which would run again)."""
+    them again: ``plugins``, plus the module that called ``register`` for ``algorithm`` where
+    research code imported it from Python (none of ``plugins`` registered it; not a script run as
+    ``__main__``, which would run again): a package's module by its dotted name (importing its
+    file alone would break its relative imports), a top-level module by its file."""
     spec = _REGISTRY.get(algorithm)
     if spec is None or not _imported_from_python(spec) or any(algorithm in registered_by(p) for p in plugins):
         return tuple(plugins)
-    return (*plugins, spec.file)
+    return (*plugins, spec.module if "." in spec.module else spec.file)
 
 
 def _imported_from_python(spec: AlgorithmSpec) -> bool:

@@ -193,7 +193,8 @@ def _number_list(option: str, text: str, kind: type) -> list:
 
 def config_from_args(args, base: Config | None = None) -> Config:
     """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
-    files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set``."""
+    files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set`` (a
+    sweep's ``--grid algorithm=...`` names the algorithm too)."""
     lines = [line for path in args.config for line in read_config_lines(path)]
     pairs, origins = [pair for pair, _ in lines], [origin for _, origin in lines]
     if args.plugin:  # on --resume too: a plugin that moved is found where it is now
@@ -204,7 +205,8 @@ def config_from_args(args, base: Config | None = None) -> Config:
     pairs += args.set
     origins += [None] * (len(pairs) - len(origins))
     config = (base or Config()).validated_with(pairs, origins)
-    if base is None and not any(pair.partition("=")[0].strip() == "algorithm" for pair in pairs):
+    named = [pair.partition("=")[0].strip() for pair in [*pairs, *getattr(args, "grid", [])]]
+    if base is None and "algorithm" not in named:
         refuse_unnamed_plugin_algorithm(getattr(args, "command", None) or "run", args.plugin)
     return config
 
