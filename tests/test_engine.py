@@ -391,6 +391,7 @@ def test_new_clients_and_other_data_are_refused_in_one_line(mlp, digits_federati
     # a fraction: the clients the run key new_clients holds out
     held = Config().with_overrides(["new_clients=0.2", "num_clients=10"]).held_out_ids()
     assert held == (2, 7) and Simulation(alg, mlp, digits_federation, new_clients=0.2).new_clients.tolist() == [2, 7]
+    assert Simulation(alg, mlp, digits_federation, new_clients=np.float32(0.2)).new_clients.tolist() == [2, 7]
     with pytest.raises(ConfigError, match="new_client_ids: give new_clients .* or new_client_ids"):
         Config().with_overrides(["new_clients=0.2", "new_client_ids=1,2"]).validate()
     assert Config().with_overrides(["new_clients=0.2", "num_clients=20"]).held_out_ids() == (2, 7, 12, 17)

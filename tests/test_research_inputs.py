@@ -83,6 +83,7 @@ def test_unscaled_inputs_warn_and_loaded_or_scaled_ones_do_not(digits):
         warnings.simplefilter("error")
         federate(_data(y, y[:20], x=raw / 255.0), *PARTS)
         federate(_data(y, y[:20], x=raw.astype(np.int32)), *PARTS)  # token ids
+        federate(_data(y, y[:20], x=raw.reshape(40, 64)), *PARTS)  # uint8 sequences: bytes, not pixels
         federate(digits, [np.arange(len(digits.y_train))], [np.arange(len(digits.y_test))])
 
 
@@ -133,6 +134,30 @@ def test_a_wrapped_model_made_for_another_input_shape_is_refused_at_construction
         warnings.simplefilter("error")
         _simulation(Model.wrap(ConvNet(), digits.input_shape), digits_federation)
         _simulation(Model.wrap(Flat(), (64,)), digits_federation)  # a shape it takes as well as the data's
+
+
+class Tokens(nn.Module):
+    """A user's model of token ids: an embedding, averaged, then the classes."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.Embed(256, 8)(x).mean(axis=1))
+
+
+def test_token_ids_of_another_dtype_than_the_models_are_named_as_a_dtype_problem():
+    """Float token ids for an int32 model said the model `cannot take inputs of shape (16,)
+    ...; pick another model`: the model was right, the data's dtype was not."""
+    import jax.numpy as jnp
+
+    ids = np.random.default_rng(0).integers(0, 256, (40, 16))
+    model = Model.wrap(Tokens(), (16,), input_dtype=jnp.int32)
+    y = _labels(40)
+    expected = r"^model: 'Tokens' takes int32 inputs but the data's examples are float32 \(.*\); cast them: "
+    expected += r"x.astype\(np.int32\)$"
+    with pytest.raises(ConfigError, match=expected), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)  # float inputs up to 255
+        _simulation(model, federate(_data(y, y[:20], x=ids.astype(np.float32)), *PARTS))
+    _simulation(model, federate(_data(y, y[:20], x=ids.astype(np.int32)), *PARTS))
 
 
 def test_a_module_class_for_its_instance_is_one_line():

@@ -153,9 +153,10 @@ def _warn_one_hot(source: str, y: np.ndarray) -> None:
 
 
 def _warn_unscaled(source: str, x: np.ndarray) -> None:
-    """A :class:`DataWarning` for inputs used as given that look unscaled: uint8 (raw pixels), or
-    floats beyond :data:`LARGE_INPUT` (other integers pass: token ids)."""
-    if x.dtype == np.uint8:
+    """A :class:`DataWarning` for inputs used as given that look unscaled: uint8 images (raw
+    pixels: examples of two or more axes), or floats beyond :data:`LARGE_INPUT` (other integers
+    pass, and uint8 sequences: token ids, bytes)."""
+    if x.dtype == np.uint8 and x.ndim >= 3:
         found = f"is uint8 (values {int(x.min())}..{int(x.max())})"
     elif jnp.issubdtype(x.dtype, jnp.floating) and (top := float(np.abs(x).max())) > LARGE_INPUT:
         found = f"has values up to {top:g}"

@@ -391,6 +391,12 @@ def _check_fits(
     try:
         out = jax.eval_shape(lambda v, x: model.apply(v, x)[0], variables, x) if applied else None
     except Exception as err:  # Flax's ScopeParamShapeError for another shape
+        data_dtype, model_dtype = np.dtype(x.dtype), np.dtype(model.input_dtype)
+        if data_dtype != model_dtype:  # e.g. float token ids for an Embed: the data's dtype is the problem
+            raise ConfigError(
+                f"model: {shown} takes {model_dtype} inputs but the data's examples are {data_dtype} "
+                f"({type(err).__name__}: {first_line(err, 100)}); cast them: x.astype(np.{model_dtype})"
+            ) from None
         if example_shape == model.input_shape:
             _cannot_take(model, shown, err, num_classes is not None)
         raise ConfigError(

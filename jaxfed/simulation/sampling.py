@@ -76,7 +76,7 @@ def held_out(new_clients, num_clients: int):
     """The sorted ids (numpy int32) of the clients held out of training as new clients (given as
     ids, or as a fraction of the clients: :func:`fraction_ids`), or None for none; a ConfigError
     for ids that are not distinct integers in ``0..num_clients-1`` or that leave no client to train."""
-    if isinstance(new_clients, float):
+    if isinstance(new_clients, (float, np.floating)):
         new_clients = fraction_ids(new_clients, num_clients)
     elif np.ndim(new_clients) == 0 and new_clients is not None:
         raise ConfigError(

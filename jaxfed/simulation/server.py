@@ -57,7 +57,7 @@ def server_step(algorithm: FederatedAlgorithm, server_state, uploads, weights, r
       round_: the round being run (0-based).
 
     Returns:
-      the new server state; ``server_state`` itself where every weight is 0.
+      the new server state; one equal to ``server_state`` where every weight is 0.
     """
     check_server_step(algorithm)
     if not isinstance(uploads, list):
