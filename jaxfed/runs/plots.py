@@ -89,10 +89,11 @@ def run_dirs_below(path: str | Path) -> list[Path]:
 
 def with_members(paths) -> list[Path]:
     """``paths`` with each sweep's directory (no ``metrics.jsonl``, run directories below it)
-    replaced by its members, in order."""
+    replaced by its members, in order: what ``jaxfed plot`` and :func:`jaxfed.load_runs` take
+    (``jaxfed report`` takes a sweep's finished members)."""
     expanded = []
     for path in map(Path, paths):
-        members = [] if (path / "metrics.jsonl").exists() else run_dirs_below(path)
+        members = [] if (path / "metrics.jsonl").is_file() else run_dirs_below(path)
         expanded += members or [path]
     return expanded
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxfed.errors import ConfigError, unknown_choice
-from jaxfed.runs.plots import flat_config, read_json, read_run, run_dirs_below
+from jaxfed.runs.plots import flat_config, read_json, read_run, with_members
 
 PER = ("row", "run")
 
@@ -50,14 +50,11 @@ def run_directories(dirs) -> list[Path]:
     paths = [dirs] if isinstance(dirs, (str, Path)) else list(dirs)
     found = []
     for path in map(Path, paths):
-        if (path / "metrics.jsonl").is_file():
-            found.append(path)
-            continue
-        below = run_dirs_below(path)
-        if not below:
+        runs = with_members([path])
+        if runs == [path] and not (path / "metrics.jsonl").is_file():
             what = "does not exist" if not path.exists() else "holds no metrics.jsonl and no run directories"
             raise ConfigError(f"load_runs: {path} {what}; pass run directories or a directory of them (a sweep's)")
-        found += below
+        found += runs
     return found
 
 
