@@ -335,9 +335,10 @@ class Config(Options):
 
     def recorded(self) -> dict:
         """:meth:`to_dict` as a run directory records it (``config.json``, its checkpoints):
-        ``plugins`` with the file of the module that registered the algorithm where research code
-        imported it from Python (:func:`~jaxfed.algorithms.registry.plugins_to_record`), so that
-        ``jaxfed run --out DIR --resume`` imports it."""
+        ``plugins`` with the module that registered the algorithm (its file, or a package's dotted
+        name) where research code imported it from Python
+        (:func:`~jaxfed.algorithms.registry.plugins_to_record`), so that ``jaxfed run --out DIR
+        --resume`` imports it."""
         return {**self.to_dict(), "plugins": list(registry.plugins_to_record(self.algorithm, self.plugins))}
 
     @classmethod
