@@ -338,6 +338,9 @@ def run(
     :meth:`Config.of`) and run it into ``out_dir`` (``resume``: continue it, from its newest
     readable checkpoint or the :class:`ResumePoint` given); return the summary.
     ``on_evaluation(row)`` receives each evaluated metrics row as ``metrics.jsonl`` gets it.
+    ``progress`` is the progress bar alone: ``log(line)`` (default: stderr) still receives the
+    partition's line and any warning, as ``jaxfed run --quiet`` prints them; pass
+    ``log=lambda line: None`` for silence.
 
     Raises :class:`NonFiniteUpdateError` (``nonfinite=error``) after checkpointing the last good
     state; its ``checkpoint`` attribute says where.
