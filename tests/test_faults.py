@@ -470,32 +470,67 @@ def test_a_full_disk_is_one_line_and_the_resume_after_it_is_exact(target, tmp_pa
     assert _rows(out) == _rows(reference)
 
 
-def test_out_of_device_memory_is_one_line_and_not_a_full_disk(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "settings, failing_call, advice",
+    [
+        # ditto's personal models are client states: held on the host they leave the device, resumably
+        (
+            ["algorithm=ditto"],
+            2,
+            "continue with --resume --set client_state=host (client states in host memory), or start anew "
+            "with a smaller client_chunk or eval_batch_size",
+        ),
+        # fedavg holds no client state on the digits MLP: the host would free nothing
+        (["algorithm=fedavg"], 2, "start anew with a smaller client_chunk or eval_batch_size (a resume keeps them)"),
+        # ditto's client states already on the host
+        (
+            ["algorithm=ditto", "client_state=host"],
+            2,
+            "start anew with a smaller client_chunk or eval_batch_size (a resume keeps them)",
+        ),
+        # nothing to resume from
+        (
+            ["algorithm=ditto"],
+            1,
+            "no checkpoint was completed: start it again with client_state=host (client states in host "
+            "memory) or a smaller client_chunk or eval_batch_size",
+        ),
+    ],
+)
+def test_out_of_device_memory_is_one_line_with_the_advice_that_applies(
+    settings, failing_call, advice, tmp_path, capsys, monkeypatch
+):
     """XLA's RESOURCE_EXHAUSTED "Out of memory" in a round was reported as a full disk ("no space
-    left while writing ...; free space"): it names device memory and client_chunk, and the run
-    goes on from its intact checkpoint."""
+    left while writing ...; free space"), then with advice that did not apply (client_state=host
+    for an algorithm without client states, --resume without a checkpoint): it names device
+    memory and what needs less for this run, and a run with client states goes on from its
+    intact checkpoint with them on the host."""
     from jaxfed.runs.driver import OneSimulation
 
-    reference, out = tmp_path / "reference", tmp_path / "run"
-    assert main(["run", "--quiet", "--out", str(reference), *CHECKPOINTED]) == 0
+    out, config = tmp_path / "run", [*CHECKPOINTED, *settings]
     calls, run_rounds = {"n": 0}, OneSimulation.run_rounds
 
-    def out_of_memory_on_the_second(self, state, num_rounds):
+    def out_of_memory_once(self, state, num_rounds):
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] == failing_call:
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 149.03GiB")
         return run_rounds(self, state, num_rounds)
 
     with monkeypatch.context() as patch:
-        patch.setattr(OneSimulation, "run_rounds", out_of_memory_on_the_second)
+        patch.setattr(OneSimulation, "run_rounds", out_of_memory_once)
         capsys.readouterr()
-        assert main(["run", "--quiet", "--out", str(out), *CHECKPOINTED]) == 1
+        assert main(["run", "--quiet", "--out", str(out), *config]) == 1
         err = _last_line_error(capsys)
-    assert err.startswith("jaxfed: error: out of device memory (RESOURCE_EXHAUSTED: Out of memory") and (
-        "the checkpoint of round 2 is intact" in err and "client_chunk" in err and "no space" not in err
+    intact = "the checkpoint of round 2 is intact: " if failing_call == 2 else ""
+    assert (
+        err == f"jaxfed: error: out of device memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        f"149.03GiB); {intact}{advice}"
     )
-    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "client_state=host"]) == 0
-    assert _rows(out) == _rows(reference)
+    if "--resume" in advice:
+        reference = tmp_path / "reference"
+        assert main(["run", "--quiet", "--out", str(reference), *config]) == 0
+        assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "client_state=host"]) == 0
+        assert _rows(out) == _rows(reference)
 
 
 # ----- killed anywhere ----------------------------------------------------------------------------

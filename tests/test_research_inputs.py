@@ -8,6 +8,7 @@ import re
 import warnings
 
 import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -172,3 +173,31 @@ def test_a_wrapped_cnn_on_channel_first_images_warns(digits):
     fed = federate(chw, [np.arange(len(x_train))], [np.arange(len(x_test))])
     with pytest.warns(UserWarning, match=re.escape("model: 'ConvNet' takes inputs of shape (1, 8, 8), images with")):
         _simulation(Model.wrap(ConvNet(), chw.input_shape), fed)
+
+
+@pytest.mark.parametrize(
+    "keyword, value, expected",
+    [
+        ("client_chunk", -2, r"^client_chunk: 0 \(every sampled client at once\), k >= 1 .* got -2$"),
+        ("client_chunk", 2.5, r"^client_chunk: .* got 2\.5$"),
+        ("client_chunk", "auto", r"^client_chunk: .* got 'auto'$"),
+        (
+            "devices",
+            len(jax.devices()) + 1,
+            rf"^devices: {len(jax.devices()) + 1} requested but {len(jax.devices())} visible",
+        ),
+        ("devices", "cpu", r"^devices: a list of jax devices \(jax.devices\(\)\[:2\]\) or a count, got 'cpu'$"),
+    ],
+)
+def test_a_strategy_keyword_of_the_wrong_kind_is_one_line_at_construction(
+    keyword, value, expected, mlp, digits_federation
+):
+    with pytest.raises(ConfigError, match=expected):
+        Simulation(fedavg(mlp), mlp, digits_federation, **{keyword: value})
+
+
+def test_the_run_keys_auto_chunk_and_a_device_count_are_taken_as_the_run_keys_are(mlp, digits_federation):
+    auto = Simulation(fedavg(mlp), mlp, digits_federation, client_chunk=-1, devices=1)
+    default = Simulation(fedavg(mlp), mlp, digits_federation)
+    assert auto.client_chunk == default.client_chunk and auto.strategy.devices == default.strategy.devices
+    assert Simulation(fedavg(mlp), mlp, digits_federation, client_chunk=np.int64(3)).client_chunk == 3

@@ -103,15 +103,11 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
     """The engine running ``algorithm`` on ``part``'s data with ``config``'s run settings, on the
     first ``config.devices`` devices; refused here if its state cannot fit in memory."""
     config = config.validate()
-    available = jax.devices()
     if config.host_devices and len(jax.devices("cpu")) != config.host_devices:
         raise ConfigError(
             f"host_devices: {config.host_devices} requested but the CPU shows {len(jax.devices('cpu'))} device(s); "
             "call jaxfed.runs.distributed.split_host(N) when the process starts, before JAX does"
         )
-    if config.devices > len(available):
-        raise ConfigError(f"devices: {config.devices} requested but {len(available)} visible")
-    devices = available[: config.devices or None]
     pooled_eval_model = None
     if config.dataset not in SYNTHETIC_TASKS and config.conv != "xla" and not is_spec(config.model):
         # the global model's passes over the whole test set: XLA's conv is faster there
@@ -124,7 +120,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         sampling=config.sampling,
         eval_clients=config.eval_clients,
         seed=config.seed,
-        devices=devices,
+        devices=config.devices,
         eval_batch_size=config.eval_batch_size,
         client_chunk=None if config.client_chunk < 0 else config.client_chunk,
         pooled_eval_model=pooled_eval_model,
@@ -134,7 +130,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         new_clients=config.held_out_ids(),
         new_client_updates=config.new_client_updates,
     )
-    check_memory(simulation, devices[0])
+    check_memory(simulation, simulation.strategy.devices[0])
     return simulation
 
 

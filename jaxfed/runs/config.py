@@ -168,7 +168,8 @@ class Config(Options):
     client_chunk: int = option(
         -1,
         "clients vmapped together: 0 = all sampled at once, k = chunks of k, -1 = auto "
-        "(1 on CPU; on GPU/TPU all at once if the round fits the device's memory, else the widest chunk that fits)",
+        "(1 on CPU; on GPU/TPU the chunk modeled fastest for the sampled clients' sizes, narrowed until the round "
+        "fits the device's memory)",
         check=at_least(-1),
     )
     client_state: str = option(

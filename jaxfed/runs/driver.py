@@ -250,7 +250,7 @@ def drive(
         raise
     except Exception as err:
         if is_device_out_of_memory(err):
-            raise device_out_of_memory(dirs[0], err) from None
+            raise device_out_of_memory(dirs[0], err, _host_would_help(members, state)) from None
         if not is_storage_full(err):
             raise
         raise storage_full(dirs[0], err) from None
@@ -273,15 +273,27 @@ def finish_checkpoints(dirs: list[RunDirectory]) -> str:
     return f"{intact} (--resume continues from it)" if dirs[0].checkpoints.rounds() else intact
 
 
-def device_out_of_memory(directory: RunDirectory, err: BaseException) -> DeviceMemoryError:
+def device_out_of_memory(directory: RunDirectory, err: BaseException, host_helps: bool) -> DeviceMemoryError:
     """The one-line error of a round or an evaluation that ran out of device memory, once the
-    checkpoints begun are complete."""
+    checkpoints begun are complete, with what needs less: ``client_state=host`` where
+    ``host_helps`` (a run holding client states on the device; resumable), a smaller
+    ``client_chunk`` or ``eval_batch_size`` (a new run: a resume keeps them)."""
     directory.checkpoints.wait()
-    return DeviceMemoryError(
-        f"out of device memory ({first_line(err, 160)}); {_intact(directory)}: client states held on the host "
-        "need less (continue with --resume --set client_state=host), as do a smaller client_chunk or eval_batch_size "
-        "(a new run)"
-    )
+    smaller, host = "a smaller client_chunk or eval_batch_size", "client_state=host (client states in host memory)"
+    if not directory.checkpoints.rounds():
+        advice = f"start it again with {host + ' or ' if host_helps else ''}{smaller}"
+    elif host_helps:
+        advice = f"continue with --resume --set {host}, or start anew with {smaller}"
+    else:
+        advice = f"start anew with {smaller} (a resume keeps them)"
+    return DeviceMemoryError(f"out of device memory ({first_line(err, 160)}); {_intact(directory)}: {advice}")
+
+
+def _host_would_help(members: Members, state) -> bool:
+    """Whether ``client_state=host`` could free device memory: one simulation (a sweep's members
+    stay on the device) holding client states there."""
+    sim = getattr(members, "sim", None)
+    return sim is not None and sim.client_state == "device" and any(x.size for x in jax.tree.leaves(state.clients))
 
 
 def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullError:

@@ -156,9 +156,11 @@ class Simulation:
     How the clients run is the ``strategy``'s job (:class:`~jaxfed.simulation.strategy.ClientStrategy`,
     default built from ``client_chunk`` and ``devices``): ``client_chunk`` 0 vmaps the sampled
     clients all at once; k > 0 runs ``lax.map`` over chunks of k vmapped clients (k = 1: one
-    client at a time, each doing only its own steps); ``None`` picks one at a time on CPU and,
-    on an accelerator, the chunk modeled fastest for the sampled clients' sizes, narrowed to fit
-    the device's memory (:class:`~jaxfed.simulation.strategy.ClientStrategy`). Evaluation is
+    client at a time, each doing only its own steps); ``None`` (or -1, the run key's auto) picks
+    one at a time on CPU and, on an accelerator, the chunk modeled fastest for the sampled
+    clients' sizes, narrowed to fit the device's memory
+    (:class:`~jaxfed.simulation.strategy.ClientStrategy`). ``devices``: a list of ``jax.Device``,
+    or a count (the first N visible; 0 or None: all), as the run key. Evaluation is
     :class:`~jaxfed.simulation.evaluation.Evaluation`'s, traffic :mod:`~jaxfed.simulation.accounting`'s;
     the round's semantics (sampling, tiers, the non-finite policy, aggregation) are this class's.
 
@@ -188,7 +190,7 @@ class Simulation:
         sampling: str = "uniform",
         eval_clients: str = "all",
         seed: int = 0,
-        devices: Sequence[jax.Device] | None = None,
+        devices: Sequence[jax.Device] | int | None = None,
         eval_batch_size: int = 256,
         eval_examples_per_call: int = 256,
         pooled_eval_model=None,

@@ -23,6 +23,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxfed.errors import ConfigError
 from jaxfed.simulation import sampling
 
 CLIENT_AXIS = "clients"
@@ -101,6 +102,38 @@ def _allocation_bytes(message: str) -> float | None:
     return float(found[1]) * _UNITS[found[2]] if found else None
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def given_chunk(chunk) -> int | None:
+    """A caller's ``client_chunk``: None for the default (``None`` or ``-1``, the run key's auto),
+    else the int >= 0 given; a one-line ConfigError for anything else."""
+    if chunk is None or (_is_int(chunk) and chunk == -1):
+        return None
+    if not _is_int(chunk) or chunk < 0:
+        raise ConfigError(
+            f"client_chunk: 0 (every sampled client at once), k >= 1 (chunks of k) or -1 / None (auto), got {chunk!r}"
+        )
+    return int(chunk)
+
+
+def chosen_devices(devices) -> list:
+    """A caller's ``devices``: a sequence of ``jax.Device``, or an int N (the first N visible, 0 or
+    None: all of them, as the run key's); a one-line ConfigError for anything else."""
+    available = jax.devices()
+    if devices is None:
+        return list(available)
+    if _is_int(devices):
+        if devices < 0 or devices > len(available):
+            raise ConfigError(f"devices: {devices} requested but {len(available)} visible (0: all of them)")
+        return list(available[: int(devices) or None])
+    chosen = list(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else None
+    if not chosen or not all(isinstance(d, jax.Device) for d in chosen):
+        raise ConfigError(f"devices: a list of jax devices (jax.devices()[:2]) or a count, got {devices!r}")
+    return chosen
+
+
 class ClientStrategy:
     """Clients vmapped all at once (``chunk=0``) or a scan over chunks of ``chunk`` vmapped
     clients (1: one at a time, each doing only its own steps), on ``devices`` (default: every
@@ -119,10 +152,11 @@ class ClientStrategy:
     def __init__(
         self,
         chunk: int | None = None,
-        devices: Sequence[jax.Device] | None = None,
+        devices: Sequence[jax.Device] | int | None = None,
         memory_bytes: int | None = None,
     ):
-        self.devices = list(devices if devices is not None else jax.devices())
+        chunk = given_chunk(chunk)
+        self.devices = chosen_devices(devices)
         self.num_devices = len(self.devices)
         self.mesh = Mesh(np.array(self.devices), (CLIENT_AXIS,)) if self.num_devices > 1 else None
         self.memory_bytes = memory_bytes if memory_bytes is not None else device_memory_bytes(self.devices)
