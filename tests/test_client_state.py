@@ -15,6 +15,8 @@ from jaxfed.algorithms.fedhm import fedhm
 from jaxfed.core import tree_bytes
 from jaxfed.data import federate, partition
 from jaxfed.errors import ConfigError
+from jaxfed.runs.build import build
+from jaxfed.runs.checkpoint import RunCheckpoints
 from jaxfed.runs.config import Config
 from jaxfed.runs.sweep import check_sweepable
 from jaxfed.simulation import Simulation
@@ -95,3 +97,34 @@ def test_client_state_takes_device_or_host_and_a_sweep_refuses_host():
     host = Config(client_state="host")
     with pytest.raises(ConfigError, match="client_state: host is for single runs"):
         check_sweepable([host, Config(client_state="host", seed=1)])
+
+
+def test_a_donated_call_writes_the_clients_back_in_place_with_the_same_numbers(digits, mlp):
+    """``run_rounds(..., donate=True)`` (the run loop's) updates the host-held arrays in place: no
+    copy of every client's state per call (10 000 FedDecomp clients: 0.145 -> 0.032 s a round on
+    this CPU); without it the state given is left as it was."""
+    sim = simulations("feddecomp", digits, mlp, local_epochs=2)["host"]
+    start = sim.init()
+    kept = jax.tree.map(np.copy, start.clients)
+    copied, _ = sim.run_rounds(start, 1)
+    copied, _ = sim.run_rounds(copied, 1)
+    jax.tree.map(np.testing.assert_array_equal, start.clients, kept)  # not donated: unchanged
+    first, _ = sim.run_rounds(start, 1, donate=True)
+    donated, _ = sim.run_rounds(first, 1, donate=True)
+    assert all(a is b for a, b in zip(jax.tree.leaves(first.clients), jax.tree.leaves(donated.clients)))
+    jax.tree.map(np.testing.assert_array_equal, donated.clients, copied.clients)
+
+
+def test_every_checkpoint_of_a_donating_run_holds_the_state_of_its_round(tmp_path):
+    """The run loop donates host-held states to the next call while the last checkpoint is still
+    being written in the background: each checkpoint restores (its bytes checked against the
+    digest taken when it was saved) to the device-held run's state of that round."""
+    keys = {"algorithm": "fedper", "num_clients": CLIENTS, "participation": PARTICIPATION, "eval_every": 3,
+            "checkpoint_every": 1, "keep_checkpoints": 3, "rounds": 3, "train_reduction": 0.3}  # fmt: skip
+    jaxfed.run({**keys, "client_state": "host"}, tmp_path / "host", progress=False)
+    jaxfed.run(keys, tmp_path / "device", progress=False)
+    like = build(Config.of(keys)).simulation.init()
+    for round_ in (1, 2, 3):
+        host, _ = RunCheckpoints(tmp_path / "host" / "checkpoints").restore(round_, like)
+        device, _ = RunCheckpoints(tmp_path / "device" / "checkpoints").restore(round_, like)
+        jax.tree.map(np.testing.assert_array_equal, host, device)

@@ -386,3 +386,13 @@ def test_a_grid_one_of_whose_groups_cannot_sweep_is_refused_before_any_group_run
     assert main(args) == 2
     assert "client_state: host is for single runs" in capsys.readouterr().err
     assert not list(out.glob("*/metrics.jsonl"))
+
+
+def test_members_given_as_dicts_of_run_keys_are_the_configs_they_name(tmp_path):
+    """``Sweep`` and ``run_grid`` take dicts of run keys, as ``jaxfed.run`` does (they used to
+    fail on ``dict.validate``)."""
+    dicts = [{"seed": seed, "rounds": 1, "num_clients": 4, "lr": 0.05} for seed in (0, 1)]
+    configs = [Config.of(d) for d in dicts]
+    assert Sweep(dicts).members == Sweep(configs).members == [{"seed": 0, "lr": 0.05}, {"seed": 1, "lr": 0.05}]
+    outs, summaries = run_grid(dicts, tmp_path / "grid", progress=False, log=lambda line: None)
+    assert [json.loads((out / "config.json").read_text())["seed"] for out in outs] == [0, 1]

@@ -89,7 +89,7 @@ class OneSimulation:
         return self.sim.compile_seconds
 
     def run_rounds(self, state, num_rounds):
-        state, metrics = self.sim.run_rounds(state, num_rounds, raise_nonfinite=False)
+        state, metrics = self.sim.run_rounds(state, num_rounds, raise_nonfinite=False, donate=True)
         return state, [to_host(metrics)]
 
     def evaluate(self, state):

@@ -243,15 +243,16 @@ class Sweep:
     """The members' simulations as one: ``init()``, ``run_rounds(states, n)`` and
     ``evaluate(states)`` act on states stacked along a leading experiment axis.
 
-    ``Sweep(configs)`` builds the members from :class:`Config` s (registered datasets, algorithms
-    and models); :meth:`of_simulation` from a :class:`~jaxfed.simulation.Simulation` research code
-    built itself. Either way a member is a template simulation with its own root key (its seed),
-    its own traced option values (the algorithm built from them) and its own data where it has
-    some (:func:`stack_data`): ``members`` lists each one's seed and values."""
+    ``Sweep(configs)`` builds the members from :class:`Config` s or dicts of run keys (registered
+    datasets, algorithms and models: :meth:`Config.of`); :meth:`of_simulation` from a
+    :class:`~jaxfed.simulation.Simulation` research code built itself. Either way a member is a
+    template simulation with its own root key (its seed), its own traced option values (the
+    algorithm built from them) and its own data where it has some (:func:`stack_data`):
+    ``members`` lists each one's seed and values."""
 
-    def __init__(self, configs: list[Config], traced=None):
+    def __init__(self, configs: list[Config | dict], traced=None):
         traced = ["lr", *(k for k in (traced or ()) if k != "lr")]
-        configs = [c.validate() for c in configs]
+        configs = [Config.of(c).validate() for c in configs]
         check_sweepable(configs, traced)
         self.configs = configs
         first = configs[0]
@@ -410,13 +411,15 @@ class Sweep:
         return [host_metrics(jax.tree.map(lambda v, i=i: v[i], metrics)) for i in range(self.num_members)]
 
 
-def run_grid(configs: list[Config], root: str | Path, keys=(), *, progress: bool = True, log=None, resume=False):
+def run_grid(configs: list[Config | dict], root: str | Path, keys=(), *, progress: bool = True, log=None, resume=False):
     """Every member of ``configs`` into ``root/<member_name>``: one compiled sweep per
     :func:`shape_groups` group, one group after another. Returns ``(out_dirs, summaries)`` in the
     order of ``configs``. ``resume``: continue an interrupted sweep (:func:`resume_point` for
     each member, then one compiled sweep per :func:`resume_batches` batch); otherwise a member
-    directory that holds a run already is refused before anything runs."""
+    directory that holds a run already is refused before anything runs. ``configs``: Configs or
+    dicts of run keys (:meth:`Config.of`)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    configs = [Config.of(c) for c in configs]
     split_host_for(configs)
     outs = [Path(root) / member_name(c, keys) for c in configs]
     if len(set(outs)) < len(outs):
@@ -521,7 +524,7 @@ def resume_batches(groups: list[list[int]], points: list[int | None]) -> list[li
 
 
 def run_sweep(
-    configs: list[Config], out_dirs: list[str | Path], *, progress: bool = True, log=None, traced=()
+    configs: list[Config | dict], out_dirs: list[str | Path], *, progress: bool = True, log=None, traced=()
 ) -> list[dict]:
     """Run the members of a sweep together (:func:`jaxfed.runs.driver.drive`, the loop ``jaxfed run``
     uses); write one run directory each; return their summaries.
@@ -532,6 +535,7 @@ def run_sweep(
     --resume``), a member alone with ``jaxfed run --resume``.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    configs = [Config.of(c) for c in configs]
     split_host_for(configs)
     start = time.perf_counter()
     dirs = [RunDirectory(d, configs[0].keep_checkpoints) for d in out_dirs]

@@ -124,12 +124,15 @@ def _rows_of(ids, slots):
     return ids if slots is None else slots[ids]
 
 
-def _written_back(host_clients, ids, working):
+def _written_back(host_clients, ids, working, in_place: bool = False):
     """Host-held client states with the working set's first ``len(ids)`` rows written back at
-    ``ids`` (a new array per leaf: a state handed out before, e.g. to a checkpoint, is unchanged)."""
+    ``ids``: into ``host_clients``' own arrays where ``in_place`` and they are writable (the
+    caller gives them up, as a donated buffer: no second copy of every client's state), else a
+    new array per leaf (a state handed out before, e.g. to a checkpoint, is unchanged)."""
 
     def leaf(held, rows):
-        out = np.array(held, copy=True)
+        writable = in_place and isinstance(held, np.ndarray) and held.flags.writeable
+        out = held if writable else np.array(held, copy=True)
         out[ids] = rows[: len(ids)]
         return out
 
@@ -529,8 +532,12 @@ class Simulation:
         """``num_rounds`` rounds on ``data`` (pure, not jitted): ``(state, metrics [rounds, ...])``."""
         return jax.lax.scan(lambda s, _: self.round(s, data, slots), state, None, length=num_rounds)
 
-    def run_rounds(self, state: SimState, num_rounds: int, *, raise_nonfinite: bool = True):
+    def run_rounds(self, state: SimState, num_rounds: int, *, raise_nonfinite: bool = True, donate: bool = False):
         """Run ``num_rounds`` rounds in one compiled call; metrics have a leading round axis.
+
+        ``donate`` (host-held client states): ``state``'s client arrays are updated in place and
+        become the new state's, as a buffer donated to JAX (``state`` must not be used again);
+        without it they are copied, every client's state, on every call. The run loop donates.
 
         Under ``nonfinite="error"`` a round with a non-finite client update leaves the state
         unchanged (so later rounds of the call repeat it) and counts the clients in the round's
@@ -541,7 +548,7 @@ class Simulation:
         working, slots, ids = self._working_set(state, num_rounds)
         new_state, metrics = self._compiled(working, slots, num_rounds)(working, self.data, slots)
         if ids is not None:
-            new_state = new_state.replace(clients=_written_back(state.clients, ids, new_state.clients))
+            new_state = new_state.replace(clients=_written_back(state.clients, ids, new_state.clients, donate))
         failure = first_nonfinite(metrics) if self.nonfinite == "error" and raise_nonfinite else None
         if failure is not None:
             first, ids = failure
