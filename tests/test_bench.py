@@ -205,11 +205,38 @@ def test_the_torch_loop_runs_jaxfeds_rounds_or_the_baseline_rounds_asked(monkeyp
     for flags, message in [
         (["--baseline-rounds", "-1"], "--baseline-rounds: -1; allowed: 0 (as many as jaxfed ran) or more"),
         (["--baseline", "none", "--baseline-rounds", "3"], "--baseline-rounds: 3 rounds of no baseline; it needs"),
+        (["--rounds", "0"], "jaxfed: error: --rounds: 0; allowed: 1 or more (rounds timed)"),
     ]:
         assert main(["bench", "w2", *flags, *tiny]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.splitlines()) == 1, err
     assert asked == [6, 1, 12]  # refused before any timing
+
+
+def test_the_torch_baseline_without_pytorch_is_one_line_before_any_timing(monkeypatch, capsys):
+    """It exited 1 with its own prefix; now the CLI's one line and exit 2, as any mistake."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real_import(name, *args, **kwargs)
+
+    timed = []
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    monkeypatch.setattr("jaxfed.cli.bench.time_rounds", lambda *a: timed.append(a))
+    assert main(["bench", "w2", *[x for pair in TINY_W2 for x in ("--set", pair)]]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == (
+            "jaxfed: error: --baseline: torch needs PyTorch (pip install -e '.[bench]', or pip install torch); "
+            "or pass --baseline none\n"
+        )
+        and not timed
+    )
 
 
 @pytest.mark.parametrize("name, shape", [("cnn", (28, 28, 1)), ("mlp", (8, 8, 1)), ("resnet8", (32, 32, 3))])

@@ -228,6 +228,8 @@ def run_benchmark(
     split_host_for([config])  # the process entry of `jaxfed bench`: before anything starts JAX's backend
     if baseline not in ("torch", "none"):
         raise ConfigError(f"--baseline: unknown '{baseline}'; allowed: torch, none")
+    if rounds < 1:
+        raise ConfigError(f"--rounds: {rounds}; allowed: 1 or more (rounds timed)")
     if baseline_rounds < 0:
         raise ConfigError(f"--baseline-rounds: {baseline_rounds}; allowed: 0 (as many as jaxfed ran) or more")
     if baseline_rounds and baseline != "torch":

@@ -17,15 +17,17 @@ import time
 import jax
 import numpy as np
 
+from jaxfed.errors import ConfigError
+
 
 def require_torch():
-    """The ``torch`` module, or a one-line exit saying how to get it."""
+    """The ``torch`` module, or a one-line ConfigError saying how to get it."""
     try:
         import torch
-    except ImportError as err:
-        raise SystemExit(
-            "jaxfed bench: the torch baseline needs PyTorch (pip install torch); or pass --baseline none"
-        ) from err
+    except ImportError:
+        raise ConfigError(
+            "--baseline: torch needs PyTorch (pip install -e '.[bench]', or pip install torch); or pass --baseline none"
+        ) from None
     return torch
 
 
