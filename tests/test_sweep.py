@@ -338,6 +338,19 @@ def test_a_sweep_of_a_simulation_says_what_it_needs_in_one_line(digits_federatio
         with pytest.raises(ConfigError) as err:
             Sweep.of_simulation(sim, **arguments)
         assert expected in str(err.value) and "\n" not in str(err.value)
+    # a swept value the algorithm needs as a Python number: JAX's five-line ConcretizationTypeError before
+    for needs_a_number in (
+        lambda lr: fedavg(mlp, lr=lr, local_epochs=int(lr) + 1),  # a loop count
+        lambda lr: fedavg(mlp, lr=lr if lr > 0.5 else 0.1),  # an if
+    ):
+        sweep = Sweep.of_simulation(sim, values={"lr": [0.1]}, algorithm=needs_a_number)
+        with pytest.raises(ConfigError) as err:
+            sweep.init()
+        message = str(err.value)
+        assert (
+            message.startswith("values: the algorithm uses a swept value (lr) as a Python number")
+            and "\n" not in message
+        )
 
 
 def test_vmapped_members_vmapping_every_client_run_chunks_of_their_share_instead(digits_federation, mlp):

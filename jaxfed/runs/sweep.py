@@ -43,7 +43,7 @@ import numpy as np
 from jaxfed.algorithms import registry
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, first_line
 from jaxfed.options import field_types, key_of
 from jaxfed.runs.build import build, build_algorithm, build_data, build_model, build_simulation, load_config_dataset
 from jaxfed.runs.config import Config
@@ -377,8 +377,24 @@ class Sweep:
         """The template simulation with this member's root key and traced option values."""
         return self.template.variant(jax.random.key(seed), self._algorithm(**values))
 
-    def init(self):
+    @contextlib.contextmanager
+    def _tracing(self):
+        """The template's matmul precision, and a one-line ConfigError for an algorithm that needs
+        a traced value as a Python number (a shape, a loop count, an ``if``)."""
         with self.template.precision():
+            try:
+                yield
+            except jax.errors.ConcretizationTypeError as err:
+                if not self.values:  # no swept value traced: not the sweep's doing
+                    raise
+                raise ConfigError(
+                    f"values: the algorithm uses a swept value ({', '.join(self.values)}) as a Python number (a "
+                    f"shape, a loop count or an if), so the members cannot be one program; build one Sweep per value "
+                    f"({type(err).__name__}: {first_line(err, 100)})"
+                ) from None
+
+    def init(self):
+        with self._tracing():
             return self._init(self.seeds, self.values, None, self.data)
 
     def run_rounds(self, states, num_rounds: int):
@@ -386,7 +402,7 @@ class Sweep:
         member's metrics (arrays with a leading round axis)."""
         if num_rounds not in self._executables:
             start = time.perf_counter()
-            with self.template.precision():
+            with self._tracing():
                 lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, states, self.data)
                 self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
@@ -406,7 +422,7 @@ class Sweep:
         )
 
     def evaluate(self, states) -> list[dict]:
-        with self.template.precision():
+        with self._tracing():
             metrics = jax.device_get(self._evaluate(self.seeds, self.values, states, self.data))
         return [host_metrics(jax.tree.map(lambda v, i=i: v[i], metrics)) for i in range(self.num_members)]
 
