@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxfed
+from jaxfed.algorithms.fedamp import fedamp
 from jaxfed.algorithms.feddecomp import feddecomp
 from jaxfed.algorithms.fedhm import fedhm
 from jaxfed.core import tree_bytes
@@ -28,7 +29,7 @@ def simulations(algorithm: str, digits, mlp, **options) -> dict[str, Simulation]
     """The same algorithm, data and seed with client states on the device and on the host."""
     train, test = partition("dirichlet", digits.y_train, digits.y_test, CLIENTS, np.random.default_rng(0), alpha=0.5)
     data = federate(digits, train, test)
-    built = {"feddecomp": feddecomp, "fedhm": fedhm}[algorithm](mlp, **options)
+    built = {"feddecomp": feddecomp, "fedhm": fedhm, "fedamp": fedamp}[algorithm](mlp, **options)
     return {
         where: Simulation(built, mlp, data, participation=PARTICIPATION, seed=0, client_state=where)
         for where in ("device", "host")
@@ -128,3 +129,22 @@ def test_every_checkpoint_of_a_donating_run_holds_the_state_of_its_round(tmp_pat
         host, _ = RunCheckpoints(tmp_path / "host" / "checkpoints").restore(round_, like)
         device, _ = RunCheckpoints(tmp_path / "device" / "checkpoints").restore(round_, like)
         jax.tree.map(np.testing.assert_array_equal, host, device)
+
+
+@pytest.mark.parametrize(
+    "algorithm, options", [("feddecomp", {"local_epochs": 2}), ("fedamp", {"num_clients": CLIENTS})]
+)
+def test_host_held_states_start_block_by_block_as_the_device_held_ones(algorithm, options, digits, mlp, monkeypatch):
+    """``init`` builds host-held states a block of clients at a time (here a round's 3 of 12: the
+    block's bytes set to nothing), never every client's on the device, by the program that builds
+    them all at once: the same numbers (FedAMP: each client's id from ``init_client``)."""
+    import jaxfed.simulation.engine as engine
+
+    monkeypatch.setattr(engine, "HOST_INIT_BLOCK_BYTES", 1)
+    sims = simulations(algorithm, digits, mlp, **options)
+    blocks, init_pure = [], Simulation.init_pure
+    monkeypatch.setattr(Simulation, "init_pure", lambda self, ids=None: blocks.append(ids) or init_pure(self, ids))
+    device, host = sims["device"].init(), sims["host"].init()
+    assert [ids.shape for ids in blocks] == [(1,), (3,)]  # its size, then one block traced for every block
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host.clients))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), device, host)

@@ -139,6 +139,9 @@ def _written_back(host_clients, ids, working, in_place: bool = False):
     return jax.tree.map(leaf, host_clients, jax.device_get(working))
 
 
+HOST_INIT_BLOCK_BYTES = 64 * 2**20  # host-held states built on the device this much at a time (or a round's)
+
+
 @struct.dataclass
 class SimState:
     server: Any
@@ -310,12 +313,34 @@ class Simulation:
     def init(self) -> SimState:
         """The starting state: the algorithm's init, one client state stacked for every client
         (then ``init_client(state, client_id, tier)`` per client, where the algorithm has one)."""
+        if self.client_state == "host":
+            return self._init_held()
         with self.precision():
             state = self._init_state()
         state = self.strategy.replicate(state)
-        if self.client_state == "host":
-            return state.replace(clients=jax.device_get(state.clients))
         return state.replace(clients=self.strategy.place_clients(state.clients))
+
+    def _init_held(self) -> SimState:
+        """:meth:`init` with the client states built into host memory a block of clients at a time
+        (never all of them on the device: a round's width, or :data:`HOST_INIT_BLOCK_BYTES` of
+        states where that is more), by the program :meth:`init_pure` is for every client: the
+        same numbers."""
+        one = jax.eval_shape(self.init_pure, jax.ShapeDtypeStruct((1,), jnp.int32)).clients
+        width = min(self.num_clients, max(self.num_sampled, HOST_INIT_BLOCK_BYTES // max(tree_bytes(one), 1), 1))
+        block = jax.jit(self.init_pure)
+        held = first = None
+        for lo in range(0, self.num_clients, width):
+            ids = np.minimum(np.arange(lo, lo + width), self.num_clients - 1).astype(np.int32)  # the last padded
+            with self.precision():
+                state = block(ids)
+            rows = jax.device_get(state.clients)
+            if first is None:
+                first = state
+                held = jax.tree.map(lambda x: np.empty((self.num_clients,) + x.shape[1:], x.dtype), rows)
+            count = min(width, self.num_clients - lo)
+            for x, r in zip(jax.tree.leaves(held), jax.tree.leaves(rows)):
+                x[lo : lo + count] = r[:count]
+        return self.strategy.replicate(first.replace(clients=None)).replace(clients=held)
 
     def check_state(self, state: SimState, num_clients: int | None = None) -> None:
         """A ConfigError unless ``state`` holds one client state per client of this simulation's
@@ -334,13 +359,14 @@ class Simulation:
                 "would pair with other clients' data; hold new clients out of training with new_clients= instead"
             )
 
-    def init_pure(self) -> SimState:
-        """The starting state (pure, not jitted: for composing, e.g. vmapped over a sweep's members)."""
+    def init_pure(self, ids=None) -> SimState:
+        """The starting state (pure, not jitted: for composing, e.g. vmapped over a sweep's members),
+        of every client or of the clients ``ids`` only (a block of host-held states)."""
         server_state, client = self.algorithm.init(sampling.init_key(self.root))
         if self.algorithm.init_client is None:
-            clients = stack_clients(client, self.num_clients)
+            clients = stack_clients(client, self.num_clients if ids is None else ids.shape[0])
         else:  # the one starting state unbatched: what it alone decides (a model tier's SVD) runs once
-            ids = jnp.arange(self.num_clients, dtype=jnp.int32)
+            ids = jnp.arange(self.num_clients, dtype=jnp.int32) if ids is None else ids
             tiers = jnp.zeros_like(ids) if self.tiers is None else sampling.tier_of(ids, self.tiers)
             clients = jax.vmap(self.algorithm.init_client, in_axes=(None, 0, 0))(client, ids, tiers)
         return SimState(server=server_state, clients=clients, round=jnp.int32(0))
