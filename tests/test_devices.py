@@ -3,6 +3,7 @@ states split over the devices (subprocesses)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from jaxfed.runs import distributed
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, warnings
     import jax, numpy as np
     from jaxfed.runs.config import Config
     from jaxfed.runs.build import build
@@ -31,7 +32,14 @@ SCRIPT = textwrap.dedent(
     config = config.with_overrides(["local_epochs=2"])
     sim = build(config).simulation
     assert jax.device_count() == devices, jax.devices()
-    state, metrics = sim.run_rounds(sim.init(), 3)
+    with warnings.catch_warnings(record=True) as divided:
+        warnings.simplefilter("always")
+        start = sim.init()
+    state, metrics = sim.run_rounds(start, 3)
+    with warnings.catch_warnings(record=True) as undivided:  # 10 clients over 4 devices stay replicated
+        warnings.simplefilter("always")
+        build(config.with_overrides(["num_clients=10"])).simulation.init()
+    told = [str(w.message) for w in divided + undivided if "client states" in str(w.message)]
     leaves = jax.tree.leaves(state.server) + jax.tree.leaves(state.clients)
     arrays = {f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)}
     arrays["loss"] = np.asarray(metrics["train_loss"])
@@ -40,7 +48,7 @@ SCRIPT = textwrap.dedent(
     on_first = sum(s.data.nbytes for x in per_client for s in x.addressable_shards if s.device == jax.devices()[0])
     sizes = {"client_bytes": sum(x.nbytes for x in per_client), "client_bytes_on_device_0": on_first}
     summaries = {k: v for k, v in sim.evaluate(state).items() if k != "clients"}
-    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sizes, **summaries}))
+    print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sizes, **summaries, "told": told}))
     """
 )
 
@@ -81,6 +89,13 @@ def test_one_vs_four_devices(tmp_path):
     assert one_info["client_bytes_on_device_0"] == one_info["client_bytes"] == four_info["client_bytes"]
     assert four_info["client_bytes_on_device_0"] == four_info["client_bytes"] // 4
     assert one_info["personalized_acc_mean"] == pytest.approx(four_info["personalized_acc_mean"], abs=0.01)
+    # 10 clients do not divide over 4 devices: replicated, and said so once (12 do; one device has nothing to split)
+    assert one_info["told"] == [] and len(four_info["told"]) == 1
+    assert re.fullmatch(
+        r"client states: 10 clients do not divide over 4 devices, so every device holds all of them "
+        r"\(\d+\.\d MB each\); a multiple of 4 clients splits them",
+        four_info["told"][0],
+    )
 
 
 def test_host_devices_after_jax_started_is_a_one_line_error(monkeypatch):

@@ -318,6 +318,14 @@ class Simulation:
         with self.precision():
             state = self._init_state()
         state = self.strategy.replicate(state)
+        held = tree_bytes(state.clients)
+        if self.num_devices > 1 and self.num_clients % self.num_devices and held and jax.process_count() == 1:
+            warnings.warn(
+                f"client states: {self.num_clients} clients do not divide over {self.num_devices} devices, so every "
+                f"device holds all of them ({held / 1e6:.1f} MB each); a multiple of {self.num_devices} clients "
+                "splits them",
+                stacklevel=2,
+            )
         return state.replace(clients=self.strategy.place_clients(state.clients))
 
     def _init_held(self) -> SimState:
