@@ -25,13 +25,13 @@ from jaxfed.simulation import Simulation
 CLIENTS, PARTICIPATION = 12, 0.25  # 3 clients per round
 
 
-def simulations(algorithm: str, digits, mlp, **options) -> dict[str, Simulation]:
+def simulations(algorithm: str, digits, mlp, participation=PARTICIPATION, **options) -> dict[str, Simulation]:
     """The same algorithm, data and seed with client states on the device and on the host."""
     train, test = partition("dirichlet", digits.y_train, digits.y_test, CLIENTS, np.random.default_rng(0), alpha=0.5)
     data = federate(digits, train, test)
     built = {"feddecomp": feddecomp, "fedhm": fedhm, "fedamp": fedamp}[algorithm](mlp, **options)
     return {
-        where: Simulation(built, mlp, data, participation=PARTICIPATION, seed=0, client_state=where)
+        where: Simulation(built, mlp, data, participation=participation, seed=0, client_state=where)
         for where in ("device", "host")
     }
 
@@ -135,16 +135,32 @@ def test_every_checkpoint_of_a_donating_run_holds_the_state_of_its_round(tmp_pat
     "algorithm, options", [("feddecomp", {"local_epochs": 2}), ("fedamp", {"num_clients": CLIENTS})]
 )
 def test_host_held_states_start_block_by_block_as_the_device_held_ones(algorithm, options, digits, mlp, monkeypatch):
-    """``init`` builds host-held states a block of clients at a time (here a round's 3 of 12: the
-    block's bytes set to nothing), never every client's on the device, by the program that builds
-    them all at once: the same numbers (FedAMP: each client's id from ``init_client``)."""
+    """``init`` builds host-held states a block of clients at a time (here a round's 5 of 12: the
+    block's bytes set to nothing; the last block padded), never every client's on the device, by
+    the program that builds them all at once: the same numbers (FedAMP: each client's id from
+    ``init_client``)."""
     import jaxfed.simulation.engine as engine
 
     monkeypatch.setattr(engine, "HOST_INIT_BLOCK_BYTES", 1)
-    sims = simulations(algorithm, digits, mlp, **options)
+    sims = simulations(algorithm, digits, mlp, participation=5 / CLIENTS, **options)
     blocks, init_pure = [], Simulation.init_pure
     monkeypatch.setattr(Simulation, "init_pure", lambda self, ids=None: blocks.append(ids) or init_pure(self, ids))
     device, host = sims["device"].init(), sims["host"].init()
-    assert [ids.shape for ids in blocks] == [(1,), (3,)]  # its size, then one block traced for every block
+    assert [ids.shape for ids in blocks] == [(1,), (5,)]  # its size, then one block traced for every block
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host.clients))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), device, host)
+
+
+def test_a_checkpoint_holds_host_arrays_as_they_were_when_saved(tmp_path):
+    """The run loop donates host-held states to the next call, which writes them in place while
+    the checkpoint just begun may still be written: ``save`` must have copied them (orbax's
+    ``NumpyHandler`` does, before ``save`` returns). Changed at once after ``save``, the
+    checkpoint restores as saved (its digest, taken at ``save``, checks the bytes)."""
+    state = {"clients": np.arange(2_000_000, dtype=np.float32).reshape(1000, 2000), "round": np.int32(1)}
+    saved = jax.tree.map(np.copy, state)
+    checkpoints = RunCheckpoints(tmp_path / "checkpoints")
+    checkpoints.save(1, state, {"config": {}})
+    state["clients"][:] = -1.0  # what the next call's write-back does
+    checkpoints.wait()
+    restored, _ = checkpoints.restore(1, saved)
+    jax.tree.map(np.testing.assert_array_equal, restored, saved)

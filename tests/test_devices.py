@@ -40,6 +40,8 @@ SCRIPT = textwrap.dedent(
         warnings.simplefilter("always")
         build(config.with_overrides(["num_clients=10"])).simulation.init()
     told = [str(w.message) for w in divided + undivided if "client states" in str(w.message)]
+    if devices > 1:  # the run key's count: the first N visible
+        assert build(config.with_overrides(["devices=2"])).simulation.num_devices == 2
     leaves = jax.tree.leaves(state.server) + jax.tree.leaves(state.clients)
     arrays = {f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)}
     arrays["loss"] = np.asarray(metrics["train_loss"])

@@ -533,6 +533,32 @@ def test_out_of_device_memory_is_one_line_with_the_advice_that_applies(
         assert _rows(out) == _rows(reference)
 
 
+def test_a_sweep_out_of_device_memory_is_told_to_run_its_members_one_after_another(tmp_path, capsys, monkeypatch):
+    """Members vmapped together need the most memory: a sweep that ran out is told the resumable
+    member_chunk=1, and goes on with it."""
+    from jaxfed.runs.sweep import Sweep
+
+    run_rounds = Sweep.run_rounds
+
+    def out_of_memory_on_the_second(self, states, num_rounds, calls=[]):  # noqa: B006
+        calls.append(num_rounds)
+        if len(calls) == 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB")
+        return run_rounds(self, states, num_rounds)
+
+    sweep = ["sweep", "--quiet", "--seeds", "0,1", "--out", str(tmp_path / "sweep"), *CHECKPOINTED, "member_chunk=0"]
+    with monkeypatch.context() as patch:
+        patch.setattr(Sweep, "run_rounds", out_of_memory_on_the_second)
+        capsys.readouterr()
+        assert main(sweep) == 1
+        err = _last_line_error(capsys)
+    assert err.endswith(
+        "the checkpoint of round 2 is intact: continue with --resume --set member_chunk=1 (the members one after "
+        "another), or start anew with a smaller client_chunk or eval_batch_size"
+    )
+    assert main([*sweep[:-1], "member_chunk=1", "--resume"]) == 0
+
+
 # ----- killed anywhere ----------------------------------------------------------------------------
 
 KILLER = """

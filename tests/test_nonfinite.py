@@ -120,3 +120,18 @@ def test_cli_error_checkpoints_then_resume_with_skip(tmp_path, capsys):
     assert summary["rounds"] == 4 and summary["nonfinite_skipped_total"] >= 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [2, 4] and rows[0]["nonfinite_skipped"] >= 3
+
+
+def test_a_call_failing_at_its_first_round_right_after_a_checkpoint_began_keeps_that_checkpoint(tmp_path):
+    """A checkpoint begun in the background at round 2, then the next call's first round non-finite:
+    the last good state is that round's, already being written. Saving it again crashed with
+    orbax's ``StepAlreadyExistsError``; now it is the run's NonFiniteUpdateError, its checkpoint whole."""
+    import jaxfed
+    from jaxfed.runs.checkpoint import RunCheckpoints
+
+    keys = {"algorithm": "ditto", "num_clients": 12, "participation": 0.25, "eval_every": 2, "checkpoint_every": 1,
+            "rounds": 8, "train_reduction": 0.3, "lr": 3.0, "rounds_per_call": 3}  # fmt: skip
+    with pytest.raises(NonFiniteUpdateError, match="^round 3: non-finite update") as raised:
+        jaxfed.run(keys, tmp_path / "run", progress=False, log=lambda line: None)
+    assert raised.value.checkpoint == tmp_path / "run" / "checkpoints" / "2"
+    assert RunCheckpoints(tmp_path / "run" / "checkpoints").rounds() == [1, 2]

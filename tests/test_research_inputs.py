@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.core import tree_bytes
 from jaxfed.data import Dataset, DataWarning, federate, partition, synthetic_task
 from jaxfed.data.validate import DataError
 from jaxfed.errors import ConfigError
@@ -184,9 +185,10 @@ def test_a_wrapped_cnn_on_channel_first_images_warns(digits):
         (
             "devices",
             len(jax.devices()) + 1,
-            rf"^devices: {len(jax.devices()) + 1} requested but {len(jax.devices())} visible",
+            rf"^devices: {len(jax.devices()) + 1}; allowed: 0 \(all\) to {len(jax.devices())}",
         ),
-        ("devices", "cpu", r"^devices: a list of jax devices \(jax.devices\(\)\[:2\]\) or a count, got 'cpu'$"),
+        ("devices", "cpu", r"^devices: jax devices \(jax.devices\(\)\[:2\]\) or a count; got str 'cpu'$"),
+        ("devices", -1, rf"^devices: -1; allowed: 0 \(all\) to {len(jax.devices())}, the devices visible$"),
     ],
 )
 def test_a_strategy_keyword_of_the_wrong_kind_is_one_line_at_construction(
@@ -197,7 +199,27 @@ def test_a_strategy_keyword_of_the_wrong_kind_is_one_line_at_construction(
 
 
 def test_the_run_keys_auto_chunk_and_a_device_count_are_taken_as_the_run_keys_are(mlp, digits_federation):
-    auto = Simulation(fedavg(mlp), mlp, digits_federation, client_chunk=-1, devices=1)
-    default = Simulation(fedavg(mlp), mlp, digits_federation)
-    assert auto.client_chunk == default.client_chunk and auto.strategy.devices == default.strategy.devices
+    auto = Simulation(fedavg(mlp), mlp, digits_federation, client_chunk=-1)
+    assert auto.client_chunk == Simulation(fedavg(mlp), mlp, digits_federation).client_chunk
+    as_array = Simulation(fedavg(mlp), mlp, digits_federation, devices=np.array(jax.devices()[:1]))  # mesh.devices
+    assert as_array.strategy.devices == jax.devices()[:1]
     assert Simulation(fedavg(mlp), mlp, digits_federation, client_chunk=np.int64(3)).client_chunk == 3
+
+
+def test_a_runs_warnings_of_its_start_go_to_its_log(mlp, digits_federation, tmp_path):
+    """The client states every device must hold in full (a client count the devices do not
+    divide: 10 over 3, faked on this one device) reach ``log`` as the run's other lines do, not
+    Python's warnings (``log=lambda line: None`` is silence)."""
+    from jaxfed.algorithms.ditto import ditto
+    from jaxfed.runs.driver import run_simulation
+
+    sim = Simulation(ditto(mlp), mlp, digits_federation)
+    sim.strategy.num_devices = 3
+    lines = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_simulation(sim, tmp_path / "run", 1, progress=False, log=lines.append)
+    assert [line for line in lines if "client states" in line] == [
+        f"warning: client states: 10 clients do not divide over 3 devices, so every device holds all of them "
+        f"({tree_bytes(sim.init(warn=print).clients) / 1e6:.1f} MB each); a multiple of 3 clients splits them"
+    ]

@@ -347,10 +347,19 @@ def test_a_sweep_of_a_simulation_says_what_it_needs_in_one_line(digits_federatio
         with pytest.raises(ConfigError) as err:
             sweep.init()
         message = str(err.value)
-        assert (
-            message.startswith("values: the algorithm uses a swept value (lr) as a Python number")
-            and "\n" not in message
-        )
+        assert message.startswith("values: the algorithm uses the swept lr as a Python number") and "\n" not in message
+
+    def needs_a_count(lr):  # a bug of the algorithm's own, nothing to do with the sweep: JAX's error, as alone
+        algorithm = fedavg(mlp, lr=lr)
+
+        def client_update(message, state, data, rng, info):
+            return algorithm.client_update(message, state, data, rng, info) if data.count > 0 else None
+
+        return algorithm._replace(client_update=client_update)
+
+    sweep = Sweep.of_simulation(sim, values={"lr": [0.1]}, algorithm=needs_a_count)
+    with pytest.raises(jax.errors.ConcretizationTypeError):
+        sweep.run_rounds(sweep.init(), 1)
 
 
 def test_vmapped_members_vmapping_every_client_run_chunks_of_their_share_instead(digits_federation, mlp):

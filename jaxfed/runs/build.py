@@ -122,7 +122,7 @@ def build_simulation(config: Config, algorithm, model, part: DataPart) -> Simula
         seed=config.seed,
         devices=config.devices,
         eval_batch_size=config.eval_batch_size,
-        client_chunk=None if config.client_chunk < 0 else config.client_chunk,
+        client_chunk=config.client_chunk,
         pooled_eval_model=pooled_eval_model,
         nonfinite=config.nonfinite,
         matmul_precision=config.matmul_precision,

@@ -231,6 +231,7 @@ class RunCheckpoints:
 
     def __init__(self, directory: str | Path, keep: int = 3):
         self.directory = Path(directory).absolute()
+        self._begun: set[int] = set()  # rounds this object saved
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False),
@@ -247,9 +248,11 @@ class RunCheckpoints:
     def save(self, round_: int, state, record: dict) -> None:
         """Save round ``round_`` (asynchronously); a round already saved is kept as it is: a run
         resumed from it that stops again on the same round (a non-finite update) re-saves the
-        same state."""
-        if (self.directory / str(round_)).is_dir():
+        same state. Host (numpy) arrays are copied before it returns (orbax's ``NumpyHandler``):
+        the run loop writes donated host-held client states in place right after."""
+        if round_ in self._begun or (self.directory / str(round_)).is_dir():  # begun: it may still be writing
             return
+        self._begun.add(round_)
         self.directory.mkdir(parents=True, exist_ok=True)
         # A copy: the write runs in the background while the caller goes on updating its record.
         record = sealed({**json.loads(json.dumps(record)), STRUCTURE: state_signature(state)}, state)

@@ -250,7 +250,7 @@ def drive(
         raise
     except Exception as err:
         if is_device_out_of_memory(err):
-            raise device_out_of_memory(dirs[0], err, _host_would_help(members, state)) from None
+            raise device_out_of_memory(dirs[0], err, _lighter_setting(members, state)) from None
         if not is_storage_full(err):
             raise
         raise storage_full(dirs[0], err) from None
@@ -273,27 +273,32 @@ def finish_checkpoints(dirs: list[RunDirectory]) -> str:
     return f"{intact} (--resume continues from it)" if dirs[0].checkpoints.rounds() else intact
 
 
-def device_out_of_memory(directory: RunDirectory, err: BaseException, host_helps: bool) -> DeviceMemoryError:
+def device_out_of_memory(directory: RunDirectory, err: BaseException, lighter: str | None) -> DeviceMemoryError:
     """The one-line error of a round or an evaluation that ran out of device memory, once the
-    checkpoints begun are complete, with what needs less: ``client_state=host`` where
-    ``host_helps`` (a run holding client states on the device; resumable), a smaller
-    ``client_chunk`` or ``eval_batch_size`` (a new run: a resume keeps them)."""
+    checkpoints begun are complete, with what needs less: ``lighter`` (a resumable setting,
+    :func:`_lighter_setting`), where there is one, and a smaller ``client_chunk`` or
+    ``eval_batch_size`` (a new run: a resume keeps them)."""
     directory.checkpoints.wait()
-    smaller, host = "a smaller client_chunk or eval_batch_size", "client_state=host (client states in host memory)"
+    smaller = "a smaller client_chunk or eval_batch_size"
     if not directory.checkpoints.rounds():
-        advice = f"start it again with {host + ' or ' if host_helps else ''}{smaller}"
-    elif host_helps:
-        advice = f"continue with --resume --set {host}, or start anew with {smaller}"
+        advice = f"start it again with {lighter + ' or ' if lighter else ''}{smaller}"
+    elif lighter:
+        advice = f"continue with --resume --set {lighter}, or start anew with {smaller}"
     else:
         advice = f"start anew with {smaller} (a resume keeps them)"
     return DeviceMemoryError(f"out of device memory ({first_line(err, 160)}); {_intact(directory)}: {advice}")
 
 
-def _host_would_help(members: Members, state) -> bool:
-    """Whether ``client_state=host`` could free device memory: one simulation (a sweep's members
-    stay on the device) holding client states there."""
+def _lighter_setting(members: Members, state) -> str | None:
+    """A resumable setting that needs less device memory, in words: for one simulation holding
+    client states on the device, ``client_state=host``; for a sweep running members together,
+    ``member_chunk=1``; else None."""
     sim = getattr(members, "sim", None)
-    return sim is not None and sim.client_state == "device" and any(x.size for x in jax.tree.leaves(state.clients))
+    if sim is not None and sim.client_state == "device" and any(x.size for x in jax.tree.leaves(state.clients)):
+        return "client_state=host (client states in host memory)"
+    if getattr(members, "member_chunk", 1) != 1:
+        return "member_chunk=1 (the members one after another)"
+    return None
 
 
 def storage_full(directory: RunDirectory, err: BaseException) -> StorageFullError:
@@ -460,10 +465,11 @@ def _run_in(directory: RunDirectory, sim, job: Run, resume, at_most, progress, l
     """The loop of one run in its locked ``directory``: from the start, or (``resume``) from its
     newest readable checkpoint of a round ``<= at_most`` (where given)."""
     start = time.perf_counter()
+    state = sim.init(warn=lambda message: log(f"warning: {message}"))
     if not resume:
-        state, record = sim.init(), RunRecord(job.config, fingerprint=job.fingerprint)
+        record = RunRecord(job.config, fingerprint=job.fingerprint)
     else:
-        state, record = directory.restore(sim.init(), log, at_most=at_most)
+        state, record = directory.restore(state, log, at_most=at_most)
         check_rounds(int(state.round), job.settings.rounds)
         if record.devices is not None and record.devices != sim.num_devices:
             log(

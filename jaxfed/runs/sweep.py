@@ -43,7 +43,7 @@ import numpy as np
 from jaxfed.algorithms import registry
 from jaxfed.core import gather_clients
 from jaxfed.data import FederatedData
-from jaxfed.errors import ConfigError, first_line
+from jaxfed.errors import ConfigError
 from jaxfed.options import field_types, key_of
 from jaxfed.runs.build import build, build_algorithm, build_data, build_model, build_simulation, load_config_dataset
 from jaxfed.runs.config import Config
@@ -379,18 +379,20 @@ class Sweep:
 
     @contextlib.contextmanager
     def _tracing(self):
-        """The template's matmul precision, and a one-line ConfigError for an algorithm that needs
-        a traced value as a Python number (a shape, a loop count, an ``if``)."""
+        """The template's matmul precision, and a one-line ConfigError where the algorithm needs a
+        swept value as a Python number (a shape, a loop count, an ``if``): JAX's error names the
+        value (``...['lr']``); any other error passes as it is."""
         with self.template.precision():
             try:
                 yield
             except jax.errors.ConcretizationTypeError as err:
-                if not self.values:  # no swept value traced: not the sweep's doing
+                named = [name for name in self.values if f"['{name}']" in str(err)]
+                if not named:
                     raise
                 raise ConfigError(
-                    f"values: the algorithm uses a swept value ({', '.join(self.values)}) as a Python number (a "
-                    f"shape, a loop count or an if), so the members cannot be one program; build one Sweep per value "
-                    f"({type(err).__name__}: {first_line(err, 100)})"
+                    f"values: the algorithm uses the swept {', '.join(named)} as a Python number (a shape, a loop "
+                    "count or an if), so the members cannot be one program: run one program per value "
+                    "(a Sweep.of_simulation each, or jaxfed run each)"
                 ) from None
 
     def init(self):

@@ -39,9 +39,10 @@ gives the device-held numbers bit for bit.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -310,9 +311,11 @@ class Simulation:
         calls run inside it, and so should a program that composes the ``*_pure`` methods."""
         return jax.default_matmul_precision(None if self.matmul_precision == "default" else "highest")
 
-    def init(self) -> SimState:
+    def init(self, *, warn: Callable[[str], Any] | None = None) -> SimState:
         """The starting state: the algorithm's init, one client state stacked for every client
-        (then ``init_client(state, client_id, tier)`` per client, where the algorithm has one)."""
+        (then ``init_client(state, client_id, tier)`` per client, where the algorithm has one).
+        ``warn(message)`` (default: :func:`warnings.warn`) hears of client states every device
+        must hold in full (a client count the mesh's devices do not divide)."""
         if self.client_state == "host":
             return self._init_held()
         with self.precision():
@@ -320,11 +323,10 @@ class Simulation:
         state = self.strategy.replicate(state)
         held = tree_bytes(state.clients)
         if self.num_devices > 1 and self.num_clients % self.num_devices and held and jax.process_count() == 1:
-            warnings.warn(
+            (warn or functools.partial(warnings.warn, stacklevel=2))(
                 f"client states: {self.num_clients} clients do not divide over {self.num_devices} devices, so every "
                 f"device holds all of them ({held / 1e6:.1f} MB each); a multiple of {self.num_devices} clients "
-                "splits them",
-                stacklevel=2,
+                "splits them"
             )
         return state.replace(clients=self.strategy.place_clients(state.clients))
 
@@ -570,8 +572,10 @@ class Simulation:
         """Run ``num_rounds`` rounds in one compiled call; metrics have a leading round axis.
 
         ``donate`` (host-held client states): ``state``'s client arrays are updated in place and
-        become the new state's, as a buffer donated to JAX (``state`` must not be used again);
-        without it they are copied, every client's state, on every call. The run loop donates.
+        become the new state's, so ``state`` must not be used again (unlike a buffer donated to
+        JAX, nothing stops it: run from again, it would pair its round's server state with the
+        newer client states); without it they are copied, every client's state, on every call.
+        The run loop donates.
 
         Under ``nonfinite="error"`` a round with a non-finite client update leaves the state
         unchanged (so later rounds of the call repeat it) and counts the clients in the round's

@@ -23,7 +23,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxfed.errors import ConfigError
+from jaxfed.errors import ConfigError, clip
+from jaxfed.options import type_problem
 from jaxfed.simulation import sampling
 
 CLIENT_AXIS = "clients"
@@ -102,16 +103,12 @@ def _allocation_bytes(message: str) -> float | None:
     return float(found[1]) * _UNITS[found[2]] if found else None
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def given_chunk(chunk) -> int | None:
     """A caller's ``client_chunk``: None for the default (``None`` or ``-1``, the run key's auto),
     else the int >= 0 given; a one-line ConfigError for anything else."""
-    if chunk is None or (_is_int(chunk) and chunk == -1):
+    if chunk is None or (type_problem(chunk, int) is None and chunk == -1):
         return None
-    if not _is_int(chunk) or chunk < 0:
+    if type_problem(chunk, int) is not None or chunk < 0:
         raise ConfigError(
             f"client_chunk: 0 (every sampled client at once), k >= 1 (chunks of k) or -1 / None (auto), got {chunk!r}"
         )
@@ -119,18 +116,25 @@ def given_chunk(chunk) -> int | None:
 
 
 def chosen_devices(devices) -> list:
-    """A caller's ``devices``: a sequence of ``jax.Device``, or an int N (the first N visible, 0 or
-    None: all of them, as the run key's); a one-line ConfigError for anything else."""
+    """A caller's ``devices``: jax devices (a list, tuple, array such as ``mesh.devices``, any
+    iterable), or an int N (the first N visible; 0 or None: all of them, as the run key's); a
+    one-line ConfigError for anything else."""
     available = jax.devices()
     if devices is None:
         return list(available)
-    if _is_int(devices):
-        if devices < 0 or devices > len(available):
-            raise ConfigError(f"devices: {devices} requested but {len(available)} visible (0: all of them)")
+    if type_problem(devices, int) is None:
+        if not 0 <= devices <= len(available):
+            raise ConfigError(f"devices: {devices}; allowed: 0 (all) to {len(available)}, the devices visible")
         return list(available[: int(devices) or None])
-    chosen = list(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else None
+    try:
+        chosen = [] if isinstance(devices, str) else list(np.ravel(np.asarray(devices, dtype=object)))
+    except TypeError:  # not iterable
+        chosen = []
     if not chosen or not all(isinstance(d, jax.Device) for d in chosen):
-        raise ConfigError(f"devices: a list of jax devices (jax.devices()[:2]) or a count, got {devices!r}")
+        raise ConfigError(
+            f"devices: jax devices (jax.devices()[:2]) or a count; got {type(devices).__name__} "
+            f"{clip(' '.join(repr(devices).split()))}"
+        )
     return chosen
 
 
