@@ -394,6 +394,8 @@ def test_new_clients_and_other_data_are_refused_in_one_line(mlp, digits_federati
     assert Simulation(alg, mlp, digits_federation, new_clients=np.float32(0.2)).new_clients.tolist() == [2, 7]
     with pytest.raises(ConfigError, match="new_client_ids: give new_clients .* or new_client_ids"):
         Config().with_overrides(["new_clients=0.2", "new_client_ids=1,2"]).validate()
+    with pytest.raises(ConfigError, match=r"^new_client_ids: ids must be distinct and in 0..3, got \[9\]$"):
+        Config().with_overrides(["new_client_ids=9", "num_clients=4"]).validate()  # the key given is named
     assert Config().with_overrides(["new_clients=0.2", "num_clients=20"]).held_out_ids() == (2, 7, 12, 17)
     sim = Simulation(alg, mlp, digits_federation)
     others = make_federation(digits, num_clients=6)

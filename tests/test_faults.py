@@ -76,7 +76,7 @@ BAD_ARRAYS = {
         lambda a: {**a, "x_train": a["x_train"].reshape(40, -1), "x_test": a["x_test"].reshape(20, -1)},
         "flattened",
     ),
-    "2-D labels": (lambda a: {**a, "y_train": a["y_train"][:, None]}, "expected one integer label per example"),
+    "2-D labels": (lambda a: {**a, "y_train": a["y_train"][:, None]}, "per example (N,) (y_train.ravel())"),
     "an empty test split": (lambda a: {**a, "x_test": a["x_test"][:0], "y_test": a["y_test"][:0]}, "x_test is empty"),
     "no test split": (lambda a: {"x_train": a["x_train"], "y_train": a["y_train"]}, "lacks x_test, y_test"),
     "float labels": (lambda a: {**a, "y_train": a["y_train"].astype(np.float32)}, "class labels must be integers"),

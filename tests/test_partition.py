@@ -83,7 +83,7 @@ def test_test_split_follows_training_distribution():
         ("pathological", 10, {"classes_per_client": 11}, "classes_per_client"),
         ("client_dirichlet", 10, {"client_train_size": 1000}, "client_train_size"),
         ("shards", 10, {}, "partition"),
-        ("label_groups", 10, {"num_groups": 11}, "num_clusters"),
+        ("label_groups", 10, {"num_groups": 11}, r"^num_groups \(the run key num_clusters\)"),
     ],
 )
 def test_bad_input_is_a_clear_error(name, clients, options, field):

@@ -223,3 +223,29 @@ def test_a_runs_warnings_of_its_start_go_to_its_log(mlp, digits_federation, tmp_
         f"warning: client states: 10 clients do not divide over 3 devices, so every device holds all of them "
         f"({tree_bytes(sim.init(warn=print).clients) / 1e6:.1f} MB each); a multiple of 3 clients splits them"
     ]
+
+
+class DropoutAlways(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.Dropout(0.5, deterministic=False)(nn.Dense(8)(x.reshape(x.shape[0], -1))))
+
+
+class BatchNormAlways(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x.reshape(x.shape[0], -1))))
+
+
+@pytest.mark.parametrize(
+    "module, layer", [(DropoutAlways, "a layer that asks for an rng (a Dropout)"), (BatchNormAlways, "a BatchNorm")]
+)
+def test_a_layer_stuck_in_training_mode_is_told_to_take_train(module, layer, digits, digits_federation):
+    """A Dropout or BatchNorm without ``train`` was blamed on the input shape ("cannot take inputs
+    of shape (8, 8, 1) ...; pick another model")."""
+    with pytest.raises(ConfigError) as raised:
+        _simulation(Model.wrap(module(), digits.input_shape), digits_federation)
+    assert _one_line(raised).startswith(
+        f"model: '{module.__name__}' runs {layer} in training mode where jaxfed initializes and evaluates it: "
+        "give its __call__ a train argument"
+    )

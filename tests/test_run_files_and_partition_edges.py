@@ -83,3 +83,26 @@ def test_bfloat16_arrays_are_numbers_and_their_nan_is_found():
     arrays["x_train"][3, 1, 1] = np.nan
     with pytest.raises(DataError, match=r"^mine: x_train has 1 NaN or inf value\(s\)"):
         check_arrays("mine", arrays, 3)
+
+
+def test_a_run_whose_clients_hold_no_test_example_reports_null_not_zero(tmp_path, capsys):
+    """Every client's test part empty: the personalized summaries are null (they were 0.0000, as if
+    measured), the global model is still evaluated, and the run finishes (the progress bar took the
+    null for a number and crashed)."""
+    import json
+
+    from jaxfed.cli import main
+    from jaxfed.data import save_partition
+
+    train = np.array_split(np.arange(1437), 3)
+    save_partition(tmp_path / "parts.npz", train, [np.array([], np.int64)] * 3)
+    out = tmp_path / "run"
+    keys = [f"partition_file={tmp_path / 'parts.npz'}", "partition=file", "num_clients=3", "rounds=1", "mlp_hidden=16"]
+    assert main(["run", "--out", str(out), "--set", *keys]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["personalized_acc_mean"] is None and summary["best_personalized_acc"] is None
+    assert summary["global_acc"] > 0.2
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "personalized acc null (weighted null)" in line and line.endswith(
+        "null: not finite, or no client has test examples"
+    )

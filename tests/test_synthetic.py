@@ -103,6 +103,9 @@ def test_a_synthetic_run_reports_mse_and_floral_oracle_beats_fedavg(tmp_path, ca
         results[name] = summary["personalized_mse_mean"]
     assert "personalized mse" in capsys.readouterr().out
     assert results["floral"] < 0.5 * results["fedavg"], results
+    # jaxfed plot's default metric is the task's: MSE here (it asked for personalized_acc_mean rows)
+    assert main(["plot", str(tmp_path / "fedavg"), str(tmp_path / "floral"), "--out", str(tmp_path / "both.png")]) == 0
+    assert (tmp_path / "both.png").exists()
 
 
 @pytest.mark.parametrize(
@@ -130,3 +133,28 @@ def test_bad_synthetic_settings_are_one_line_errors(override, expected, tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_personalized_summaries_over_no_test_example_are_nan_not_zero():
+    """A mean over no client (none has a test example) is NaN, as each client's own metric is: it
+    was 0, which read as a result; with test examples, the means are numpy's."""
+    from jaxfed.simulation.evaluation import personalized_metrics
+
+    correct, loss = np.array([3.0, 0.0, 5.0]), np.array([1.5, 0.0, 2.5])
+    none = personalized_metrics(correct * 0, loss * 0, np.zeros(3))
+    assert none.keys() == {
+        "personalized_acc_mean",
+        "personalized_acc_weighted",
+        "personalized_acc_std",
+        "personalized_loss",
+    }
+    assert all(np.isnan(float(v)) for v in none.values())
+    count = np.array([4.0, 0.0, 10.0])
+    some = personalized_metrics(correct, loss, count)
+    accuracies = np.array([3 / 4, 5 / 10])
+    np.testing.assert_allclose(
+        [float(some[k]) for k in ("personalized_acc_mean", "personalized_acc_weighted", "personalized_acc_std")],
+        [accuracies.mean(), 8 / 14, accuracies.std()],
+        rtol=1e-6,
+    )
+    assert float(some["personalized_loss"]) == pytest.approx(4.0 / 14)

@@ -212,6 +212,7 @@ def test_a_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
         ("a/b:Net", r"model: 'a/b' is neither a .py file nor a module name; write module:Class or"),
         ("net.py:", r"model: '.*net.py:' is not module:Class or path/to/file.py:Class$"),
         ("os:path", r"model: 'path' in module 'os' is a module, not a flax.linen.Module subclass$"),
+        ("net.py", r"model: '.*net.py' names a file, not its class; write .*net.py:ClassName$"),
     ],
 )
 def test_a_bad_model_spec_is_one_line(spec, expected, tmp_path, monkeypatch, capsys):

@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="PNG file (default: DIR/accuracy.png for one run, ./accuracy.png for several)")
     plot.add_argument(
         "--metric",
-        default="personalized_acc_mean",
-        help="personalized_acc_mean (default), personalized_acc_weighted, global_acc, new_personalized_acc_mean, ...",
+        default=None,
+        help="personalized_acc_mean (the default; personalized_mse_mean for a regression task), "
+        "personalized_acc_weighted, global_acc, new_personalized_acc_mean, ...",
     )
     plot.add_argument(
         "--clients",
@@ -275,13 +276,15 @@ def _run(args) -> int:
         f"(weighted {metric_text(s[f'personalized_{kind}_weighted'])})"
         f"{global_part}; uploaded {human_bytes(s['bytes_up_total'])}; {s['wall_seconds']:.1f} s -> {out}"
         + skipped_note(s)
+        + ("; null: not finite, or no client has test examples" if s[f"personalized_{kind}_mean"] is None else "")
     )
     return 0
 
 
 def metric_text(value: float | None) -> str:
-    """A summary's metric on the summary line: ``null`` there is a value that was not finite."""
-    return "not finite" if value is None else f"{value:.4f}"
+    """A summary's metric on the summary line: ``null`` there is a value that was not finite, or a
+    mean over no client (none has test examples)."""
+    return "null" if value is None else f"{value:.4f}"
 
 
 def skipped_note(summary: dict) -> str:

@@ -152,7 +152,8 @@ def label_groups(y_train, y_test, num_clients, rng, *, num_groups, num_classes):
     of its group's training and test examples."""
     if not 1 <= num_groups <= min(num_clients, num_classes):
         raise ConfigError(
-            f"num_clusters: label_groups needs 1..min(num_clients, classes) = {min(num_clients, num_classes)}, "
+            f"num_groups (the run key num_clusters): label_groups needs 1..min(num_clients, classes) = "
+            f"{min(num_clients, num_classes)}, "
             f"got {num_groups}"
         )
     groups = np.array_split(rng.permutation(num_classes), num_groups)

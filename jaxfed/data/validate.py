@@ -226,7 +226,8 @@ def _check_targets(source: str, name: str, y: np.ndarray, num_classes: int | Non
             raise DataError(f"{source}: {name} has NaN or inf targets")
         return
     if y.ndim != 1:
-        raise DataError(f"{source}: {name} has shape {y.shape}; expected one integer label per example (N,)")
+        hint = f" ({name}.ravel())" if y.ndim == 2 and y.shape[1] == 1 else ""
+        raise DataError(f"{source}: {name} has shape {y.shape}; expected one integer label per example (N,){hint}")
     check_integer_labels(source, name, y)
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= num_classes:

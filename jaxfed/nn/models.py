@@ -292,6 +292,15 @@ def built_in_setting(model: Model, name: str, allowed, default: str) -> str:
     return value if value in allowed else default
 
 
+def check_model_name(name: str) -> None:
+    """A one-line ConfigError unless ``name`` is a built-in model or has a user's module's form."""
+    if user.is_spec(name) or name in MODELS:
+        return
+    if str(name).endswith(".py"):  # a file without its class
+        raise ConfigError(f"model: '{name}' names a file, not its class; write {name}:ClassName")
+    raise ConfigError(f"model: {unknown_choice(name, MODELS)}, or {user.FORMS}")
+
+
 def get_model(
     name: str, input_shape, num_classes: int, norm: str = "group", conv: str = "patches", hidden=None
 ) -> Model:
@@ -302,8 +311,7 @@ def get_model(
     ``num_classes`` is the output size (the number of targets for a regression task). ``conv``
     picks the convolution implementation (see :mod:`jaxfed.nn.conv`); ``hidden`` the hidden
     widths of ``mlp`` (default 200, 200). ``norm`` and ``conv`` apply to the built-ins only."""
-    if not user.is_spec(name) and name not in MODELS:
-        raise ConfigError(f"model: {unknown_choice(name, MODELS)}, or {user.FORMS}")
+    check_model_name(name)
     if norm not in NORMS:
         raise ConfigError(f"norm: {unknown_choice(norm, NORMS)}")
     if conv not in CONV_IMPLS:
@@ -412,8 +420,22 @@ def _check_fits(
         )
 
 
+# Flax's errors for a layer stuck in training mode where jaxfed initializes and evaluates a model
+# (its __call__ takes no ``train``, or ignores it): the layer they come from
+_TRAINING_MODE = {
+    "InvalidRngError": "a layer that asks for an rng (a Dropout)",
+    "ModifyScopeVariableError": "a BatchNorm",
+}
+
+
 def _cannot_take(model: Model, shown: str, err: Exception, with_reason: bool):
     reason = f"{type(err).__name__}: {first_line(err, 120)}" if with_reason else type(err).__name__
+    if type(err).__name__ in _TRAINING_MODE:
+        raise ConfigError(
+            f"model: {shown} runs {_TRAINING_MODE[type(err).__name__]} in training mode where jaxfed initializes "
+            "and evaluates it: give its __call__ a train argument and pass it on (nn.Dropout(rate, deterministic="
+            f"not train), nn.BatchNorm(use_running_average=not train)) ({type(err).__name__})"
+        ) from None
     raise ConfigError(
         f"model: {shown} cannot take inputs of shape {model.input_shape} ({reason}); pick another model"
         + _image_layout_hint(model.input_shape)

@@ -390,7 +390,8 @@ class Config(Options):
     def check(self) -> None:
         """The run keys' choices and the rules that span several keys (the per-field checks run first)."""
         from jaxfed.data import CLUSTER_TASKS, DATASETS, FILE_PARTITION, PARTITIONERS, SYNTHETIC_TASKS
-        from jaxfed.nn import CONV_IMPLS, MODELS, NORMS
+        from jaxfed.nn import CONV_IMPLS, NORMS
+        from jaxfed.nn.models import check_model_name
         from jaxfed.nn.user import is_spec, load_class
         from jaxfed.simulation import COHORT_SAMPLINGS, EVAL_CLIENTS, NONFINITE_POLICIES, SAMPLINGS
 
@@ -404,7 +405,7 @@ class Config(Options):
         if is_spec(self.model):
             load_class(self.model)  # a user's module: found, and a flax Module class
         elif self.model:
-            _choice("model", self.model, MODELS)
+            check_model_name(self.model)
         _choice("norm", self.norm, NORMS)
         _choice("conv", self.conv, CONV_IMPLS)
         _choice("partition", self.partition, [*PARTITIONERS, FILE_PARTITION])
@@ -431,7 +432,7 @@ class Config(Options):
             raise ConfigError("new_client_ids: give new_clients (a fraction) or new_client_ids (a list), not both")
         from jaxfed.simulation.sampling import held_out
 
-        held_out(self.held_out_ids(), self.num_clients)
+        held_out(self.held_out_ids(), self.num_clients, "new_client_ids" if self.new_client_ids else "new_clients")
         field, tiers = self.tier_option()
         if tiers > self.num_clients:
             raise ConfigError(

@@ -234,7 +234,8 @@ def drive(
             if evaluate:
                 rows = evaluate_members(state, done)
                 name, value = headline(records[0].rows[-1])
-                bar.set_postfix({name: f"{value:.3f}", "up": human_bytes(records[0].rows[-1]["bytes_up_total"])})
+                shown = "null" if value is None else f"{value:.3f}"
+                bar.set_postfix({name: shown, "up": human_bytes(records[0].rows[-1]["bytes_up_total"])})
             if checkpoint:
                 save_all(state)
             if on_evaluation is not None:

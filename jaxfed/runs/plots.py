@@ -172,12 +172,21 @@ def show(value, key: str = "") -> str:
 TWO_PANELS = {"left": 0.065, "right": 0.985, "bottom": 0.13, "top": 0.92, "wspace": 0.22}
 
 
-def plot_runs(run_dirs, out_file: str | Path, metric: str = "personalized_acc_mean") -> Path:
-    """Write a two-panel PNG (``metric`` vs round, vs cumulative bytes up) for ``run_dirs``."""
-    if metric not in METRICS:
+def is_regression_row(row: dict) -> bool:
+    """Whether an evaluation row is a regression task's (MSE metrics instead of accuracies)."""
+    return "personalized_mse_mean" in row
+
+
+def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path:
+    """Write a two-panel PNG (``metric`` vs round, vs cumulative bytes up) for ``run_dirs``;
+    ``metric`` None: the runs' personalized accuracy, or their MSE for a regression task."""
+    if metric is not None and metric not in METRICS:
         raise ConfigError(f"--metric: {unknown_choice(metric, METRICS)}")
     run_dirs = with_members(run_dirs)
     runs = [read_run(d) for d in run_dirs]
+    if metric is None:
+        regression = any(is_regression_row(row) for _, rows in runs for row in rows)
+        metric = "personalized_mse_mean" if regression else "personalized_acc_mean"
     labels = plot_labels(run_dirs, [config for config, _ in runs])
 
     import matplotlib

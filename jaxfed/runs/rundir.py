@@ -39,6 +39,7 @@ from jaxfed.runs.keys import NEUTRAL_KEYS, RESUMABLE_KEYS  # noqa: F401  (NEUTRA
 from jaxfed.runs.plots import (  # noqa: F401  (read_clients: re-exported)
     CLIENTS_DIR,
     client_files,
+    is_regression_row,
     read_clients,
     run_dirs_below,
 )
@@ -492,11 +493,6 @@ def write_plots(out: Path, rows: list[dict], log) -> None:
             plot_runs([out], out / name, metric)
         except Exception as err:  # a plot must never cost the run its results
             log(f"warning: could not draw {name}: {err}")
-
-
-def is_regression_row(row: dict) -> bool:
-    """Whether an evaluation row is a regression task's (MSE metrics instead of accuracies)."""
-    return "personalized_mse_mean" in row
 
 
 def headline(row: dict) -> tuple[str, float]:

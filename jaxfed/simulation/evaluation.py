@@ -93,23 +93,32 @@ def per_client(correct, loss, count, regression: bool = False, prefix: str = "")
 
 def _summarize(per_client_total, count, name: str, prefix: str = "personalized") -> dict:
     """Per-client means of ``per_client_total``: unweighted mean, sample-weighted mean and std
-    across clients (clients without test examples excluded)."""
+    across clients (clients without test examples excluded; NaN where no client has one)."""
     has_test = count > 0
     value = jnp.where(has_test, per_client_total / jnp.maximum(count, 1), 0.0)
     n = jnp.maximum(jnp.sum(has_test), 1)
     mean = jnp.sum(value) / n
-    return {
-        f"{prefix}_{name}_mean": mean,
-        f"{prefix}_{name}_weighted": jnp.sum(per_client_total) / jnp.maximum(jnp.sum(count), 1),
-        f"{prefix}_{name}_std": jnp.sqrt(jnp.sum(jnp.where(has_test, (value - mean) ** 2, 0.0)) / n),
-    }
+    return _nan_without_examples(
+        count,
+        {
+            f"{prefix}_{name}_mean": mean,
+            f"{prefix}_{name}_weighted": jnp.sum(per_client_total) / jnp.maximum(jnp.sum(count), 1),
+            f"{prefix}_{name}_std": jnp.sqrt(jnp.sum(jnp.where(has_test, (value - mean) ** 2, 0.0)) / n),
+        },
+    )
+
+
+def _nan_without_examples(count, metrics: dict) -> dict:
+    """``metrics`` as NaN where no client has a test example (a mean of nothing; 0 would read as a
+    result), as a client's own metrics are NaN without one."""
+    return {k: jnp.where(jnp.sum(count) > 0, v, jnp.nan) for k, v in metrics.items()}
 
 
 def personalized_metrics(correct, loss, count, regression: bool = False, prefix: str = "personalized") -> dict:
     """Per-client accuracies (mean squared errors for ``regression``) summarized; plus the pooled loss."""
     name, total = ("mse", loss) if regression else ("acc", correct)
     metrics = _summarize(total, count, name, prefix)
-    metrics[f"{prefix}_loss"] = jnp.sum(loss) / jnp.maximum(jnp.sum(count), 1)
+    metrics.update(_nan_without_examples(count, {f"{prefix}_loss": jnp.sum(loss) / jnp.maximum(jnp.sum(count), 1)}))
     return metrics
 
 

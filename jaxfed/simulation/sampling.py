@@ -72,10 +72,11 @@ def _draw(key, num_clients: int, count: int):
     return jnp.sort(jax.random.choice(key, num_clients, (count,), replace=False)).astype(jnp.int32)
 
 
-def held_out(new_clients, num_clients: int):
+def held_out(new_clients, num_clients: int, field: str = "new_clients"):
     """The sorted ids (numpy int32) of the clients held out of training as new clients (given as
     ids, or as a fraction of the clients: :func:`fraction_ids`), or None for none; a ConfigError
-    for ids that are not distinct integers in ``0..num_clients-1`` or that leave no client to train."""
+    naming ``field`` (the caller's name for them) for ids that are not distinct integers in
+    ``0..num_clients-1`` or that leave no client to train."""
     if isinstance(new_clients, (float, np.floating)):
         new_clients = fraction_ids(new_clients, num_clients)
     elif np.ndim(new_clients) == 0 and new_clients is not None:
@@ -87,11 +88,11 @@ def held_out(new_clients, num_clients: int):
         return None
     ids = np.asarray(new_clients)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"new_clients: client ids must be a list of integers, got {ids.dtype} of shape {ids.shape}")
+        raise ConfigError(f"{field}: client ids must be a list of integers, got {ids.dtype} of shape {ids.shape}")
     if ids.min() < 0 or ids.max() >= num_clients or len(np.unique(ids)) != len(ids):
-        raise ConfigError(f"new_clients: ids must be distinct and in 0..{num_clients - 1}, got {sorted(ids.tolist())}")
+        raise ConfigError(f"{field}: ids must be distinct and in 0..{num_clients - 1}, got {sorted(ids.tolist())}")
     if len(ids) >= num_clients:
-        raise ConfigError(f"new_clients: all {num_clients} clients held out; at least one must train")
+        raise ConfigError(f"{field}: all {num_clients} clients held out; at least one must train")
     return np.sort(ids).astype(np.int32)
 
 
