@@ -287,3 +287,18 @@ def test_the_cli_resume_of_a_run_written_from_python_says_to_resume_it_from_pyth
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "was written by jaxfed.run_simulation" in err and "resume=True" in err
     assert _files(base.out) == before
+
+
+def test_config_json_records_the_data_directory_the_environment_gave(tmp_path, monkeypatch):
+    """A run that read mnist from ``$JAXFED_DATA_DIR`` recorded ``data_dir: ""``, so its resume in
+    a shell without the variable could not find the data; the directory is now recorded (as an
+    absolute path), and only for a dataset read from files."""
+    from jaxfed.runs.config import Config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JAXFED_DATA_DIR", "data")
+    assert Config(dataset="mnist").recorded()["data_dir"] == str(tmp_path / "data")
+    assert Config(dataset="mnist", data_dir=str(tmp_path / "own")).recorded()["data_dir"] == str(tmp_path / "own")
+    assert Config(dataset="digits").recorded()["data_dir"] == ""
+    monkeypatch.delenv("JAXFED_DATA_DIR")
+    assert Config(dataset="mnist").recorded()["data_dir"] == ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import os
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -339,8 +340,16 @@ class Config(Options):
         ``plugins`` with the module that registered the algorithm (its file, or a package's dotted
         name) where research code imported it from Python
         (:func:`~jaxfed.algorithms.registry.plugins_to_record`), so that ``jaxfed run --out DIR
-        --resume`` imports it."""
-        return {**self.to_dict(), "plugins": list(registry.plugins_to_record(self.algorithm, self.plugins))}
+        --resume`` imports it; an empty ``data_dir`` as ``$JAXFED_DATA_DIR`` gave it, for a dataset read
+        from files (a resume in a shell without it reads the same files)."""
+        from jaxfed.data import SYNTHETIC_TASKS
+        from jaxfed.data.datasets import DATA_DIR_ENV
+
+        recorded = {**self.to_dict(), "plugins": list(registry.plugins_to_record(self.algorithm, self.plugins))}
+        from_env = os.environ.get(DATA_DIR_ENV)
+        if not self.data_dir and from_env and self.dataset not in ("digits", *SYNTHETIC_TASKS):
+            recorded["data_dir"] = str(Path(from_env).expanduser().absolute())
+        return recorded
 
     @classmethod
     def from_dict(cls, values: dict) -> Config:
