@@ -223,6 +223,19 @@ def test_a_bad_model_spec_is_one_line(spec, expected, tmp_path, monkeypatch, cap
     assert re.search(expected, _one_line_error(capsys))
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn", "net.py:Net"])
+def test_norm_batch_on_a_model_without_normalization_layers_is_refused(model, tmp_path, monkeypatch, capsys):
+    """It ran the model as it is (the digits MLP has no normalization layer): a run the user
+    thought had BatchNorm."""
+    _write(tmp_path / "net.py")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--quiet", "--out", str(tmp_path / "o"), "--set", f"model={model}", "norm=batch"]) == 2
+    assert _one_line_error(capsys).endswith(
+        "norm: batch applies to the built-in models with normalization layers (resnet8, resnet10, resnet18, vgg8), "
+        f"not '{model}'"
+    )
+
+
 # ----- a partition of one's own --------------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ from jaxfed.errors import ConfigError
 from jaxfed.nn import CONV_IMPLS, MODELS, NORMS, Model, built_in_setting, get_model, model_template, user
 from jaxfed.nn.factorized import factorized_execution
 from jaxfed.nn.layers import head_layer
+from jaxfed.nn.models import NORMED_MODELS
 from jaxfed.nn.nesting import nesting
 from jaxfed.options import TrainingOptions, at_least, each, non_negative, option, rank_ratio
 
@@ -183,7 +184,8 @@ def head_shape(model: Model, head: str) -> tuple[int, int]:
 def model_like(name: str, model: Model, classes: int, field: str) -> Model:
     """The model ``name`` for the run's inputs and ``classes`` outputs, with the run's model's
     normalization and convolutions where it is a built-in (a ConfigError naming ``field``)."""
-    norm, conv = built_in_setting(model, "norm", NORMS, "group"), built_in_setting(model, "conv", CONV_IMPLS, "patches")
+    norm = built_in_setting(model, "norm", NORMS, "group") if name in NORMED_MODELS else "group"
+    conv = built_in_setting(model, "conv", CONV_IMPLS, "patches")
     try:
         return get_model(name, model.input_shape, classes, norm=norm, conv=conv)
     except ConfigError as err:  # "model: ..." about the tier's model

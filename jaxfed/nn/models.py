@@ -201,6 +201,9 @@ def _resnet(blocks, widths):
     return lambda num_classes, norm, conv: ResNet(num_classes, blocks=blocks, widths=widths, norm=norm, conv=conv)
 
 
+# The built-ins with normalization layers: the ones ``norm`` applies to
+NORMED_MODELS = ("resnet8", "resnet10", "resnet18", "vgg8")
+
 # name -> constructor(num_classes, norm, conv implementation)
 MODELS: dict[str, Callable[[int, str, str], nn.Module]] = {
     "linear": lambda num_classes, norm, conv: Linear(num_classes),
@@ -316,8 +319,14 @@ def get_model(
         raise ConfigError(f"norm: {unknown_choice(norm, NORMS)}")
     if conv not in CONV_IMPLS:
         raise ConfigError(f"conv: {unknown_choice(conv, CONV_IMPLS)}")
+    shown = user.label(name) if user.is_spec(name) else name
     if hidden is not None and name != "mlp":
-        raise ConfigError(f"mlp_hidden: applies to model mlp only, not '{name}'")
+        raise ConfigError(f"mlp_hidden: applies to model mlp only, not '{shown}'")
+    if norm != "group" and name not in NORMED_MODELS:  # it would be ignored: a run the user thinks normalized
+        raise ConfigError(
+            f"norm: {norm} applies to the built-in models with normalization layers ({', '.join(NORMED_MODELS)}), "
+            f"not '{shown}'"
+        )
     if user.is_spec(name):
         model = Model(name, user.construct(name, num_classes), tuple(input_shape))
         _check_fits(model, f"'{user.label(name)}'", num_classes)
