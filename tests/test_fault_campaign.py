@@ -101,7 +101,7 @@ def _data_dir_error(data_dir, tmp_path, capsys) -> str:
     return err
 
 
-def test_data_dir_problems_name_the_directory_and_the_problem(tmp_path, capsys):
+def test_data_dir_problems_name_the_directory_and_the_problem(tmp_path, capsys, monkeypatch):
     (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
     (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
     assert "loop_a cannot be read (Too many levels of symbolic links)" in _data_dir_error(
@@ -120,6 +120,10 @@ def test_data_dir_problems_name_the_directory_and_the_problem(tmp_path, capsys):
     assert f"no mnist.npz in {empty}" in _data_dir_error(empty, tmp_path, capsys)
     (tmp_path / "npz_dir" / "mnist.npz").mkdir(parents=True)
     assert "mnist.npz: is a directory, not an .npz file" in _data_dir_error(tmp_path / "npz_dir", tmp_path, capsys)
+    monkeypatch.chdir(tmp_path)  # a relative directory: where it was looked for
+    assert f"data_dir: ../elsewhere (from {tmp_path}: {tmp_path}/../elsewhere) does not exist;" in _data_dir_error(
+        "../elsewhere", tmp_path, capsys
+    )
 
 
 def test_an_unreadable_npz_is_one_line(tmp_path, capsys, monkeypatch):

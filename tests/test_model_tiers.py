@@ -228,5 +228,9 @@ def test_a_bad_ratio_is_one_line(value):
 
 
 def test_more_model_tiers_than_clients_is_one_line_naming_them():
-    with pytest.raises(ConfigError, match=r"^model_tiers: 3 tiers for 2 clients; every tier needs at least one client"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model_tiers: 3 tiers for 2 clients; every tier needs at least one client \(give model_tiers at most 2 "
+        r"entries, or num_clients >= 3\)$",
+    ):
         Config(algorithm="local").with_overrides(["model_tiers=1,0.5,0.25", "num_clients=2"]).validate()

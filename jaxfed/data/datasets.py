@@ -99,7 +99,8 @@ def resolve_data_dir(data_dir: str | None, created: bool = False) -> str | None:
     if created and not path.is_symlink():
         return str(path)
     link = " (a symbolic link to a missing target)" if path.is_symlink() else ""
-    raise DataError(f"data_dir: {data_dir} does not exist{link}; {DATA_HELP}")
+    where = "" if path.is_absolute() else f" (from {Path.cwd()}: {path.absolute()})"  # relative to the working dir
+    raise DataError(f"data_dir: {data_dir}{where} does not exist{link}; {DATA_HELP}")
 
 
 def _npz_in(data_dir: str, name: str) -> Path | None:

@@ -445,7 +445,8 @@ class Config(Options):
         field, tiers = self.tier_option()
         if tiers > self.num_clients:
             raise ConfigError(
-                f"{field}: {tiers} tiers for {self.num_clients} clients; every tier needs at least one client"
+                f"{field}: {tiers} tiers for {self.num_clients} clients; every tier needs at least one client "
+                f"(give {field} at most {self.num_clients} entries, or num_clients >= {tiers})"
             )
         self.options.validate()
 
