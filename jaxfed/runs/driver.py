@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 
 from jaxfed.algorithms import registry
+from jaxfed.core import tree_bytes
 from jaxfed.data import describe as describe_partition
 from jaxfed.errors import (
     ConfigError,
@@ -295,7 +296,7 @@ def _lighter_setting(members: Members, state) -> str | None:
     client states on the device, ``client_state=host``; for a sweep running members together,
     ``member_chunk=1``; else None."""
     sim = getattr(members, "sim", None)
-    if sim is not None and sim.client_state == "device" and any(x.size for x in jax.tree.leaves(state.clients)):
+    if sim is not None and sim.client_state == "device" and tree_bytes(state.clients):
         return "client_state=host (client states in host memory)"
     if getattr(members, "member_chunk", 1) != 1:
         return "member_chunk=1 (the members one after another)"

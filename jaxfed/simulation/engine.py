@@ -322,7 +322,7 @@ class Simulation:
             state = self._init_state()
         state = self.strategy.replicate(state)
         held = tree_bytes(state.clients)
-        if self.num_devices > 1 and self.num_clients % self.num_devices and held and jax.process_count() == 1:
+        if held and self.num_devices > 1 and jax.process_count() == 1 and not self.strategy.splits(self.num_clients):
             (warn or functools.partial(warnings.warn, stacklevel=2))(
                 f"client states: {self.num_clients} clients do not divide over {self.num_devices} devices, so every "
                 f"device holds all of them ({held / 1e6:.1f} MB each); a multiple of {self.num_devices} clients "

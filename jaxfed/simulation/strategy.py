@@ -231,8 +231,12 @@ class ClientStrategy:
         of one process; else replicated. None without a mesh."""
         if self.mesh is None:
             return None
-        split = num_rows % self.num_devices == 0 and jax.process_count() == 1
-        return NamedSharding(self.mesh, PartitionSpec(CLIENT_AXIS) if split else PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(CLIENT_AXIS) if self.splits(num_rows) else PartitionSpec())
+
+    def splits(self, num_rows: int) -> bool:
+        """Whether per-client tables of ``num_rows`` rows are split over the mesh's devices: they
+        divide evenly over the devices of one process."""
+        return self.mesh is not None and num_rows % self.num_devices == 0 and jax.process_count() == 1
 
     def place_clients(self, tree):
         """A stacked per-client pytree (client states, per-client index tables) placed by
