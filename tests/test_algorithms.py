@@ -4,11 +4,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import make_federation, round_info
 
 from jaxfed.algorithms import registry
-from jaxfed.algorithms.fedavg import fedavg
+from jaxfed.algorithms.fedavg import FedAvgOptions, fedavg
 from jaxfed.algorithms.fedprox import fedprox, proximal_term
 from jaxfed.algorithms.local import local
 from jaxfed.core import gather_clients
@@ -84,6 +85,56 @@ def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
         results.append(jax.tree.leaves(state.server.params))
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def fedopt_reference(rule, x, averages, lr, b1, b2, tau):
+    """Reddi et al. 2021, Algorithm 2 in float64: the change Delta_t = mean_k x_k - x_t,
+    m_t = b1 m + (1 - b1) Delta_t, v_t by the rule (v_{-1} = tau^2), x_{t+1} = x_t + lr m_t / (sqrt(v_t) + tau)."""
+    x = np.asarray(x, np.float64)
+    m, v = np.zeros_like(x), np.full_like(x, tau**2)
+    for average in averages:
+        delta = np.asarray(average, np.float64) - x
+        m = b1 * m + (1 - b1) * delta
+        v = {
+            "adagrad": v + delta**2,
+            "adam": b2 * v + (1 - b2) * delta**2,
+            "yogi": v - (1 - b2) * delta**2 * np.sign(v - delta**2),
+        }[rule]
+        x = x + lr * m / (np.sqrt(v) + tau)
+    return x
+
+
+@pytest.mark.parametrize("rule", ["adam", "adagrad", "yogi"])
+def test_fedopt_server_steps_are_algorithm_2(rule):
+    """Four rounds of averages, the changes large then small (Yogi's v grows, then shrinks): the
+    server optimizer's parameters against the paper's update written out."""
+    rng = np.random.default_rng(0)
+    x0 = rng.normal(size=(3, 5)).astype(np.float32)
+    averages = [x0 + s * rng.normal(size=x0.shape).astype(np.float32) for s in (1.0, 0.01, 0.3, 1e-4)]
+    options = FedAvgOptions(server_optimizer=rule, server_lr=0.3, server_b1=0.8, server_b2=0.95, server_eps=0.01)
+    optimizer, params = options.server(), jnp.asarray(x0)
+    state = optimizer.init(params)
+    for average in averages:
+        # the server's pseudo-gradient, as fedavg's finish takes it: w - mean_k w_k
+        updates, state = optimizer.update(params - jnp.asarray(average), state, params)
+        params = optax.apply_updates(params, updates)
+    want = fedopt_reference(rule, x0, averages, 0.3, 0.8, 0.95, 0.01)
+    np.testing.assert_allclose(np.asarray(params), want, rtol=1e-5, atol=1e-6)
+
+
+def test_fedyogi_rounds_step_from_the_clients_average(mlp, digits_federation):
+    """A round of FedAvg with FedYogi on the server: the plain FedAvg round's average (the same clients,
+    the same training from the same model), then Algorithm 2's first step from it."""
+    plain = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
+    yogi = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16, server_optimizer="yogi", server_lr=0.5)
+    start, states = None, []
+    for alg in (plain, yogi):
+        sim = Simulation(alg, mlp, digits_federation, participation=0.5)
+        start = sim.init()
+        states.append(sim.round(start, digits_federation)[0])
+    for x0, average, got in zip(*(jax.tree.leaves(s.server.params) for s in (start, *states))):
+        want = fedopt_reference("yogi", x0, [average], 0.5, 0.9, 0.99, 1e-3)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 # Left out for test time, each covered elsewhere: fedprox and fedlora (fedavg's and fedloru's code

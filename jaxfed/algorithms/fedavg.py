@@ -1,4 +1,5 @@
-"""FedAvg (McMahan et al., 2017), with an optional optax server optimizer (as fedjax does).
+"""FedAvg (McMahan et al., 2017), with an optional server optimizer: SGD, or the adaptive FedOpt
+family FedAdam / FedAdagrad / FedYogi (Reddi et al., ICLR 2021).
 
 Clients start from the global parameters, run E epochs of SGD on cross-entropy, and upload
 their parameters; the server averages them weighted by sample count. With a server optimizer
@@ -25,7 +26,8 @@ from jaxfed.contract import FederatedAlgorithm
 from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
 
-SERVER_OPTIMIZERS = ("none", "sgd", "adam")
+SERVER_OPTIMIZERS = ("none", "sgd", "adam", "adagrad", "yogi")
+FEDOPT = "Reddi et al., ICLR 2021 (FedOpt)"
 BASELINE = "jaxfed baseline default (kept from earlier releases: docs/results.md's digits table)"
 
 
@@ -35,21 +37,78 @@ class FedAvgOptions(TrainingOptions):
 
     server_optimizer: str = option(
         "none",
-        "server optimizer on the averaged change: none (plain average), sgd or adam",
-        source="fedjax's FedAvg",
+        "server optimizer on the averaged change: none (plain average), sgd, or FedOpt's adam, adagrad or yogi "
+        "(FedAdam / FedAdagrad / FedYogi: Reddi et al.'s Algorithm 2 as written, without bias correction)",
+        source="fedjax's FedAvg; adam, adagrad, yogi: " + FEDOPT,
         check=one_of(*SERVER_OPTIMIZERS),
     )
-    server_lr: float = option(1.0, "server optimizer learning rate", source="fedjax's FedAvg", check=positive)
+    server_lr: float = option(
+        1.0,
+        "server optimizer learning rate (adam, adagrad, yogi: about 0.01-0.1; their first step moves every "
+        "coordinate by about server_lr)",
+        source="fedjax's FedAvg",
+        check=positive,
+    )
     server_momentum: float = option(
         0.0, "server SGD momentum, in [0, 1)", source="fedjax's FedAvg", check=momentum_coefficient
     )
+    server_b1: float = option(
+        0.9, "adam, adagrad, yogi: first-moment decay beta_1, in [0, 1)", source=FEDOPT, check=momentum_coefficient
+    )
+    server_b2: float = option(
+        0.99, "adam, yogi: second-moment decay beta_2, in [0, 1)", source=FEDOPT, check=momentum_coefficient
+    )
+    server_eps: float = option(
+        1e-3,
+        "adam, adagrad, yogi: the degree of adaptivity tau (the step is m / (sqrt(v) + tau), v starts at tau^2)",
+        source=FEDOPT + "'s grid of tau, 1e-5..1e-1",
+        check=positive,
+    )
 
     def server(self) -> optax.GradientTransformation | None:
+        """The server's optimizer of the pseudo-gradient ``w - mean_k w_k`` (None: the plain average)."""
         if self.server_optimizer == "none":
             return None
         if self.server_optimizer == "sgd":
             return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
-        return optax.adam(self.server_lr)
+        return optax.chain(
+            scale_by_fedopt(self.server_optimizer, self.server_b1, self.server_b2, self.server_eps),
+            optax.scale_by_learning_rate(self.server_lr),
+        )
+
+
+class FedOptState(NamedTuple):
+    m: Any  # the first moment of the pseudo-gradient
+    v: Any  # the second moment (starts at tau^2)
+
+
+def _second_moment(rule: str, b2, v, g):
+    """Algorithm 2's three updates of ``v`` for the pseudo-gradient ``g`` (its square is the change's)."""
+    if rule == "adagrad":
+        return v + g * g
+    if rule == "adam":
+        return b2 * v + (1 - b2) * g * g
+    return v - (1 - b2) * g * g * jnp.sign(v - g * g)  # yogi
+
+
+def scale_by_fedopt(rule: str, b1, b2, eps) -> optax.GradientTransformation:
+    """FedAdam, FedAdagrad and FedYogi's direction (Reddi et al. 2021, Algorithm 2) for ``rule``
+    ``adam``, ``adagrad`` or ``yogi``: ``m <- b1 m + (1 - b1) g``, ``v`` by the rule, the step
+    ``m / (sqrt(v) + eps)``, with ``m`` starting at 0 and ``v`` at ``eps**2``; no bias correction
+    (optax's ``adam`` corrects it, and its ``adagrad`` has no momentum and ``eps`` inside the root).
+    Scale by ``-lr`` after it (:func:`optax.scale_by_learning_rate`)."""
+
+    def init(params):
+        return FedOptState(
+            m=jax.tree.map(jnp.zeros_like, params), v=jax.tree.map(lambda p: jnp.full_like(p, eps * eps), params)
+        )
+
+    def update(grads, state, params=None):
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.m, grads)
+        v = jax.tree.map(lambda v, g: _second_moment(rule, b2, v, g), state.v, grads)
+        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), m, v), FedOptState(m, v)
+
+    return optax.GradientTransformation(init, update)
 
 
 class ServerState(NamedTuple):
