@@ -26,26 +26,69 @@ require_conf() {
   fi
 }
 
-# run_variant OUT ALGORITHM [jaxfed arguments...]; a failure (a diverged run, say) is reported
-# and the script goes on. With VARIANTS=a,b (variant names: OUT's last part) only those run; the
-# report still takes every finished variant in the directory (a table split across sessions).
+# run_variant OUT ALGORITHM [jaxfed arguments...]; a failure (a diverged run, say) is reported,
+# the script goes on and exits 1 at the end. An interrupted variant (Ctrl-C) stops the script.
+# A variant whose OUT exists is resumed (jaxfed's --resume): running the same command again
+# continues an interrupted script, skips what finished and refuses a changed setting. With
+# VARIANTS=a,b (variant names: OUT's last part) only those run; the report still takes every
+# finished variant in the directory (a table split across sessions).
+seen_variants=() ran_dirs=() failed=()
 run_variant() {
   local out=$1; shift
-  [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$(basename "$out"),"* ]] || return 0
+  local name status=0 resume=()
+  name=$(basename "$out")
+  seen_variants+=("$name")
+  [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$name,"* ]] || return 0
+  ran_dirs+=("$(dirname "$out")")
+  [[ -d $out ]] && resume=(--resume)
   if [[ -n ${SEEDS:-} ]]; then
-    jaxfed sweep "$@" --seeds "$SEEDS" --quiet --out "$out" || echo "run.sh: $out failed (exit $?)" >&2
+    jaxfed sweep "$@" --seeds "$SEEDS" --quiet --out "$out" "${resume[@]}" || status=$?
   else
-    jaxfed run "$@" --quiet --out "$out" || echo "run.sh: $out failed (exit $?)" >&2
+    jaxfed run "$@" --quiet --out "$out" "${resume[@]}" || status=$?
+  fi
+  if [[ $status -eq 130 ]]; then
+    echo "run.sh: interrupted in $out; the same command continues from its last checkpoint" >&2
+    exit 130
+  fi
+  if [[ $status -ne 0 ]]; then
+    echo "run.sh: $out failed (exit $status)" >&2
+    failed+=("$out")
   fi
 }
+
+# At the script's end: a name in VARIANTS that no run_variant call had is an error (exit 2), and
+# so is a variant that failed (exit 1); the reports of the rest are written by then.
+_finish_run_script() {
+  local status=$? name unknown=()
+  [[ $status -ne 0 ]] && return
+  if [[ -n ${VARIANTS:-} ]]; then
+    for name in ${VARIANTS//,/ }; do
+      [[ " ${seen_variants[*]} " == *" $name "* ]] || unknown+=("$name")
+    done
+    if [[ ${#unknown[@]} -gt 0 ]]; then
+      echo "run.sh: VARIANTS: unknown ${unknown[*]}; this script's variants: $(printf '%s\n' "${seen_variants[@]}" | sort -u | paste -sd, -)" >&2
+      exit 2
+    fi
+  fi
+  if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "run.sh: ${#failed[@]} variant(s) failed: ${failed[*]}" >&2
+    exit 1
+  fi
+}
+trap _finish_run_script EXIT
 
 # report_variants DIR [CLAIM...] [--OPTION=VALUE...]: every variant directory in DIR (but report/)
 # into DIR/report; a CLAIM is 'A>B' ("variant A beats B") or 'A>B-0.03' ("A at most 0.03 below
 # B"); jaxfed report options pass through as written (--paper=fedavg=84.39, --relative-to=fedavg).
 # Variants that did not finish are left out, and so are the claims and paper numbers naming them.
+# With VARIANTS, a directory where none of them ran keeps its report as it was.
 report_variants() {
   local dir=$1; shift
   local variants=() names=() options=() name arg
+  if [[ -n ${VARIANTS:-} && " ${ran_dirs[*]} " != *" $dir "* ]]; then
+    echo "run.sh: VARIANTS=$VARIANTS ran nothing in $dir; its report is left as it was" >&2
+    return 0
+  fi
   for path in "$dir"/*/; do
     name=$(basename "$path")
     [[ $name == report ]] && continue
@@ -76,7 +119,7 @@ _names_finished() {
   for part in ${text//>/ }; do
     part=${part%-[0-9.]*}
     if [[ " ${names[*]} " != *" $part "* ]]; then
-      echo "run.sh: '$1' left out of the report: $part did not finish" >&2
+      echo "run.sh: '$1' left out of the report: $part has no finished run there" >&2
       return 1
     fi
   done

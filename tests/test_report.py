@@ -97,7 +97,8 @@ def test_paper_numbers_and_traffic_relative_to_a_variant(tmp_path):
     )
     table = markdown(variants, [parse_claim("fedcspack>fedavg")], {"fedavg": "84.39"}, relative_to="fedavg")
     lines = table.splitlines()
-    assert lines[0].startswith("| variant | seeds | personalized acc (mean ± std) | paper | global acc | uploaded |")
+    assert lines[0] == "personalized_acc_mean after each run's last round (summary.json); rounds 10"
+    assert lines[2].startswith("| variant | seeds | personalized acc (mean ± std) | paper | global acc | uploaded |")
     assert "| fedavg | 2 | 0.8750 ± 0.0071 | 84.39 | 0.8650 ± 0.0071 | 2.0 MB (1.000) | 6.0 MB (1.000) |" in table
     assert "| fedcspack | 2 | 0.9050 ± 0.0071 |  | 0.8950 ± 0.0071 | 1.0 MB (0.500) | 3.0 MB (0.500) |" in table
     assert "| fedcspack > fedavg | +0.0300 |" in table
@@ -129,6 +130,25 @@ def test_write_report_writes_the_table_per_seed_files_and_the_plot(tmp_path):
     assert len(files["csv"].read_text().splitlines()) == 7 and files["png"].stat().st_size > 0
 
 
+def test_a_report_names_its_setting_and_what_it_left_out(tmp_path):
+    """report.md's first line: the setting's keys, each variant's value where they differ; the
+    log: a sweep's member without summary.json (still running, or stopped) and different datasets."""
+    _fake_run(tmp_path / "a" / "seed0", 0, 0.8, dataset="digits", alpha=0.1)
+    _fake_run(tmp_path / "a" / "seed1", 1, 0.82, dataset="digits", alpha=0.1)
+    (tmp_path / "a" / "seed2").mkdir()
+    (tmp_path / "a" / "seed2" / "config.json").write_text("{}")  # started, no summary yet
+    _fake_run(tmp_path / "b" / "seed0", 0, 0.7, dataset="mnist", alpha=0.1)
+    notes = []
+    files = write_report({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", log=notes.append)
+    first = files["md"].read_text().splitlines()[0]
+    setting = "dataset digits (a) / mnist (b); alpha 0.1; rounds 10"
+    assert first == f"personalized_acc_mean after each run's last round (summary.json); {setting}"
+    assert notes == [
+        "report: a: 1 unfinished run(s) left out (no summary.json): seed2",
+        "report: the variants ran on different datasets (report.md's first line says which); verdicts compare them",
+    ]
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -138,6 +158,8 @@ def test_write_report_writes_the_table_per_seed_files_and_the_plot(tmp_path):
         (["{a}", "--paper", "a"], "--paper: expected 'VARIANT=NUMBER', got 'a'"),
         (["{a}", "--paper", "b=0.9"], "--paper: unknown variant 'b'"),
         (["{a}", "--relative-to", "fedavg"], "--relative-to: unknown variant 'fedavg'"),
+        (["{a}", "--claim", "a>a-3"], "--claim 'a > a − 3': the margin is in accuracy's units, a fraction (0.03 is 3"),
+        (["{a}", "--claim", "a>=a"], "--claim: 'a>=a': write 'A>B'"),
     ],
 )
 def test_report_mistakes_are_one_line(args, expected, tmp_path, capsys):
@@ -175,8 +197,67 @@ def test_experiment_scripts_report_finished_variants_and_drop_what_names_the_res
     assert "| fedavg | 3 | 0.8100 ± 0.0100 | 84.39 |" in table and "500.0 KB (0.250)" in table
     assert "fedlora" not in table.replace("fedloru", "")
     notes = done.stderr.splitlines()
-    assert "run.sh: 'fedloru>fedlora' left out of the report: fedlora did not finish" in notes
-    assert "run.sh: 'fedlora=80.0' left out of the report: fedlora did not finish" in notes
+    assert "run.sh: 'fedloru>fedlora' left out of the report: fedlora has no finished run there" in notes
+    assert "run.sh: 'fedlora=80.0' left out of the report: fedlora has no finished run there" in notes
+
+
+FAKE_JAXFED = """#!/usr/bin/env bash
+echo "$*" >> "$LOG"
+command=$1
+while [[ $# -gt 0 ]]; do [[ $1 == --out ]] && out=$2; shift; done
+mkdir -p "$out"
+case $(basename "$out") in bad) exit 1 ;; stop) exit 130 ;; esac
+[[ $command == report ]] || touch "$out/summary.json"
+"""
+
+
+@pytest.mark.parametrize(
+    "variants, calls, code, message",
+    [
+        # a failed variant: the script goes on, writes the report and exits 1 at the end
+        ("", "run_variant D/a x; run_variant D/bad x; run_variant D/a x; report_variants D", 1,
+         "run.sh: 1 variant(s) failed: D/bad"),
+        # Ctrl-C (jaxfed exits 130) stops the script: no later variant, no report
+        ("", "run_variant D/stop x; run_variant D/c x; report_variants D", 130,
+         "run.sh: interrupted in D/stop; the same command continues from its last checkpoint"),
+        ("a,typo", "run_variant D/a x; run_variant D/b x; report_variants D", 2,
+         "run.sh: VARIANTS: unknown typo; this script's variants: a,b"),
+        # nothing ran in D: its report is not rewritten from older runs
+        ("typo", "run_variant D/a x; report_variants D", 2, "run.sh: VARIANTS=typo ran nothing in D; its report"),
+    ],
+)  # fmt: skip
+def test_experiment_scripts_stop_when_interrupted_resume_what_exists_and_exit_with_what_failed(
+    variants, calls, code, message, tmp_path
+):
+    """experiments/lib.sh run_variant with a stand-in jaxfed that logs its arguments: a variant
+    whose directory exists is resumed, and the script's exit status says what went wrong."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "jaxfed").write_text(FAKE_JAXFED)
+    (tmp_path / "bin" / "jaxfed").chmod(0o755)
+    lib = Path(__file__).parents[1] / "experiments" / "lib.sh"
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "LOG": str(tmp_path / "log"),
+        "VARIANTS": variants,
+    }
+    script = f"set -euo pipefail; source {lib}; D={tmp_path / 'runs'}; {calls.replace('D', '$D')}"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == code, done.stderr
+    assert message.replace("D", str(tmp_path / "runs")) in done.stderr
+    log = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
+    runs = [line for line in log if line.startswith("run ")]
+    assert "c" not in {line.split("--out ")[1].split()[0].rsplit("/", 1)[-1] for line in runs}
+    if code == 1:  # a's second call resumes it; the first started it
+        assert ["--resume" in line for line in runs if "/runs/a " in line + " "] == [False, True]
+        assert any(line.startswith("report ") for line in log)
 
 
 def test_the_paired_standard_error_is_that_of_the_per_seed_differences(tmp_path):
@@ -194,7 +275,8 @@ def test_no_paired_standard_error_unless_both_variants_ran_the_same_seeds(tmp_pa
     b = _variant(tmp_path, "b", [0.80, 0.81])  # seeds 0, 1 against 0, 1, 2
     c = _variant(tmp_path, "c", [0.80])  # one seed
     table = markdown(collect({"a": a, "b": b, "c": c}), [Claim("a", "b"), Claim("c", "a")])
-    assert table.count("| n/a |") == 2
+    assert table.count("| n/a |") == 3
+    assert "| c > a | -0.1100 | n/a | inconclusive | n/a |" in table  # one seed: no standard error
     assert paired_standard_error({0: 0.9, 1: 0.8}, {1: 0.6, 0: 0.7}) == pytest.approx(0.0)  # by seed, not order
     assert paired_standard_error({0: 0.9, 2: 0.8}, {0: 0.7, 1: 0.6}) is None
 

@@ -33,7 +33,7 @@ for alpha in "${alphas[@]}"; do
     # FedAMP's alpha_k decay (the authors': times 0.1 after rounds 30, 60, ...) reaches 0.01 at
     # round 181, where the pull's SGD step lr * lam / alpha_k is 10 and local training diverges, as
     # in the authors' code; skipped updates keep each client's last finite model, and the report's
-    # best accuracy is the paper's metric.
+    # best accuracy (best_personalized_acc in report.csv and report.json) is the paper's metric.
     [[ $variant == fedamp && $setting == cifar10 ]] && extra=(--set nonfinite=skip)
     run_variant "$runs/$setting/alpha$alpha/$variant" "$algorithm" --config "$here/$setting.conf" \
       --data-dir "$data_dir" --set alpha="$alpha" "${extra[@]}" "$@"

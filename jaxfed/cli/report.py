@@ -25,6 +25,7 @@ import csv
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ class Variant(NamedTuple):
     summaries: list[dict]
     rows: list[list[dict]]  # each run's metrics rows
     seeds: list[int | None]  # each run's seed, as its config.json gives it
+    configs: list[dict]  # each run's config.json
 
 
 def run_dirs(directory: Path) -> list[Path]:
@@ -60,6 +62,17 @@ def run_dirs(directory: Path) -> list[Path]:
             "configuration as its own variant, NAME=DIR"
         )
     return [directory]
+
+
+def unfinished_runs(directory: Path) -> list[Path]:
+    """The run directories in or below ``directory`` without a ``summary.json`` (still running,
+    or stopped): a report leaves them out."""
+    directory = Path(directory)
+    try:
+        candidates = [directory, *(p for p in directory.iterdir() if p.is_dir())] if directory.is_dir() else []
+    except OSError:
+        return []
+    return [p for p in candidates if (p / "config.json").is_file() and not _finished(p)]
 
 
 def _finished(run: Path) -> bool:
@@ -93,7 +106,7 @@ def collect(variants: dict[str, Path]) -> list[Variant]:
             configs, rows = [read[i][0] for i in members], [read[i][1] for i in members]
             check_one_configuration(f"report: variant '{variant}' ({directory})", these, configs)
             summaries = [read_json(run / "summary.json") for run in these]
-            collected.append(Variant(variant, these, summaries, rows, [c.get("seed") for c in configs]))
+            collected.append(Variant(variant, these, summaries, rows, [c.get("seed") for c in configs], configs))
     check_one_task(collected)
     return collected
 
@@ -180,6 +193,28 @@ def _task(summary: dict) -> str:
     return "regression" if summary.get("task") == "regression" else "classification"
 
 
+SETTING_KEYS = ("dataset", "model", "num_clients", "participation", "partition", "alpha", "rounds")
+
+
+def setting(variants: list[Variant]) -> tuple[str, list[str]]:
+    """The runs' setting as one line (each of :data:`SETTING_KEYS` with its value, or the variants
+    holding each value where they differ), and the keys that differ between variants."""
+    parts, differing = [], []
+    for key in SETTING_KEYS:
+        holders: dict[str, list[str]] = {}
+        for v in variants:
+            for config in v.configs:
+                value = flat_config(config).get(key)
+                if value is not None and v.name not in holders.setdefault(show(value), []):
+                    holders[show(value)].append(v.name)
+        if len(holders) == 1:
+            parts.append(f"{key} {next(iter(holders))}")
+        elif holders:
+            differing.append(key)
+            parts.append(f"{key} " + " / ".join(f"{value} ({', '.join(names)})" for value, names in holders.items()))
+    return "; ".join(parts), differing
+
+
 def headline_metric(variant: Variant) -> str:
     """``personalized_acc_mean``, or ``personalized_mse_mean`` for a regression task."""
     return "personalized_mse_mean" if _task(variant.summaries[0]) == "regression" else "personalized_acc_mean"
@@ -255,6 +290,8 @@ _CLAIM = re.compile(r"^\s*(?P<a>[^>]+?)\s*>\s*(?P<b>[^>]+?)(?:\s*-\s*(?P<margin>
 def parse_claim(text: str) -> Claim:
     """``"A>B"`` -> ``Claim("A", "B")``; ``"A>B-0.03"`` -> ``Claim("A", "B", 0.03)`` (A at most
     0.03 worse than B). A variant name ending in ``-NUMBER`` cannot be the B of a claim."""
+    if ">=" in text:
+        raise ConfigError(f"--claim: '{text}': write 'A>B' (A above B; a tie within the seeds' spread is inconclusive)")
     match = _CLAIM.match(text)
     if not match:
         raise ConfigError(f"--claim: expected 'VARIANT>VARIANT' or 'VARIANT>VARIANT-MARGIN', got '{text}'")
@@ -305,6 +342,12 @@ def markdown(
     each claim's verdict."""
     metric = headline_metric(variants[0])
     kind = "mse" if metric.endswith("mse_mean") else "acc"
+    for claim in claims:
+        if kind == "acc" and claim.margin >= 1:
+            raise ConfigError(
+                f"--claim '{claim}': the margin is in accuracy's units, a fraction (0.03 is 3 points), "
+                f"got {claim.margin:g}"
+            )
     by_name = {v.name: v for v in variants}
     paper = paper or {}
     for name in paper:
@@ -318,7 +361,9 @@ def markdown(
     columns += [f"global {kind}", "uploaded", "total traffic"]
     columns += ["total traffic, clients caching"] if "bytes_total_cached" in traffic else []
     columns += ["per seed"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    summary_line, _ = setting(variants)
+    lines = [f"{metric} after each run's last round (summary.json); {summary_line}", ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for v in variants:
         stats = summarize(v, (metric, f"global_{kind}", *traffic))
         seeds = len(v.runs)
@@ -349,7 +394,9 @@ def markdown(
                 continue
             result = verdict(values_a, values_b, kind == "acc", claim.margin)
             paired = paired_standard_error(by_seed(a, metric), by_seed(b, metric))
-            cells = [str(claim), f"{result.difference:+.4f}", f"{result.standard_error:.4f}", result.outcome]
+            one_seed = min(len(values_a), len(values_b)) < 2  # no spread to judge against
+            se = "n/a" if one_seed else f"{result.standard_error:.4f}"
+            cells = [str(claim), f"{result.difference:+.4f}", se, result.outcome]
             cells.append("n/a" if paired is None else f"{paired:.4f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -413,15 +460,24 @@ def write_report(
     claims: list[str] = (),
     paper: list[str] = (),
     relative_to: str | None = None,
+    log=None,
 ) -> dict[str, Path]:
     """``report.md`` (the table and the verdicts), ``report.json`` and ``report.csv`` (per seed),
     ``report.png`` (the curves with their spread) in ``out_dir``. ``claims`` as ``"A>B"`` or
-    ``"A>B-MARGIN"``, ``paper`` as ``"VARIANT=NUMBER"``."""
+    ``"A>B-MARGIN"``, ``paper`` as ``"VARIANT=NUMBER"``. ``log(line)`` (default: stderr) is told
+    of runs left out unfinished and of variants on different datasets."""
+    log = log or (lambda line: print(line, file=sys.stderr))
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
     collected = collect(variants)
     parsed = [parse_claim(c) for c in claims]
     table = markdown(collected, parsed, dict(parse_paper_value(p) for p in paper), relative_to)
+    for name, directory in variants.items():
+        left = unfinished_runs(directory)
+        if left:
+            log(f"report: {name}: {len(left)} unfinished run(s) left out (no summary.json): " + listed(left))
+    if "dataset" in setting(collected)[1]:
+        log("report: the variants ran on different datasets (report.md's first line says which); verdicts compare them")
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {name: out_dir / f"report.{name}" for name in ("md", "json", "csv", "png")}
     files["md"].write_text(table)
