@@ -304,6 +304,36 @@ def test_a_bad_partition_file_is_one_line(case, expected, digits, tmp_path):
         build_data(Config(partition="file", partition_file=str(path), num_clients=clients))
 
 
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, []),
+        ({"partition": "iid", "alpha": 0.5, "min_examples": 10}, []),  # defaults are not settings
+        ({"client_train_size": 60}, ["client_train_size=60 does not apply to partition=dirichlet (only to "
+                                     "client_dirichlet and resample): ignored"]),
+        ({"partition": "iid", "alpha": 0.1, "classes_per_client": 3}, [
+            "alpha=0.1 does not apply to partition=iid (only to dirichlet and client_dirichlet): ignored",
+            "classes_per_client=3 does not apply to partition=iid (only to pathological): ignored",
+        ]),
+        ({"partition": "resample", "client_train_size": 8, "min_examples": 2}, [
+            "min_examples=2 does not apply to partition=resample (only to dirichlet): ignored"]),
+        ({"partition": "client_dirichlet", "alpha": 0.1, "client_test_size": 20}, []),
+        ({"dataset": "synthetic_linear", "alpha": 0.1}, []),  # generated partitioned: no partition key applies
+    ],
+)  # fmt: skip
+def test_partition_settings_the_partition_ignores_are_named(settings, expected):
+    assert Config(**settings).ignored_partition_keys() == expected
+
+
+def test_a_run_warns_of_a_partition_setting_it_ignores(tmp_path):
+    from jaxfed.runs.driver import run
+
+    lines = []
+    config = Config(rounds=1, num_clients=4, checkpoint_every=0, client_train_size=60)
+    run(config, tmp_path / "run", log=lines.append)
+    assert "warning: client_train_size=60 does not apply to partition=dirichlet" in " ".join(lines)
+
+
 def test_partition_file_keys_go_together(tmp_path):
     with pytest.raises(ConfigError, match=r"^partition_file: partition=file needs partition_file=PATH"):
         Config(partition="file").validate()

@@ -253,6 +253,14 @@ def describe(summary: dict) -> str:
 
 PARTITIONERS = ("iid", "dirichlet", "client_dirichlet", "pathological", "label_groups", "resample")
 FILE_PARTITION = "file"  # the config's partition=file: the clients of partition_file
+# The partitioners each setting of a partition applies to (the others ignore it).
+PARTITION_KEYS = {
+    "alpha": ("dirichlet", "client_dirichlet"),
+    "min_examples": ("dirichlet",),
+    "classes_per_client": ("pathological",),
+    "client_train_size": ("client_dirichlet", "resample"),
+    "client_test_size": ("client_dirichlet", "resample"),
+}
 SPLIT_PREFIXES = {"train": "training", "test": "test"}  # array name prefix -> split
 PART_NAME = re.compile(r"^(train|test)_(0|[1-9][0-9]*)$")
 

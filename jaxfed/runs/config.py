@@ -335,6 +335,22 @@ class Config(Options):
         values = {key: value for key, value in super().to_dict().items() if key != "options"}
         return {**values, "options": self.options.to_dict() if self.options is not None else {}}
 
+    def ignored_partition_keys(self) -> list[str]:
+        """A line for each partition setting changed from its default that this run's partition
+        does not use (``client_train_size`` under ``dirichlet``, say: the run goes on without it)."""
+        from jaxfed.data import SYNTHETIC_TASKS
+        from jaxfed.data.partition import PARTITION_KEYS
+
+        if self.dataset in SYNTHETIC_TASKS:  # generated already partitioned: partition keys do not apply
+            return []
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        return [
+            f"{key}={getattr(self, key)} does not apply to partition={self.partition} (only to "
+            f"{' and '.join(users)}): ignored"
+            for key, users in PARTITION_KEYS.items()
+            if self.partition not in users and getattr(self, key) != defaults[key]
+        ]
+
     def recorded(self) -> dict:
         """:meth:`to_dict` as a run directory records it (``config.json``, its checkpoints):
         ``plugins`` with the module that registered the algorithm (its file, or a package's dotted

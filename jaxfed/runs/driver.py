@@ -394,6 +394,8 @@ def run(
             )  # no log: check_resumable compared the config already, its warnings would mislead
             warn_changed_code(point.record.get("fingerprint"), current, directory.path, log)
         log(f"partition: {describe_partition(built.partition_summary)}")
+        for line in config.ignored_partition_keys():
+            log(f"warning: {line}")
         job = Run(LoopSettings.of(config), config.recorded(), current, on_evaluation)
         return _run_in(directory, built.simulation, job, resume, at_most, progress, log, built.partition_summary)
 
