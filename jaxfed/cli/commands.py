@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--quiet", action="store_true", help="no progress lines")
     plot = commands.add_parser("plot", help="plot accuracy vs round and vs bytes uploaded for run directories")
-    plot.add_argument("runs", nargs="+", metavar="DIR", help="run directories (written by jaxfed run)")
+    plot.add_argument(
+        "runs", nargs="+", metavar="DIR", help="run directories (jaxfed run's), or sweeps' directories (each member)"
+    )
     plot.add_argument("--out", help="PNG file (default: DIR/accuracy.png for one run, ./accuracy.png for several)")
     plot.add_argument(
         "--metric",

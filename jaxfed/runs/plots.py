@@ -208,6 +208,8 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path
         drawn += 1
     if not drawn:
         plt.close(fig)
+        if not any(rows for _, rows in runs):
+            raise ConfigError("plot: no run has evaluated yet (metrics.jsonl is empty or missing)")
         raise ConfigError(f"--metric: no run has {metric} rows to plot")
     name = metric.replace("_", " ")
     by_round.set(xlabel="round", ylabel=name, title=f"{name} vs round")
