@@ -198,3 +198,9 @@ def test_a_python_sweep_resumed_where_none_of_its_members_are_is_refused(tmp_pat
     with pytest.raises(ConfigError, match="none of this sweep's members .*resume with the sweep that wrote them"):
         run_simulation_sweep(sweep, out, 1, resume=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["seed0", "seed1"]
+    (out / "seed0").rename(tmp_path / "a_run")  # a run directory (docs: recipes.md's runs/mine, then sweeps.md's)
+    with pytest.raises(ConfigError, match="is a run directory .* choose another --out for a sweep"):
+        run_simulation_sweep(sweep, tmp_path / "a_run", 1, progress=False)
+    assert sorted(p.name for p in (tmp_path / "a_run").iterdir()) == sorted(
+        p.name for p in (out / "seed1").iterdir()
+    )  # nothing written into it

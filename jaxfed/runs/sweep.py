@@ -446,12 +446,7 @@ def run_grid(configs: list[Config | dict], root: str | Path, keys=(), *, progres
             f"sweep: two members would share the run directory {shared}; give each swept key distinct values "
             "(model files: distinct file names)"
         )
-    parent = RunDirectory(root)
-    if parent.finished() or parent.holds_run():  # its members would sit inside a run
-        raise ConfigError(
-            f"--out {root}: is a run directory (its own metrics, checkpoints or summary.json); "
-            "choose another --out for a sweep"
-        )
+    refuse_run_as_root(root)
     refuse_other_runs(root, outs, resume)
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
@@ -475,6 +470,17 @@ def run_grid(configs: list[Config | dict], root: str | Path, keys=(), *, progres
             for i, result in zip(batch, results):
                 summaries[i] = result
     return outs, summaries
+
+
+def refuse_run_as_root(root: Path) -> None:
+    """A ConfigError when ``root``, where a sweep writes its members, is itself a run directory:
+    the members would sit inside that run (and ``jaxfed report`` could read neither)."""
+    parent = RunDirectory(root)
+    if parent.finished() or parent.holds_run():
+        raise ConfigError(
+            f"--out {root}: is a run directory (its own metrics, checkpoints or summary.json); "
+            "choose another --out for a sweep"
+        )
 
 
 def refuse_other_runs(root: Path, outs: list[Path], resume: bool, resume_how: str = "") -> None:
@@ -734,6 +740,7 @@ def run_simulation_sweep(
         for m in sweep.members
     ]
     outs = [Path(out) / simulation_member_name(m) for m in sweep.members]
+    refuse_run_as_root(Path(out))
     refuse_other_runs(Path(out), outs, resume, "resume with the sweep that wrote them (its seeds and values)")
     dirs = [RunDirectory(path, settings.keep_checkpoints) for path in outs]
     with contextlib.ExitStack() as locks:
