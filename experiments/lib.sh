@@ -27,11 +27,14 @@ require_conf() {
 }
 
 # run_variant OUT ALGORITHM [jaxfed arguments...]; a failure (a diverged run, say) is reported,
-# the script goes on and exits 1 at the end. An interrupted variant (Ctrl-C) stops the script.
-# A variant whose OUT exists is resumed (jaxfed's --resume): running the same command again
-# continues an interrupted script, skips what finished and refuses a changed setting. With
-# VARIANTS=a,b (variant names: OUT's last part) only those run; the report still takes every
-# finished variant in the directory (a table split across sessions).
+# the script goes on and exits 1 at the end. A variant stopped by a signal (Ctrl-C: jaxfed exits
+# 130) stops the script. Running the same command again goes on where it stopped: a sweep
+# directory (SEEDS) is resumed (jaxfed sweep --resume: finished members skipped), a run with a
+# checkpoint is resumed (jaxfed run --resume: a finished one is left as it is), a run that finished
+# without checkpoints is skipped, and one stopped before its first checkpoint starts again. A
+# setting changed since is refused by the resume, naming the key. With VARIANTS=a,b (variant
+# names: OUT's last part) only those run; the report still takes every finished variant in the
+# directory (a table split across sessions).
 seen_variants=() ran_dirs=() failed=()
 run_variant() {
   local out=$1; shift
@@ -40,15 +43,22 @@ run_variant() {
   seen_variants+=("$name")
   [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$name,"* ]] || return 0
   ran_dirs+=("$(dirname "$out")")
-  [[ -d $out ]] && resume=(--resume)
+  if [[ -n ${SEEDS:-} ]]; then
+    [[ -d $out ]] && resume=(--resume)
+  elif [[ -n $(ls -A "$out/checkpoints" 2> /dev/null) ]]; then
+    resume=(--resume)
+  elif [[ -f $out/summary.json ]]; then
+    echo "run.sh: $out finished already, without a checkpoint to go on from: skipped (delete it to run it again)" >&2
+    return 0
+  fi
   if [[ -n ${SEEDS:-} ]]; then
     jaxfed sweep "$@" --seeds "$SEEDS" --quiet --out "$out" "${resume[@]}" || status=$?
   else
     jaxfed run "$@" --quiet --out "$out" "${resume[@]}" || status=$?
   fi
-  if [[ $status -eq 130 ]]; then
-    echo "run.sh: interrupted in $out; the same command continues from its last checkpoint" >&2
-    exit 130
+  if [[ $status -ge 128 ]]; then  # stopped by a signal: 128 + its number (130: Ctrl-C)
+    echo "run.sh: $out stopped (exit $status); the same command goes on from there" >&2
+    exit "$status"
   fi
   if [[ $status -ne 0 ]]; then
     echo "run.sh: $out failed (exit $status)" >&2
@@ -61,6 +71,7 @@ run_variant() {
 _finish_run_script() {
   local status=$? name unknown=()
   [[ $status -ne 0 ]] && return
+  [[ ${#failed[@]} -gt 0 ]] && echo "run.sh: ${#failed[@]} variant(s) failed: ${failed[*]}" >&2
   if [[ -n ${VARIANTS:-} ]]; then
     for name in ${VARIANTS//,/ }; do
       [[ " ${seen_variants[*]} " == *" $name "* ]] || unknown+=("$name")
@@ -70,10 +81,7 @@ _finish_run_script() {
       exit 2
     fi
   fi
-  if [[ ${#failed[@]} -gt 0 ]]; then
-    echo "run.sh: ${#failed[@]} variant(s) failed: ${failed[*]}" >&2
-    exit 1
-  fi
+  [[ ${#failed[@]} -eq 0 ]] || exit 1
 }
 trap _finish_run_script EXIT
 

@@ -2,6 +2,7 @@
 an extension interrupted (each test failed before its fix)."""
 
 import dataclasses
+import json
 
 import pytest
 from conftest import metrics_rows as rows
@@ -149,3 +150,73 @@ def test_a_run_interrupted_while_a_checkpoint_is_written_completes_it(tmp_path, 
         .err.strip()
         .endswith("interrupted; the checkpoint of round 1 is intact (--resume continues from it)")
     )
+
+
+def test_an_interrupt_python_dropped_stops_the_run_before_its_next_call(tmp_path, capsys):
+    """SIGINT's KeyboardInterrupt raised inside JAX's garbage-collection callback is dropped by
+    Python (the run went on to its end, exit 0); the jaxfed command's handler remembers it and the
+    loop stops before its next compiled call, checkpoints complete, exit 130."""
+    from jaxfed.cli import main
+    from jaxfed.runs import interrupts
+
+    out = tmp_path / "run"
+    settings = ["num_clients=8", "rounds=3", "eval_every=1", "rounds_per_call=1", "checkpoint_every=1"]
+    interrupts._received.set()  # as install()'s handler does, its KeyboardInterrupt then dropped
+    try:
+        assert main(["run", "--quiet", "--out", str(out), "--set", *settings]) == 130
+    finally:
+        interrupts.clear()
+    assert capsys.readouterr().err.strip().endswith("jaxfed: interrupted; no checkpoint was completed")
+    assert RunDirectory(out).checkpoints.rounds() == [] and not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("code, received, exit_code", [(130, True, 130), (0, True, 130), (0, False, 0), (2, True, 2)])
+def test_the_jaxfed_command_exits_130_when_interrupted_without_the_interpreters_teardown(
+    code, received, exit_code, monkeypatch, capsys
+):
+    """entry(): an interrupted command leaves by os._exit (torn down with XLA's threads mid-compile
+    it crashed, exit 139); one whose interrupt came too late to stop it still exits 130."""
+    import os
+
+    from jaxfed.cli import commands
+    from jaxfed.runs import interrupts
+
+    class Exited(Exception):
+        pass
+
+    def leave(how):
+        def exit_(status):
+            raise Exited(how, status)
+
+        return exit_
+
+    monkeypatch.setattr(commands, "main", lambda: code)
+    monkeypatch.setattr(os, "_exit", leave("os._exit"))
+    monkeypatch.setattr(commands.sys, "exit", leave("sys.exit"))
+    monkeypatch.setattr(interrupts, "install", lambda: None)  # the test process keeps pytest's handler
+    if received:
+        interrupts._received.set()
+    try:
+        with pytest.raises(Exited) as exited:
+            commands.entry()
+    finally:
+        interrupts.clear()
+    assert exited.value.args == ("os._exit" if exit_code == 130 else "sys.exit", exit_code)
+    late = "jaxfed: interrupted after the command had done its work (its results are complete)"
+    assert (late in capsys.readouterr().err) == (code == 0 and received)
+
+
+def test_a_finished_run_resumed_to_its_rounds_is_left_as_it_is(tmp_path):
+    """`jaxfed run --resume` of a run that ended (the experiment scripts resume every variant they
+    find) rebuilt it and rewrote summary.json (compile_seconds 0, wall_seconds grown): now the
+    summary is returned and every file stays as it was."""
+    from jaxfed.runs.driver import run
+
+    config = Config().with_overrides(SMALL).validate()
+    out = tmp_path / "run"
+    first = run(config, out, **QUIET)
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    lines = []
+    assert run(config, out, resume=True, progress=False, log=lines.append) == json.loads(json.dumps(first))
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    assert lines == [f"{out}: finished its 2 rounds already; left as it is"]

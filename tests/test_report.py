@@ -133,15 +133,15 @@ def test_write_report_writes_the_table_per_seed_files_and_the_plot(tmp_path):
 def test_a_report_names_its_setting_and_what_it_left_out(tmp_path):
     """report.md's first line: the setting's keys, each variant's value where they differ; the
     log: a sweep's member without summary.json (still running, or stopped) and different datasets."""
-    _fake_run(tmp_path / "a" / "seed0", 0, 0.8, dataset="digits", alpha=0.1)
-    _fake_run(tmp_path / "a" / "seed1", 1, 0.82, dataset="digits", alpha=0.1)
+    _fake_run(tmp_path / "a" / "seed0", 0, 0.8, dataset="digits", alpha=0.1, model="")
+    _fake_run(tmp_path / "a" / "seed1", 1, 0.82, dataset="digits", alpha=0.1, model="")
     (tmp_path / "a" / "seed2").mkdir()
     (tmp_path / "a" / "seed2" / "config.json").write_text("{}")  # started, no summary yet
-    _fake_run(tmp_path / "b" / "seed0", 0, 0.7, dataset="mnist", alpha=0.1)
+    _fake_run(tmp_path / "b" / "seed0", 0, 0.7, dataset="mnist", alpha=0.1, model="")
     notes = []
     files = write_report({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", log=notes.append)
     first = files["md"].read_text().splitlines()[0]
-    setting = "dataset digits (a) / mnist (b); alpha 0.1; rounds 10"
+    setting = "dataset digits (a) / mnist (b); model default; alpha 0.1; rounds 10"
     assert first == f"personalized_acc_mean after each run's last round (summary.json); {setting}"
     assert notes == [
         "report: a: 1 unfinished run(s) left out (no summary.json): seed2",
@@ -206,20 +206,24 @@ echo "$*" >> "$LOG"
 command=$1
 while [[ $# -gt 0 ]]; do [[ $1 == --out ]] && out=$2; shift; done
 mkdir -p "$out"
-case $(basename "$out") in bad) exit 1 ;; stop) exit 130 ;; esac
-[[ $command == report ]] || touch "$out/summary.json"
+case $(basename "$out") in bad) exit 1 ;; stop) exit 130 ;; crash) exit 139 ;; esac
+[[ $command == report ]] && exit 0
+[[ $(basename "$out") == nockpt ]] || mkdir -p "$out/checkpoints/1"
+touch "$out/summary.json"
 """
 
 
 @pytest.mark.parametrize(
     "variants, calls, code, message",
     [
-        # a failed variant: the script goes on, writes the report and exits 1 at the end
-        ("", "run_variant D/a x; run_variant D/bad x; run_variant D/a x; report_variants D", 1,
-         "run.sh: 1 variant(s) failed: D/bad"),
-        # Ctrl-C (jaxfed exits 130) stops the script: no later variant, no report
+        # a failed variant: the script goes on, writes the report and exits 1 at the end; a run with a
+        # checkpoint is resumed, one that finished without checkpoints is skipped
+        ("", "run_variant D/a x; run_variant D/bad x; run_variant D/a x; run_variant D/nockpt x; "
+         "run_variant D/nockpt x; report_variants D", 1, "run.sh: 1 variant(s) failed: D/bad"),
+        # Ctrl-C (jaxfed exits 130), or any signal, stops the script: no later variant, no report
         ("", "run_variant D/stop x; run_variant D/c x; report_variants D", 130,
-         "run.sh: interrupted in D/stop; the same command continues from its last checkpoint"),
+         "run.sh: D/stop stopped (exit 130); the same command goes on from there"),
+        ("", "run_variant D/crash x; run_variant D/c x", 139, "run.sh: D/crash stopped (exit 139)"),
         ("a,typo", "run_variant D/a x; run_variant D/b x; report_variants D", 2,
          "run.sh: VARIANTS: unknown typo; this script's variants: a,b"),
         # nothing ran in D: its report is not rewritten from older runs
@@ -255,8 +259,10 @@ def test_experiment_scripts_stop_when_interrupted_resume_what_exists_and_exit_wi
     log = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
     runs = [line for line in log if line.startswith("run ")]
     assert "c" not in {line.split("--out ")[1].split()[0].rsplit("/", 1)[-1] for line in runs}
-    if code == 1:  # a's second call resumes it; the first started it
+    if code == 1:  # a's second call resumes it; the first started it; nockpt's second is skipped
         assert ["--resume" in line for line in runs if "/runs/a " in line + " "] == [False, True]
+        assert ["--resume" in line for line in runs if "/runs/nockpt " in line + " "] == [False]
+        assert "runs/nockpt finished already, without a checkpoint to go on from: skipped" in done.stderr
         assert any(line.startswith("report ") for line in log)
 
 

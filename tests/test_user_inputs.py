@@ -318,6 +318,7 @@ def test_a_bad_partition_file_is_one_line(case, expected, digits, tmp_path):
         ({"partition": "resample", "client_train_size": 8, "min_examples": 2}, [
             "min_examples=2 does not apply to partition=resample (only to dirichlet): ignored"]),
         ({"partition": "client_dirichlet", "alpha": 0.1, "client_test_size": 20}, []),
+        ({"partition": "iid", "min_examples": 5, "train_reduction": 0.9}, []),  # the reduction's floor
         ({"dataset": "synthetic_linear", "alpha": 0.1}, []),  # generated partitioned: no partition key applies
     ],
 )  # fmt: skip
@@ -332,6 +333,22 @@ def test_a_run_warns_of_a_partition_setting_it_ignores(tmp_path):
     config = Config(rounds=1, num_clients=4, checkpoint_every=0, client_train_size=60)
     run(config, tmp_path / "run", log=lines.append)
     assert "warning: client_train_size=60 does not apply to partition=dirichlet" in " ".join(lines)
+
+
+def test_a_sweep_warns_of_a_partition_setting_its_members_ignore_once_before_it_runs(tmp_path):
+    from jaxfed.runs.sweep import member_name, run_grid, sweep_configs
+
+    configs = sweep_configs(Config(client_train_size=60, rounds=1), seeds=[0, 1])
+    taken = tmp_path / "sweep" / member_name(configs[1], ["seed"])  # a member's directory holds a run:
+    taken.mkdir(parents=True)  # the sweep is refused there, after its warnings and before it runs
+    (taken / "metrics.jsonl").write_text('{"round": 1}\n')
+    lines = []
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run_grid(configs, tmp_path / "sweep", ["seed"], progress=False, log=lines.append)
+    assert lines == [
+        "warning: client_train_size=60 does not apply to partition=dirichlet (only to client_dirichlet and "
+        "resample): ignored"
+    ]
 
 
 def test_partition_file_keys_go_together(tmp_path):

@@ -44,8 +44,8 @@ class FedAvgOptions(TrainingOptions):
     )
     server_lr: float = option(
         1.0,
-        "server optimizer learning rate (adam, adagrad, yogi: about 0.01-0.1; their first step moves every "
-        "coordinate by about server_lr)",
+        "server optimizer learning rate (adam, adagrad, yogi: about 0.01-0.1; adam's and yogi's first step moves "
+        "every coordinate by about server_lr, adagrad's by (1 - server_b1) server_lr)",
         source="fedjax's FedAvg",
         check=positive,
     )

@@ -1,7 +1,5 @@
 """``python -m jaxfed.cli``: the ``jaxfed`` command."""
 
-import sys
+from jaxfed.cli.commands import entry
 
-from jaxfed.cli.commands import main
-
-sys.exit(main())
+entry()

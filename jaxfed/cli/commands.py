@@ -17,7 +17,7 @@ from jaxfed.errors import ConfigError, DeviceMemoryError, NonFiniteUpdateError, 
 from jaxfed.runs import distributed
 from jaxfed.runs.config import Config, read_config_lines
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130: 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class _Parser(argparse.ArgumentParser):
@@ -491,12 +491,33 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as err:
         kept = getattr(err, "intact", None)  # a run's loop says what it keeps
         print(f"jaxfed: interrupted; {kept}" if kept else "jaxfed: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into a reader that stopped (jaxfed list | head): not an error
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def entry() -> None:
+    """The ``jaxfed`` command: :func:`main` with a SIGINT handler that loses no interrupt
+    (:mod:`jaxfed.runs.interrupts`). An interrupted command ends without the interpreter's
+    teardown, its output flushed and its checkpoints complete: torn down with XLA's threads
+    mid-compile, it crashed there (exit 139 after its ``interrupted`` line)."""
+    import os
+
+    from jaxfed.runs import interrupts
+
+    interrupts.install()
+    code = main()
+    if code == 0 and interrupts.received():  # dropped, and the command finished before the next check
+        print("jaxfed: interrupted after the command had done its work (its results are complete)", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def quiet_library_logs() -> None:

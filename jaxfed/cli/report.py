@@ -205,8 +205,8 @@ def setting(variants: list[Variant]) -> tuple[str, list[str]]:
         for v in variants:
             for config in v.configs:
                 value = flat_config(config).get(key)
-                if value is not None and v.name not in holders.setdefault(show(value), []):
-                    holders[show(value)].append(v.name)
+                if value is not None and v.name not in holders.setdefault(show(value, key), []):
+                    holders[show(value, key)].append(v.name)
         if len(holders) == 1:
             parts.append(f"{key} {next(iter(holders))}")
         elif holders:

@@ -344,11 +344,14 @@ class Config(Options):
         if self.dataset in SYNTHETIC_TASKS:  # generated already partitioned: partition keys do not apply
             return []
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        used = {key for key, users in PARTITION_KEYS.items() if self.partition in users}
+        if self.train_reduction > 0:
+            used.add("min_examples")  # the floor of every client's reduced training part, any partition
         return [
             f"{key}={getattr(self, key)} does not apply to partition={self.partition} (only to "
             f"{' and '.join(users)}): ignored"
             for key, users in PARTITION_KEYS.items()
-            if self.partition not in users and getattr(self, key) != defaults[key]
+            if key not in used and getattr(self, key) != defaults[key]
         ]
 
     def recorded(self) -> dict:

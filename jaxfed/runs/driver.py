@@ -36,6 +36,7 @@ from jaxfed.errors import (
     is_device_out_of_memory,
     is_storage_full,
 )
+from jaxfed.runs import interrupts
 from jaxfed.runs.build import build
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import split_host, split_host_for, to_host
@@ -208,6 +209,7 @@ def drive(
             if on_evaluation is not None:
                 notify(rows)
         for call, (length, evaluate, checkpoint) in enumerate(schedule):
+            interrupts.check()  # an interrupt Python dropped (docs: jaxfed.runs.interrupts)
             compiling = " (compiling first)" if call == 0 else ""
             bar.set_description(f"{desc}: rounds {done + 1}-{done + length}{compiling}")  # what runs now
             compile_before, tick = members.compile_seconds, time.perf_counter()
@@ -380,6 +382,10 @@ def run(
             check_resumable(saved, config)
             check_rounds(point.round, config.rounds)
             at_most = point.round
+            finished = directory.finished_at(config.rounds)
+            if finished is not None and point.round == config.rounds:
+                log(f"{directory.path}: finished its {config.rounds} rounds already; left as it is")
+                return finished
         else:
             directory.refuse_existing()
         built = build(config)

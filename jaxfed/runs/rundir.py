@@ -41,6 +41,7 @@ from jaxfed.runs.plots import (  # noqa: F401  (read_clients: re-exported)
     client_files,
     is_regression_row,
     read_clients,
+    read_json,
     run_dirs_below,
 )
 
@@ -178,6 +179,14 @@ class RunDirectory:
     def finished(self) -> bool:
         """Whether a run ended here (its ``summary.json`` is written)."""
         return (self.path / "summary.json").exists()
+
+    def finished_at(self, rounds: int) -> dict | None:
+        """The summary of the run that ended here after ``rounds`` rounds; None when none did (a
+        resume to those rounds has nothing to do: it leaves the directory as it is)."""
+        if not self.finished():
+            return None
+        summary = read_json(self.path / "summary.json")
+        return summary if summary.get("rounds") == rounds else None
 
     def refuse_existing(self) -> None:
         """A ConfigError if a run is here already (a new run must not overwrite it)."""

@@ -448,6 +448,8 @@ def run_grid(configs: list[Config | dict], root: str | Path, keys=(), *, progres
         )
     refuse_run_as_root(root)
     refuse_other_runs(root, outs, resume)
+    for line in dict.fromkeys(line for config in configs for line in config.ignored_partition_keys()):
+        log(f"warning: {line}")
     dirs = [RunDirectory(out, c.keep_checkpoints) for out, c in zip(outs, configs)]
     with contextlib.ExitStack() as locks:
         for directory in dirs:
@@ -525,8 +527,7 @@ def resume_point(config: Config, directory: RunDirectory, log) -> int | None:
         check_rounds(done, config.rounds)
     if saved:
         check_resumable(Config.from_dict(saved), config, f"{directory.path}'s")
-    summary_file = directory.path / "summary.json"
-    if summary_file.exists() and read_json(summary_file).get("rounds") == config.rounds:
+    if directory.finished_at(config.rounds) is not None:
         return None
     if done is not None:
         return done
