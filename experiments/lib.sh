@@ -44,16 +44,15 @@ run_variant() {
   [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$name,"* ]] || return 0
   ran_dirs+=("$(dirname "$out")")
   if [[ -n ${SEEDS:-} ]]; then
-    [[ -d $out ]] && resume=(--resume)
-  elif [[ -n $(ls -A "$out/checkpoints" 2> /dev/null) ]]; then
-    resume=(--resume)
-  elif [[ -f $out/summary.json ]]; then
-    echo "run.sh: $out finished already, without a checkpoint to go on from: skipped (delete it to run it again)" >&2
-    return 0
-  fi
-  if [[ -n ${SEEDS:-} ]]; then
+    [[ -d $out ]] && resume=(--resume)  # jaxfed sweep --resume sorts out each member
     jaxfed sweep "$@" --seeds "$SEEDS" --quiet --out "$out" "${resume[@]}" || status=$?
   else
+    if [[ -n $(ls -A "$out/checkpoints" 2> /dev/null) ]]; then
+      resume=(--resume)
+    elif [[ -f $out/summary.json ]]; then
+      echo "run.sh: $out finished already, without a checkpoint to go on from: skipped (delete it to run it again)" >&2
+      return 0
+    fi
     jaxfed run "$@" --quiet --out "$out" "${resume[@]}" || status=$?
   fi
   if [[ $status -ge 128 ]]; then  # stopped by a signal: 128 + its number (130: Ctrl-C)

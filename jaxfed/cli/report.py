@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jaxfed.errors import ConfigError
-from jaxfed.runs.plots import differing_keys, flat_config, read_json, read_run, show
+from jaxfed.runs.plots import differing_keys, flat_config, read_json, read_run, run_dirs_below, show
 from jaxfed.runs.rundir import NEUTRAL_KEYS, check_out_dir, json_text, listed
 
 SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
@@ -69,10 +69,10 @@ def unfinished_runs(directory: Path) -> list[Path]:
     or stopped): a report leaves them out."""
     directory = Path(directory)
     try:
-        candidates = [directory, *(p for p in directory.iterdir() if p.is_dir())] if directory.is_dir() else []
-    except OSError:
+        runs = [directory, *run_dirs_below(directory)]
+    except OSError:  # a directory this process may not look into
         return []
-    return [p for p in candidates if (p / "config.json").is_file() and not _finished(p)]
+    return [p for p in runs if (p / "config.json").is_file() and not _finished(p)]
 
 
 def _finished(run: Path) -> bool:
