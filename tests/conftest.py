@@ -30,6 +30,19 @@ UNCLIPPED = {"clip_norm": 0.0, "weight_decay": 0.0}
 # FedBN keeps the normalization layers local, so it needs a model that has them.
 # (A model file named in a config, as a user's would be: small_models.py's BatchNormNet.)
 MODEL_NEEDS = {"fedbn": [f"model={Path(__file__).with_name('small_models.py')}:BatchNormNet"]}
+# The default run (CI's) checks each property on each code path; a check that trains every algorithm
+# (tests/test_defaults.py) trains the papers' methods and FedAvg there, and its other algorithms in
+# the `slow` run (`python -m pytest -m slow`: README "Run the tests"), with the multi-process campaigns.
+PAPER_METHODS = frozenset(
+    {"fedavg", "fedloru", "pfedloru", "mfedloru", "fedhm", "feddecomp", "fedcspack", "fedara", "floral"}
+)
+
+
+def paper_methods_by_default(names):
+    """``names`` as pytest params: the papers' methods and FedAvg as they are, every other one
+    marked ``slow`` (left out of the default run)."""
+    return [name if name in PAPER_METHODS else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
 
 # Many tests compile the same small simulations (and subprocesses inherit the environment):
 # a persistent compilation cache for the session cuts the suite's time without changing results.

@@ -6,9 +6,11 @@ the authors' gradient clipping). Real MNIST cannot be read here, so it is stood 
 embedded digits resized to 28 x 28 (nearest neighbour, uint8 like the real file, normalized by
 the same loader): the same CNN, inputs of the same shape and scale, examples with real structure
 (on it FedLoRU's old defaults collapse to one class, as they go to NaN on MNIST). Every training
-recipe runs on digits' default model here (FedAvg's once, for the baselines that share it); the
-whole grid (every algorithm on every dataset's default model, the CIFAR shapes and ResNet
-included) is ``experiments/defaults/grid.py``, too slow for the suite.
+recipe runs on digits' default model here (FedAvg's once, for the baselines that share it): the
+papers' methods' and FedAvg's in the default run, the other baselines' in the ``slow`` run
+(``python -m pytest -m slow``: tests/conftest.py's PAPER_METHODS); the whole grid (every algorithm
+on every dataset's default model, the CIFAR shapes and ResNet included) is
+``experiments/defaults/grid.py``, too slow for the suite.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import MODEL_NEEDS
+from conftest import MODEL_NEEDS, paper_methods_by_default
 from sklearn.datasets import load_digits
 
 from jaxfed.algorithms import registry
@@ -93,7 +95,7 @@ def test_the_recipe_check_leaves_out_only_algorithms_whose_recipe_another_runs()
         assert stand_in_for in OWN_RECIPES and training_recipe(name) == training_recipe(stand_in_for)
 
 
-@pytest.mark.parametrize("algorithm", OWN_RECIPES)
+@pytest.mark.parametrize("algorithm", paper_methods_by_default(OWN_RECIPES))
 def test_every_algorithms_defaults_learn_on_digits(algorithm):
     config = Config(algorithm=algorithm, num_clients=6, participation=1.0).with_overrides(
         MODEL_NEEDS.get(algorithm, [])

@@ -79,7 +79,6 @@ def _run_together(tmp_path, device_counts):
     return results
 
 
-@pytest.mark.slow
 def test_one_vs_four_devices(tmp_path):
     (one_info, one), (four_info, four) = _run_together(tmp_path, (1, 4))
     assert one.keys() == four.keys()
@@ -168,6 +167,7 @@ def _jaxfed_processes(out, args, count=2):
     return outputs
 
 
+@pytest.mark.slow  # a multi-process campaign (README: Run the tests)
 def test_two_processes_run_as_one_process_with_two_devices_and_resume(tmp_path):
     """jax.distributed on loopback: the same rows, bit for bit, as one process over two host
     devices (the same mesh); stopped at round 4 and resumed by both processes, the same again."""

@@ -271,16 +271,6 @@ def test_resume_with_fewer_rounds_than_done_is_refused(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["rounds"] == 2
 
 
-def test_resume_after_a_nonfinite_stop_stops_again_with_the_same_line(tmp_path, capsys):
-    out = tmp_path / "run"
-    args = ["--set", "lr=1e30", *TINY]
-    assert main(["run", "--quiet", "--out", str(out), *args]) == 1
-    first = _last_line_error(capsys)
-    assert main(["run", "--quiet", "--out", str(out), "--resume"]) == 1
-    assert _last_line_error(capsys) == first and "round 1: non-finite update" in first
-    assert main(["run", "--quiet", "--out", str(out), "--resume", "--set", "nonfinite=skip"]) == 0
-
-
 def test_a_run_stopped_before_its_first_checkpoint_can_start_again(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
@@ -303,6 +293,7 @@ def test_a_run_without_checkpoints_is_neither_resumed_nor_overwritten(tmp_path, 
     assert (out / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # a multi-process campaign (README: Run the tests)
 def test_host_devices_split_the_host_before_jax_starts_in_a_sweep_and_a_resume(tmp_path):
     """`jaxfed sweep --set host_devices=2` from a fresh process (it failed: JAX had started), then
     a member resumed by `jaxfed run --resume` without a device count in XLA_FLAGS: the resumed
@@ -631,6 +622,7 @@ def _state_digest(run_dir: Path, round_: int) -> str:
     return json.loads((run_dir / "checkpoints" / str(round_) / "run" / "metadata").read_text())["integrity"]["state"]
 
 
+@pytest.mark.slow  # a multi-process campaign (README: Run the tests)
 def test_killed_anywhere_the_run_continues_bit_for_bit(tmp_path):
     alone, out = tmp_path / "alone", tmp_path / "run"
     assert main(["run", "--out", str(alone), *KILL_RUN]) == 0

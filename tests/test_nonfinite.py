@@ -115,6 +115,8 @@ def test_cli_error_checkpoints_then_resume_with_skip(tmp_path, capsys):
     assert err.startswith("jaxfed: error: round 1: non-finite update") and "client(s) " in err
     assert "last good state saved in" in err and "--resume --set nonfinite=skip" in err
     assert (run_dir / "checkpoints" / "0").is_dir()
+    assert main(["run", "--out", str(run_dir), "--resume", "--quiet"]) == 1  # resumed as it was: the same stop
+    assert capsys.readouterr().err.strip().splitlines()[-1] == err
     assert main(["run", "--out", str(run_dir), "--resume", "--quiet", "--set", "nonfinite=skip"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["nonfinite_skipped_total"] >= 3

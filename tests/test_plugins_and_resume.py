@@ -56,23 +56,6 @@ def test_a_plugin_fixed_after_failing_midway_imports_again(tmp_path):
     assert "audit_midway" in registry.names()
 
 
-def test_sweep_resume_with_another_command_is_refused_not_run_beside_the_sweep(tmp_path, capsys):
-    # `jaxfed sweep --out S --resume` with a command that names none of S's members (forgot the
-    # algorithm or grid, as `jaxfed run --out R --resume` allows) used to start a new sweep
-    # (fedavg at the default rounds) inside S, beside the members it was meant to continue
-    from jaxfed.cli import main
-
-    out = str(tmp_path / "sweep")
-    tiny = ["--set", "num_clients=4", "rounds=1"]
-    assert main(["sweep", "fedavg", "--quiet", "--grid", "local_epochs=1,2", "--out", out, *tiny]) == 0
-    before = sorted(p.name for p in (tmp_path / "sweep").iterdir())
-    capsys.readouterr()
-    assert main(["sweep", "fedavg", "--quiet", "--out", out, "--resume", *tiny]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "none of this sweep's members" in err, err
-    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == before
-
-
 def test_a_builder_that_returns_no_algorithm_is_named_with_its_file(own_registry, tmp_path, mlp):
     # a registered builder that returned None used to fail later with an AttributeError traceback
     plugin = tmp_path / "nodc.py"

@@ -133,18 +133,6 @@ def test_every_algorithm_traces_with_a_traced_learning_rate(algorithm):
     assert metrics["train_loss"].shape == (2, 1)
 
 
-def test_a_key_used_in_python_control_flow_sweeps_as_one_program_per_value(tmp_path):
-    """momentum picks optax.sgd(momentum=momentum or None): not traceable, so each value is its
-    own group (and each member is then exactly its run alone)."""
-    messages = []
-    configs = sweep_configs(Config().with_overrides(TINY), seeds=[0], grid={"momentum": ["0.0", "0.5"]})
-    assert traceable_keys(configs) == []
-    outs, _ = run_grid(configs, tmp_path / "grid", ["momentum"], progress=False, log=messages.append)
-    assert messages == [f"sweep group {i}/2: 1 member(s), one compiled program" for i in (1, 2)]
-    run(configs[1], tmp_path / "alone", progress=False)
-    assert rows(outs[1]) == rows(tmp_path / "alone")
-
-
 @pytest.mark.parametrize(
     "grid, expected",
     [
@@ -175,8 +163,13 @@ def _sweep(out, *more) -> list[str]:
 
 
 def test_an_interrupted_sweep_goes_on_with_its_command_plus_resume_bit_for_bit(tmp_path, capsys, monkeypatch):
+    """momentum picks optax.sgd(momentum=momentum or None), a key used in Python control flow: not
+    traceable, so each of its values is a group of its own, one compiled program each."""
     alone, out = tmp_path / "alone", tmp_path / "sweep"
+    assert traceable_keys(sweep_configs(Config(), seeds=[0], grid={"momentum": ["0.0", "0.5"]})) == []
     assert main(_sweep(alone)) == 0
+    groups = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sweep group")]
+    assert groups == [f"sweep group {i}/2: 2 member(s), one compiled program" for i in (1, 2)]
     names = sorted(p.name for p in alone.iterdir())
     calls, run_rounds, save = [0], Sweep.run_rounds, RunCheckpoints.save
 
@@ -218,6 +211,8 @@ def test_a_finished_sweep_resumed_is_skipped_or_extended_and_mistakes_are_one_li
         (["sweep", "--resume", "--out", str(tmp_path / "none")], f"--resume: {tmp_path / 'none'} does not exist"),
         ([*args, "participation=0.25", "--resume"], f"differs from {member}'s in participation (0.5 -> 0.25)"),
         ([*args, "rounds=1", "--resume"], "rounds: 1 is fewer than the 2 rounds the checkpoint has done"),
+        # a command naming none of the members (as `jaxfed run --out R --resume` may) started a new sweep beside them
+        ([*args, "--seeds", "0", "--lrs", "0.1", "--resume"], "none of this sweep's members"),
         (
             ["run", "--quiet", "--resume", "--out", str(out)],
             f"--resume: {out} is a sweep's directory (it holds the run directories seed0_lr0.05, seed1_lr0.05); "
@@ -226,10 +221,12 @@ def test_a_finished_sweep_resumed_is_skipped_or_extended_and_mistakes_are_one_li
         ),
     ]
     capsys.readouterr()
+    before = sorted(p.name for p in out.iterdir())
     for command, expected in cases:
         assert main(command) == 2, command
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, err
+    assert sorted(p.name for p in out.iterdir()) == before
     _, record = RunDirectory(member).newest_checkpoint_record()
     alone = build(Config.from_dict(json.loads((member / "config.json").read_text()))).simulation
     assert record["fingerprint"] == fingerprint(alone)  # what `jaxfed run --resume` of the member compares

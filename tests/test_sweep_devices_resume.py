@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # A sweep interrupted and resumed on 4 host devices (host_devices=4 must be set before JAX starts:
 # a subprocess) goes on bit for bit as the sweep left alone.
 SWEEP_RESUME_ON_DEVICES = textwrap.dedent(
@@ -33,6 +35,7 @@ SWEEP_RESUME_ON_DEVICES = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a multi-process campaign (README: Run the tests)
 def test_a_sweep_on_several_devices_resumes_as_it_runs_left_alone(tmp_path):
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
