@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import client_accuracy, make_federation, round_info
+from conftest import client_accuracy, make_federation, one_client, round_info
 
 from jaxfed.algorithms.fedavg import fedavg
 from jaxfed.algorithms.local import local
@@ -32,6 +32,10 @@ def _stack(views):
 
 
 def test_vmapped_client_update_equals_python_loop(mlp, digits_federation):
+    """Each row of the vmapped update is the client's update run alone. The reference gets the
+    client's padded row (one shape for every client: ``client_update`` compiles once, where each
+    client's own length compiled it per client); test_padding_is_exact checks that the padding
+    changes no bit of a client's result."""
     fed = digits_federation
     alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=16)
     server, client = alg.init(jax.random.key(0))
@@ -45,7 +49,7 @@ def test_vmapped_client_update_equals_python_loop(mlp, digits_federation):
 
     one = jax.jit(alg.client_update)
     for row, (k, rng) in enumerate(zip(ids, rngs)):
-        _, params_k, metrics_k = one(message, client, _client_view(fed, k), rng, round_info())
+        _, params_k, metrics_k = one(message, client, one_client(fed, k), rng, round_info())
         for a, b in zip(jax.tree.leaves(params_k), jax.tree.leaves(params_v)):
             np.testing.assert_allclose(b[row], a, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(metrics_v["train_loss"][row], metrics_k["train_loss"], rtol=1e-5)
@@ -80,7 +84,8 @@ def test_padding_is_exact(mlp, digits_federation):
 
 
 def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation):
-    """One engine round equals: sample, run each client alone, weighted mean by n_k."""
+    """One engine round equals: sample, run each client alone, weighted mean by n_k (each client
+    on its padded row, one compiled ``client_update``: see test_vmapped_client_update_equals_python_loop)."""
     fed = digits_federation
     alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
     sim = Simulation(alg, mlp, fed, participation=0.4, seed=3)
@@ -92,7 +97,7 @@ def test_round_aggregates_sampled_clients_by_sample_count(mlp, digits_federation
     rngs = sampling.client_keys(key, jnp.asarray(ids))
     message = alg.broadcast(state.server, round_info(0, 0))
     one = jax.jit(alg.client_update)
-    uploads = [one(message, ClientStats({}), _client_view(fed, k), rngs[i], round_info())[1] for i, k in enumerate(ids)]
+    uploads = [one(message, ClientStats({}), one_client(fed, k), rngs[i], round_info())[1] for i, k in enumerate(ids)]
     counts = np.asarray(fed.train_count)[ids].astype(np.float64)
     for leaf_new, *leaves in zip(jax.tree.leaves(new_state.server.params), *map(jax.tree.leaves, uploads)):
         expected = sum(c * np.asarray(leaf, np.float64) for c, leaf in zip(counts, leaves)) / counts.sum()
@@ -176,18 +181,35 @@ def test_bytes_counted_from_messages(mlp, digits_federation):
     assert float(metrics["bytes_up"][0]) == 0 and float(metrics["bytes_down"][0]) == 0
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_client_strategies_agree(mlp, digits_federation, chunk):
-    """vmap over all sampled clients, one at a time, and chunks of 3 give the same round."""
+def test_client_strategies_agree(mlp, digits_federation):
+    """vmap over all sampled clients, one at a time, and chunks of 3 give the same round. The
+    client strategy is one swappable object: a subclass given as ``strategy`` runs the round's
+    client updates, with the numbers of the same chunk given as ``client_chunk`` bit for bit (its
+    program is the chunk-3 one: no compile of its own)."""
 
-    def run(client_chunk):
+    class Recording(ClientStrategy):
+        mapped = 0
+
+        def map_clients(self, f, shared, per_client):
+            Recording.mapped += 1
+            return super().map_clients(f, shared, per_client)
+
+    def run(**strategy):
         alg = fedavg(mlp, lr=0.1, momentum=0.9, local_epochs=2, batch_size=16)
-        sim = Simulation(alg, mlp, digits_federation, participation=0.7, client_chunk=client_chunk)
+        sim = Simulation(alg, mlp, digits_federation, participation=0.7, **strategy)
         state, metrics = sim.run_rounds(sim.init(), 2)
-        return jax.tree.leaves(state.server.params) + [metrics["train_loss"]]
+        return sim, state, jax.tree.leaves(state.server.params) + [metrics["train_loss"]]
 
-    for a, b in zip(run(0), run(chunk)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _, _, everyone = run(client_chunk=0)
+    for chunk in (1, 3):
+        by_chunk, expected, got = run(client_chunk=chunk)
+        for a, b in zip(everyone, got):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    swapped, ran, _ = run(strategy=Recording(chunk=3))
+    assert (swapped.client_chunk, swapped.num_devices) == (3, by_chunk.num_devices)
+    assert Recording.mapped == 1  # traced once: the round's client updates ran through it
+    for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_pooled_evaluation_of_a_global_model_equals_the_per_client_one(mlp, digits_federation):
@@ -275,25 +297,6 @@ def test_a_variant_runs_its_own_algorithm_and_key(mlp, digits_federation):
         np.testing.assert_array_equal(got, want)
 
 
-def test_the_client_strategy_is_one_swappable_object(mlp, digits_federation):
-    class Recording(ClientStrategy):
-        mapped = 0
-
-        def map_clients(self, f, shared, per_client):
-            Recording.mapped += 1
-            return super().map_clients(f, shared, per_client)
-
-    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
-    by_chunk = Simulation(alg, mlp, digits_federation, participation=0.5, client_chunk=2)
-    swapped = Simulation(alg, mlp, digits_federation, participation=0.5, strategy=Recording(chunk=2))
-    assert (swapped.client_chunk, swapped.num_devices) == (2, by_chunk.num_devices)
-    expected, _ = by_chunk.run_rounds(by_chunk.init(), 2)
-    ran, _ = swapped.run_rounds(swapped.init(), 2)
-    assert Recording.mapped == 1  # traced once: the round's client updates ran through it
-    for got, want in zip(jax.tree.leaves(ran), jax.tree.leaves(expected)):
-        np.testing.assert_array_equal(got, want)
-
-
 @pytest.mark.parametrize("chunk", [0, 1, 3])
 def test_vmapped_members_run_their_clients_one_at_a_time_with_each_members_numbers(chunk):
     """Under a vmap over members (a sweep), one client at a time, ``map_clients`` runs the
@@ -355,11 +358,11 @@ def test_new_clients_never_train_and_are_evaluated_after_their_own_local_update(
     per_client = evaluation["clients"]
     key, info = sampling.personalization_key(sim.root, state.round), round_info(int(state.round), None)
     adapted_acc, global_acc, untouched = [], [], []
-    update = jax.jit(alg.client_update)
+    update = jax.jit(alg.client_update)  # each client on its padded row: one compile for both
     for k in new:
         client = jax.tree.map(lambda a, k=k: a[k], state.clients)
         rng = jax.random.fold_in(jax.random.fold_in(key, k), 0)
-        adapted, _, _ = update(alg.broadcast(state.server, info), client, _client_view(fed, k), rng, info)
+        adapted, _, _ = update(alg.broadcast(state.server, info), client, one_client(fed, k), rng, info)
         adapted_acc.append(client_accuracy(mlp, alg.eval_params(state.server, adapted), fed, k))
         global_acc.append(client_accuracy(mlp, alg.global_params(state.server), fed, k))
         untouched.append(client_accuracy(mlp, alg.eval_params(state.server, client), fed, k))
