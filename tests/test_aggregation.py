@@ -38,9 +38,10 @@ def stacked_reference(alg):
     return alg._replace(aggregation=None, server_update=server_update)
 
 
-# per-pack weights, and tiers decoded by receive (FedAvg's weighted mean: the server_update test;
-# a uniform mean: the weight-0 test; the mixtures' per-component weights: the FLoRAL and ensemble
-# server tests, through server_step)
+# per-pack weights, and tiers decoded by receive with a sample-weighted mean (a uniform mean: the
+# weight-0 test; the mixtures' per-component weights: the FLoRAL and ensemble server tests, through
+# server_step). The reference is the engine's path for a server_update (every upload of the round
+# stacked, with its weight): a dropped upload fails both cases, misplaced weights mFedLoRU's.
 CASES = {
     "fedcspack": {"pack_size": 64},
     "mfedloru": {"lora_rank": 4, "tiers": "1.0,0.5", "accumulate_every": 1, **UNCLIPPED},
@@ -83,20 +84,6 @@ def test_every_builtin_gives_an_aggregation_but_those_that_compare_uploads(mlp, 
             assert alg.aggregation is None and alg.server_update is not None, name
         else:
             assert alg.aggregation is not None and alg.server_update is None, name
-
-
-def test_a_server_update_still_gets_every_upload(mlp, digits_federation):
-    """The path for a step that needs every upload: the stacked messages and their weights."""
-    alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=32)
-    by_update = alg._replace(
-        aggregation=None, server_update=lambda s, m, w, info: s._replace(params=weighted_mean(m, w))
-    )
-    results = []
-    for algorithm in (alg, by_update):
-        sim = Simulation(algorithm, mlp, digits_federation, participation=0.5, client_chunk=2)
-        results.append(sim.run_rounds(sim.init(), 2)[0])
-    for got, want in zip(*(jax.tree.leaves(r) for r in results)):
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("given", ["both", "neither"])
@@ -264,8 +251,9 @@ def test_the_default_chunk_fits_the_memory_budget(mlp, digits):
 def test_a_round_whose_compilation_runs_out_of_memory_is_compiled_narrower(mlp, digits, monkeypatch):
     """An accelerator's compiler can run out of memory before a memory analysis exists (XLA's GPU
     autotuner at 1 000 000 W2 clients): the default strategy narrows by the failed allocation
-    against its budget and compiles again; numbers as vmapping them all. A given chunk, or
-    another error, is raised as it is."""
+    against its budget and compiles again. A given chunk, or another error, is raised as it is.
+    (The narrower round's numbers as vmapping them all: test_the_default_chunk_fits_the_memory_budget,
+    whose chunk comes out of the same compile-again loop of the engine.)"""
     train, test = partition(
         "resample", digits.y_train, digits.y_test, 40, np.random.default_rng(0), client_train_size=8, client_test_size=2
     )
@@ -285,7 +273,7 @@ def test_a_round_whose_compilation_runs_out_of_memory_is_compiled_narrower(mlp, 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_on_a_small_device)
     strategy = ClientStrategy(memory_bytes=budget)
     sim = Simulation(alg, mlp, fed, participation=1.0, strategy=strategy)
-    got, _ = sim.run_rounds(sim.init(), 1)
+    sim.run_rounds(sim.init(), 1)
     assert widths == [0, 9] and sim.client_chunk == 9
     fresh = ClientStrategy(memory_bytes=budget)
     for message in (f"allocate {budget} bytes.", f"Failed to allocate request for {budget / 2**20}MiB"):
@@ -296,10 +284,6 @@ def test_a_round_whose_compilation_runs_out_of_memory_is_compiled_narrower(mlp, 
     strategy = ClientStrategy(0)  # a chunk the user gave is not changed
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         Simulation(alg, mlp, fed, participation=1.0, strategy=strategy).run_rounds(sim.init(), 1)
-    monkeypatch.undo()
-    want, _ = Simulation(alg, mlp, fed, participation=1.0, client_chunk=0).run_rounds(sim.init(), 1)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
 def _modeled_round(sizes, chunk):
