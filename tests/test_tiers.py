@@ -81,7 +81,8 @@ def test_every_tier_in_one_group_gives_the_per_tier_groups_numbers(algorithm, mo
     """Five tiers (the first whole), 5 of 10 clients a round, vmapped: one group of all tiers
     against one group per tier (a padded conv's numbers: the test above). Bytes exactly (each
     tier's own message, not the padded one); losses and states up to float rounding (a padded
-    sum runs over more, zero, terms)."""
+    sum runs over more, zero, terms). Evaluation is not compared: it reads neither ``pad_tier``
+    nor the grouping (only a round's client groups do), so equal states evaluate equally."""
     model = request.getfixturevalue(model_name)
     built = algorithm(model, local_epochs=1)
     runs = {}
@@ -89,8 +90,8 @@ def test_every_tier_in_one_group_gives_the_per_tier_groups_numbers(algorithm, mo
         sim = Simulation(alg, model, digits_federation, participation=0.5, client_chunk=0)
         assert sim._tiers_in_one_group() == (name == "one")
         state, metrics = sim.run_rounds(sim.init(), 2)
-        runs[name] = state, metrics, sim.evaluate(state)
-    (state, metrics, evaluation), (want_state, want_metrics, want_evaluation) = runs["one"], runs["per_tier"]
+        runs[name] = state, metrics
+    (state, metrics), (want_state, want_metrics) = runs["one"], runs["per_tier"]
     assert metrics.keys() == want_metrics.keys()
     # one row per sampled client, against each tier's group padded to min(sampled, tier size)
     assert metrics["nonfinite_ids"].shape == (2, 5) and want_metrics["nonfinite_ids"].shape == (2, 10)
@@ -103,9 +104,6 @@ def test_every_tier_in_one_group_gives_the_per_tier_groups_numbers(algorithm, mo
             np.testing.assert_allclose(metrics[key], want, rtol=1e-5, err_msg=key)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert evaluation.keys() == want_evaluation.keys()  # the summaries, and the per-client arrays under "clients"
-    for got, want in zip(jax.tree.leaves(evaluation), jax.tree.leaves(want_evaluation), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_one_client_at_a_time_runs_per_tier(mlp, digits_federation):
