@@ -135,3 +135,31 @@ def test_a_plot_that_fails_at_the_end_of_a_run_is_a_warning_and_the_run_is_kept(
         for name in ("accuracy.png", "global_accuracy.png")
     ]
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1 and not (out / "accuracy.png").exists()
+
+
+def test_any_number_of_the_rows_plots_by_round_and_bytes_into_its_own_file(tmp_path, capsys, monkeypatch):
+    """Losses, steps, bytes: any number the runs' rows hold is a --metric, drawn as it is in the rows,
+    into DIR/<metric>.png (DIR/accuracy.png is the run's own figure); other names list them."""
+    from jaxfed.runs import plots
+
+    run = _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5, 0.7, 0.8], 1e6)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    losses = [2.0, 1.25, 0.5]
+    rows = [{**row, "train_loss": loss, "converged": False} for row, loss in zip(rows, losses)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = []
+    save = plots._save
+    monkeypatch.setattr(
+        plots, "_save", lambda fig, out: drawn.append([a.lines[0].get_data() for a in fig.axes]) or save(fig, out)
+    )
+    assert main(["plot", str(run), "--metric", "train_loss"]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "train_loss.png")
+    assert (run / "train_loss.png").read_bytes().startswith(PNG) and not (run / "accuracy.png").exists()
+    (by_round_x, by_round_y), (by_bytes_x, by_bytes_y) = drawn[0]
+    assert list(by_round_x) == [5, 10, 15] and list(by_round_y) == losses == list(by_bytes_y)
+    assert list(by_bytes_x) == [1.0, 2.0, 3.0]  # MB uploaded
+    for name in ("round", "converged", "train_losses"):  # the x axis, a flag, a typo
+        assert main(["plot", str(run), "--metric", name]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--metric: unknown '{name}'" in err
+        assert err.endswith("bytes_up_total, train_loss") and "converged" not in err.split("allowed:")[1]

@@ -75,12 +75,17 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "runs", nargs="+", metavar="DIR", help="run directories (jaxfed run's), or sweeps' directories (each member)"
     )
-    plot.add_argument("--out", help="PNG file (default: DIR/accuracy.png for one run, ./accuracy.png for several)")
+    plot.add_argument(
+        "--out",
+        help="PNG file (default: DIR/accuracy.png for one run, ./accuracy.png for several; with --metric M, "
+        "M.png there instead)",
+    )
     plot.add_argument(
         "--metric",
         default=None,
         help="personalized_acc_mean (the default; personalized_mse_mean for a regression task), "
-        "personalized_acc_weighted, global_acc, new_personalized_acc_mean, ...",
+        "personalized_acc_weighted, global_acc, new_personalized_acc_mean, ..., or any other number in the runs' "
+        "metrics.jsonl rows: train_loss, global_loss, personalized_loss, steps, bytes_up_round, round_seconds, ...",
     )
     plot.add_argument(
         "--clients",
@@ -349,7 +354,7 @@ def _plot(args) -> int:
 
     from jaxfed.runs.plots import plot_client_distribution, plot_runs
 
-    name = "clients.png" if args.clients else "accuracy.png"
+    name = "clients.png" if args.clients else f"{args.metric}.png" if args.metric else "accuracy.png"
     out = args.out or (Path(args.runs[0]) / name if len(args.runs) == 1 else name)
     if args.clients:
         print(plot_client_distribution(args.runs, out, "" if args.clients == "auto" else args.clients))

@@ -1,4 +1,5 @@
-"""Accuracy (or MSE) curves of run directories: against the round and against cumulative bytes uploaded.
+"""Accuracy (or MSE, or any per-round number) curves of run directories: against the round and against
+cumulative bytes uploaded.
 
 ``plot_runs(dirs, out_file)`` draws one line per run, labelled by its algorithm and the config
 keys in which the runs differ. ``jaxfed plot`` and the end of ``jaxfed run`` call it.
@@ -177,13 +178,27 @@ def is_regression_row(row: dict) -> bool:
     return "personalized_mse_mean" in row
 
 
+def plottable_metrics(rows_of_runs) -> list[str]:
+    """What ``plot_runs`` may draw of runs with these rows: :data:`METRICS`, then every other number
+    their rows hold but the round (losses, steps, bytes, seconds, non-finite counts)."""
+    numbers = {
+        key
+        for rows in rows_of_runs
+        for row in rows
+        for key, value in row.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "round"
+    }
+    return [*METRICS, *sorted(numbers - set(METRICS))]
+
+
 def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path:
     """Write a two-panel PNG (``metric`` vs round, vs cumulative bytes up) for ``run_dirs``;
-    ``metric`` None: the runs' personalized accuracy, or their MSE for a regression task."""
-    if metric is not None and metric not in METRICS:
-        raise ConfigError(f"--metric: {unknown_choice(metric, METRICS)}")
+    ``metric`` None: the runs' personalized accuracy, or their MSE for a regression task; else
+    one of :func:`plottable_metrics` (a one-line ConfigError naming them otherwise)."""
     run_dirs = with_members(run_dirs)
     runs = [read_run(d) for d in run_dirs]
+    if metric is not None and metric not in (allowed := plottable_metrics(rows for _, rows in runs)):
+        raise ConfigError(f"--metric: {unknown_choice(metric, allowed)}")
     if metric is None:
         regression = any(is_regression_row(row) for _, rows in runs for row in rows)
         metric = "personalized_mse_mean" if regression else "personalized_acc_mean"
@@ -200,10 +215,10 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path
         points = [r for r in rows if r.get(metric) is not None]
         if not points:
             continue
-        accuracy = [r[metric] for r in points]
-        line = by_round.plot([r["round"] for r in points], accuracy, marker=".", label=label)[0]
+        values = [r[metric] for r in points]
+        line = by_round.plot([r["round"] for r in points], values, marker=".", label=label)[0]
         megabytes = [r["bytes_up_total"] / 1e6 for r in points]
-        by_bytes.plot(megabytes, accuracy, marker=".", color=line.get_color())
+        by_bytes.plot(megabytes, values, marker=".", color=line.get_color())
         smallest_mb = min(smallest_mb, *megabytes)
         drawn += 1
     if not drawn:
