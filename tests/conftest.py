@@ -91,6 +91,23 @@ def _jitted_apply(model: Model):
     return jax.jit(model.apply)
 
 
+def fedopt_reference(rule, x, averages, lr, b1, b2, tau):
+    """Reddi et al. 2021, Algorithm 2 in float64: the change Delta_t = mean_k x_k - x_t,
+    m_t = b1 m + (1 - b1) Delta_t, v_t by the rule (v_{-1} = tau^2), x_{t+1} = x_t + lr m_t / (sqrt(v_t) + tau)."""
+    x = np.asarray(x, np.float64)
+    m, v = np.zeros_like(x), np.full_like(x, tau**2)
+    for average in averages:
+        delta = np.asarray(average, np.float64) - x
+        m = b1 * m + (1 - b1) * delta
+        v = {
+            "adagrad": v + delta**2,
+            "adam": b2 * v + (1 - b2) * delta**2,
+            "yogi": v - (1 - b2) * delta**2 * np.sign(v - delta**2),
+        }[rule]
+        x = x + lr * m / (np.sqrt(v) + tau)
+    return x
+
+
 def round_info(round_: int = 0, tier: int | None = 0) -> RoundInfo:
     """The :class:`RoundInfo` the engine passes in round ``round_`` (0-based) to a client of ``tier``
     (``tier=None``: server_update's)."""

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_federation, round_info
+from conftest import fedopt_reference, make_federation, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.algorithms.fedavg import FedAvgOptions, fedavg
@@ -85,23 +85,6 @@ def test_server_sgd_lr1_equals_plain_average(mlp, digits_federation):
         results.append(jax.tree.leaves(state.server.params))
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
-def fedopt_reference(rule, x, averages, lr, b1, b2, tau):
-    """Reddi et al. 2021, Algorithm 2 in float64: the change Delta_t = mean_k x_k - x_t,
-    m_t = b1 m + (1 - b1) Delta_t, v_t by the rule (v_{-1} = tau^2), x_{t+1} = x_t + lr m_t / (sqrt(v_t) + tau)."""
-    x = np.asarray(x, np.float64)
-    m, v = np.zeros_like(x), np.full_like(x, tau**2)
-    for average in averages:
-        delta = np.asarray(average, np.float64) - x
-        m = b1 * m + (1 - b1) * delta
-        v = {
-            "adagrad": v + delta**2,
-            "adam": b2 * v + (1 - b2) * delta**2,
-            "yogi": v - (1 - b2) * delta**2 * np.sign(v - delta**2),
-        }[rule]
-        x = x + lr * m / (np.sqrt(v) + tau)
-    return x
 
 
 @pytest.mark.parametrize("rule", ["adam", "adagrad", "yogi"])

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import UNCLIPPED, make_federation, round_info, with_random_lora_updates
+from conftest import UNCLIPPED, fedopt_reference, make_federation, round_info, with_random_lora_updates
 
-from jaxfed.algorithms.fedloru import Upload, fedloru
+from jaxfed.algorithms.fedloru import ServerState, Upload, fedloru
 from jaxfed.cli import main
 from jaxfed.core import lowrank
 from jaxfed.errors import ConfigError
@@ -176,3 +176,57 @@ def test_the_authors_init_starts_a_pure_rank_r_model(mlp, digits_federation, nam
     sim = Simulation(alg, mlp, digits_federation, participation=0.5)
     state, metrics = sim.run_rounds(sim.init(), 2)
     assert np.all(np.isfinite(np.asarray(metrics["train_loss"])))
+
+
+def _uploads(server, seeds):
+    """Uploads of clients that moved the full parameters and the factors at random, stacked."""
+    moved = [with_random_lora_updates(server, seed) for seed in seeds]
+    moved = [
+        m._replace(
+            params=jax.tree.map(lambda p, s=s: p + 0.1 * s, m.params),
+            loras={k: lowrank.LoRA(f.down + 0.01 * s, f.up) for k, f in m.loras.items()},
+        )
+        for s, m in zip(seeds, moved)
+    ]
+    return jax.tree.map(lambda *rows: jnp.stack(rows), *(_message(None, m) for m in moved))
+
+
+def test_a_server_optimizer_steps_the_full_parameters_and_the_factors_from_their_averages(mlp):
+    """FedLoRU with FedYogi on the server: two rounds of given uploads, the full parameters and each
+    factor against Algorithm 2 (float64) from the plain server's averages of the same uploads."""
+    options = dict(server_lr=0.3, server_b1=0.8, server_b2=0.95, server_eps=0.01)
+    plain, yogi = (
+        _algorithm(mlp, accumulate_every=5),
+        _algorithm(mlp, accumulate_every=5, server_optimizer="yogi", **options),
+    )
+    start, _ = yogi.init(jax.random.key(0))
+    # without the option the state is as it was (its checkpoints, written before the option, restore)
+    assert plain.init(jax.random.key(0))[0]._fields == ("params", "loras", "merged", "key_data")
+    weights = jnp.asarray([3.0, 1.0])
+    averages, state = [], start
+    for round_, seeds in enumerate([(1, 2), (3, 4)]):
+        uploads = _uploads(state, seeds)
+        plain_state = ServerState(*state[:4])  # the same server without the optimizer's state
+        averages.append(_message(None, server_step(plain, plain_state, uploads, weights, round_)))
+        state = server_step(yogi, state, uploads, weights, round_)
+    got, x0 = _message(None, state), _message(None, start)
+    for x, *rounds, leaf in zip(*map(jax.tree.leaves, (x0, *averages, got)), strict=True):
+        want = fedopt_reference("yogi", x, rounds, 0.3, 0.8, 0.95, 0.01)
+        np.testing.assert_allclose(leaf, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reinit", [True, False])
+def test_restarted_factors_restart_their_server_optimizer_state(mlp, reinit):
+    """At an accumulation with ``reinit`` the new factors' moments start again (m 0, v tau^2);
+    continued factors keep theirs, and the full parameters' always carry on."""
+    alg = _algorithm(mlp, accumulate_every=2, reinit=reinit, server_optimizer="adam", server_lr=0.1)
+    state, _ = alg.init(jax.random.key(0))
+    for round_ in (0, 1):  # round 1 completes 2 rounds: it accumulates
+        state = server_step(alg, state, _uploads(state, (round_ + 1, round_ + 5)), jnp.ones(2), round_)
+    (free_moments, _), (factor_moments, _) = state.opt_state
+    assert all(np.abs(m).max() > 0 for m in jax.tree.leaves(free_moments.m))
+    if reinit:
+        assert all(np.all(m == 0) for m in jax.tree.leaves(factor_moments.m))
+        assert all(np.allclose(v, 1e-3**2) for v in jax.tree.leaves(factor_moments.v))
+    else:
+        assert all(np.abs(m).max() > 0 for m in jax.tree.leaves(factor_moments.m))

@@ -14,101 +14,19 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
-import optax
-
 from jaxfed.algorithms.aggregation import averaging
+from jaxfed.algorithms.fedopt import ServerOptimizerOptions, server_step
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.nn import model_template, split_variables
-from jaxfed.options import TrainingOptions, momentum_coefficient, one_of, option, positive, resolve
-
-SERVER_OPTIMIZERS = ("none", "sgd", "adam", "adagrad", "yogi")
-FEDOPT = "Reddi et al., ICLR 2021 (FedOpt)"
-BASELINE = "jaxfed baseline default (kept from earlier releases: docs/results.md's digits table)"
+from jaxfed.options import resolve
 
 
 @dataclasses.dataclass(frozen=True)
-class FedAvgOptions(TrainingOptions):
+class FedAvgOptions(ServerOptimizerOptions):
     """FedAvg's options: client SGD and an optional server optimizer."""
-
-    server_optimizer: str = option(
-        "none",
-        "server optimizer on the averaged change: none (plain average), sgd, or FedOpt's adam, adagrad or yogi "
-        "(FedAdam / FedAdagrad / FedYogi: Reddi et al.'s Algorithm 2 as written, without bias correction)",
-        source="fedjax's FedAvg; adam, adagrad, yogi: " + FEDOPT,
-        check=one_of(*SERVER_OPTIMIZERS),
-    )
-    server_lr: float = option(
-        1.0,
-        "server optimizer learning rate (adam, adagrad, yogi: about 0.01-0.1; adam's and yogi's first step moves "
-        "every coordinate by about server_lr, adagrad's by (1 - server_b1) server_lr)",
-        source="fedjax's FedAvg",
-        check=positive,
-    )
-    server_momentum: float = option(
-        0.0, "server SGD momentum, in [0, 1)", source="fedjax's FedAvg", check=momentum_coefficient
-    )
-    server_b1: float = option(
-        0.9, "adam, adagrad, yogi: first-moment decay beta_1, in [0, 1)", source=FEDOPT, check=momentum_coefficient
-    )
-    server_b2: float = option(
-        0.99, "adam, yogi: second-moment decay beta_2, in [0, 1)", source=FEDOPT, check=momentum_coefficient
-    )
-    server_eps: float = option(
-        1e-3,
-        "adam, adagrad, yogi: the degree of adaptivity tau (the step is m / (sqrt(v) + tau), v starts at tau^2)",
-        source=FEDOPT + "'s grid of tau, 1e-5..1e-1",
-        check=positive,
-    )
-
-    def server(self) -> optax.GradientTransformation | None:
-        """The server's optimizer of the pseudo-gradient ``w - mean_k w_k`` (None: the plain average)."""
-        if self.server_optimizer == "none":
-            return None
-        if self.server_optimizer == "sgd":
-            return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
-        return optax.chain(
-            scale_by_fedopt(self.server_optimizer, self.server_b1, self.server_b2, self.server_eps),
-            optax.scale_by_learning_rate(self.server_lr),
-        )
-
-
-class FedOptState(NamedTuple):
-    m: Any  # the first moment of the pseudo-gradient
-    v: Any  # the second moment (starts at tau^2)
-
-
-def _second_moment(rule: str, b2, v, g):
-    """Algorithm 2's three updates of ``v`` for the pseudo-gradient ``g`` (its square is the change's)."""
-    if rule == "adagrad":
-        return v + g * g
-    if rule == "adam":
-        return b2 * v + (1 - b2) * g * g
-    return v - (1 - b2) * g * g * jnp.sign(v - g * g)  # yogi
-
-
-def scale_by_fedopt(rule: str, b1, b2, eps) -> optax.GradientTransformation:
-    """FedAdam, FedAdagrad and FedYogi's direction (Reddi et al. 2021, Algorithm 2) for ``rule``
-    ``adam``, ``adagrad`` or ``yogi``: ``m <- b1 m + (1 - b1) g``, ``v`` by the rule, the step
-    ``m / (sqrt(v) + eps)``, with ``m`` starting at 0 and ``v`` at ``eps**2``; no bias correction
-    (optax's ``adam`` corrects it, and its ``adagrad`` has no momentum and ``eps`` inside the root).
-    Scale by ``-lr`` after it (:func:`optax.scale_by_learning_rate`)."""
-
-    def init(params):
-        return FedOptState(
-            m=jax.tree.map(jnp.zeros_like, params), v=jax.tree.map(lambda p: jnp.full_like(p, eps * eps), params)
-        )
-
-    def update(grads, state, params=None):
-        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.m, grads)
-        v = jax.tree.map(lambda v, g: _second_moment(rule, b2, v, g), state.v, grads)
-        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), m, v), FedOptState(m, v)
-
-    return optax.GradientTransformation(init, update)
 
 
 class ServerState(NamedTuple):
@@ -153,12 +71,7 @@ def fedavg(
         return ClientStats(model_state), params, metrics
 
     def finish(server_state, average, info):
-        params = server_state.params
-        if server_optimizer is None:
-            return ServerState(average, server_state.opt_state)
-        pseudo_grad = jax.tree.map(jnp.subtract, params, average)
-        updates, opt_state = server_optimizer.update(pseudo_grad, server_state.opt_state, params)
-        return ServerState(optax.apply_updates(params, updates), opt_state)
+        return ServerState(*server_step(server_optimizer, server_state.params, average, server_state.opt_state))
 
     def eval_params(server_state, client_state):
         return {"params": server_state.params, **client_state.model_state}

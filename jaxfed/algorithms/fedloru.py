@@ -29,6 +29,12 @@ Download (``download_bytes``): a client keeps the W it last received, so it down
 kernels only once, then, after accumulations it missed, their folded factors (``reinit``: one
 rank-r set per accumulation; without ``reinit`` none, W - W_old = s (merged - merged_old) comes
 with the broadcast) or W again when that is smaller. ``bytes_down`` still counts W every round.
+
+``server_optimizer`` (FedLoRA, FedLoRU, pFedLoRU, mFedLoRU; :mod:`jaxfed.algorithms.fedopt`)
+steps the full parameters and the factors from the clients' averages as FedAvg's server does its
+model: "FedLoRU techniques can be easily integrated into other federated learning schemes such as
+FedAdam and FedAdagrad" (the paper, §5). The factors' optimizer state restarts with the factors
+(``reinit``) at each accumulation; the full parameters' carries on.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxfed.algorithms.fedopt import ServerOptimizerOptions, server_step
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import masked, train_parameters
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -105,8 +112,9 @@ class FamilyOptions(TrainingOptions):
 
 
 @dataclasses.dataclass(frozen=True)
-class FedLoRAOptions(FamilyOptions):
-    """Low-rank client updates of a frozen global model (FedLoRA: never accumulated)."""
+class FedLoRAOptions(FamilyOptions, ServerOptimizerOptions):
+    """Low-rank client updates of a frozen global model (FedLoRA: never accumulated), and the
+    server optimizer of their average."""
 
     lora_rank: int = option(
         16,
@@ -223,6 +231,17 @@ class ServerState(NamedTuple):
     key_data: jax.Array  # raw PRNG bits (checkpointable), folded with the round for re-initialization
 
 
+class OptimizedServerState(NamedTuple):
+    """:class:`ServerState` with a server optimizer (``server_optimizer`` other than none: without
+    one the state, and the checkpoints written before the option, stay as they were)."""
+
+    params: Any
+    loras: Any
+    merged: Any
+    key_data: jax.Array
+    opt_state: Any  # the server optimizer's: (of the full parameters, of the factors)
+
+
 class Broadcast(NamedTuple):
     """What a FedLoRU-family client receives: W, the global factors, what W already holds of them
     (None, not sent, when that is always zero: with ``reinit`` and in FedLoRA) and, for
@@ -317,8 +336,9 @@ def pure_low_rank_start(rng, params, loras):
     return params, started
 
 
-def _server_init(model, adapted: _Adapted, init: str = "lora"):
-    """The family's server state and the client state holding only model statistics."""
+def _server_init(model, adapted: _Adapted, init: str = "lora", optimizer=None):
+    """The family's server state (``optimizer``: the server optimizer, None without one) and the
+    client state holding only model statistics."""
 
     def init_fn(rng):
         init_rng, lora_rng, server_rng = jax.random.split(rng, 3)
@@ -327,22 +347,31 @@ def _server_init(model, adapted: _Adapted, init: str = "lora"):
         if init == "authors":
             params, loras = pure_low_rank_start(jax.random.fold_in(lora_rng, 1), params, loras)
         server = ServerState(params, loras, _zeros_like(loras), jax.random.key_data(server_rng))
+        if optimizer is not None:
+            opt_state = (optimizer.init(adapted.split(params)[0]), optimizer.init(loras))
+            server = OptimizedServerState(*server, opt_state)
         return server, LowRankClient(model_state, jnp.int32(NO_W))
 
     return init_fn
 
 
-def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool) -> Aggregation:
+def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool, optimizer=None) -> Aggregation:
     """FedLoRU's server step from the uploads of the full parameters and the (rank-r) factors:
-    separate sample-weighted means, then accumulation after every ``accumulate_every``-th round
-    (rounds completed a multiple of it)."""
+    separate sample-weighted means (stepped to by ``optimizer``, the server optimizer, if any),
+    then accumulation after every ``accumulate_every``-th round (rounds completed a multiple of it)."""
 
     def contribute(server_state, message, weight, info):
         return weighted_share(message.free, weight), weighted_share(message.loras, weight)
 
     def apply(server_state, total, info):
         free, loras = (mean_of(part) for part in total)
-        params = lowrank.merge_kernels(free, adapted.split(server_state.params)[1])
+        current, frozen = adapted.split(server_state.params)
+        if optimizer is not None:
+            (free, free_state), (loras, lora_state) = (
+                server_step(optimizer, *args)
+                for args in zip((current, server_state.loras), (free, loras), server_state.opt_state)
+            )
+        params = lowrank.merge_kernels(free, frozen)
         merged = server_state.merged
         if accumulate_every:
             completed = info.round + 1  # the rounds completed after this one
@@ -353,7 +382,10 @@ def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool) -> Aggreg
             params = tree_select(now, accumulated, params)
             merged = tree_select(now, _zeros_like(loras) if reinit else loras, merged)
             loras = tree_select(now, restarted, loras)
-        return server_state._replace(params=params, loras=loras, merged=merged)
+            if optimizer is not None and reinit:  # new factors: their optimizer state starts again
+                lora_state = tree_select(now, optimizer.init(restarted), lora_state)
+        stepped = server_state._replace(params=params, loras=loras, merged=merged)
+        return stepped if optimizer is None else stepped._replace(opt_state=(free_state, lora_state))
 
     return Aggregation(contribute, apply)
 
@@ -376,7 +408,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     """FedLoRU (or, with :class:`FedLoRAOptions`, FedLoRA): clients train ``free`` and the factors."""
     adapted = _adapted(model, options.lora_rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, *_accumulation(options))
+    aggregate = _aggregate(adapted, *_accumulation(options), options.server())
 
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
@@ -401,7 +433,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     return FederatedAlgorithm(
         name=name,
         options=options,
-        init=_server_init(model, adapted, options.init),
+        init=_server_init(model, adapted, options.init, options.server()),
         broadcast=_broadcaster(options),
         client_update=client_update,
         aggregation=aggregate,
@@ -430,8 +462,8 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     personal = _adapted(model, options.personal_rank, options.lora_alpha, list(adapted.ranks), field="personal_rank")
     batching = {"batch_size": options.batch_size, "drop_last": options.drop_last}
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit)
-    server_init = _server_init(model, adapted, options.init)
+    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit, options.server())
+    server_init = _server_init(model, adapted, options.init, options.server())
 
     def init(rng):
         server_rng, personal_rng = jax.random.split(rng)
@@ -515,7 +547,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     rank = options.lora_rank
     adapted = _adapted(model, rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit)
+    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit, options.server())
     tiers = options.tiers
     tier_ranks = [nested_rank(rank, ratio) for ratio in tiers]
 
@@ -593,7 +625,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     return FederatedAlgorithm(
         name="mfedloru",
         options=options,
-        init=_server_init(model, adapted, options.init),
+        init=_server_init(model, adapted, options.init, options.server()),
         broadcast=broadcast,
         client_update=client_update,
         aggregation=aggregate,
