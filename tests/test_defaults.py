@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import MODEL_NEEDS, paper_methods_by_default
+from conftest import MODEL_NEEDS, PAPER_METHODS, paper_methods_by_default
 from sklearn.datasets import load_digits
 
 from jaxfed.algorithms import registry
@@ -91,6 +91,7 @@ def test_the_recipe_check_leaves_out_only_algorithms_whose_recipe_another_runs()
     shares_fedavgs = {"fedprox", "local", "fedper", "fedbn", "ditto", "moon", "fedntd", "fedspu", "fedrod"}
     shares_fedavgs |= {"fedproto", "ifca", "fedala", "fedbabu", "fedamp", "fedcac", "pfedsd"}
     assert set(registry.BUILTINS) - set(OWN_RECIPES) == shares_fedavgs | set(SAME_RECIPE_AS)  # not other tests' plugins
+    assert PAPER_METHODS <= set(OWN_RECIPES)  # the default run's (a name misspelt there would go to the slow run)
     for name, stand_in_for in SAME_RECIPE_AS.items():
         assert stand_in_for in OWN_RECIPES and training_recipe(name) == training_recipe(stand_in_for)
 

@@ -145,7 +145,8 @@ def test_any_number_of_the_rows_plots_by_round_and_bytes_into_its_own_file(tmp_p
     run = _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5, 0.7, 0.8], 1e6)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
     losses = [2.0, 1.25, 0.5]
-    rows = [{**row, "train_loss": loss, "converged": False} for row, loss in zip(rows, losses)]
+    # "skipped_loss" null in every row (as train_loss when every update was skipped)
+    rows = [{**row, "train_loss": loss, "converged": False, "skipped_loss": None} for row, loss in zip(rows, losses)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn = []
     save = plots._save
@@ -162,4 +163,6 @@ def test_any_number_of_the_rows_plots_by_round_and_bytes_into_its_own_file(tmp_p
         assert main(["plot", str(run), "--metric", name]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"--metric: unknown '{name}'" in err
-        assert err.endswith("bytes_up_total, train_loss") and "converged" not in err.split("allowed:")[1]
+        assert err.endswith("bytes_up_total, skipped_loss, train_loss") and "converged" not in err.split("allowed:")[1]
+    assert main(["plot", str(run), "--metric", "skipped_loss"]) == 2
+    assert "--metric: no run has skipped_loss rows to plot" in capsys.readouterr().err

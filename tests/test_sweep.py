@@ -170,6 +170,12 @@ def test_an_interrupted_sweep_goes_on_with_its_command_plus_resume_bit_for_bit(t
     assert main(_sweep(alone)) == 0
     groups = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sweep group")]
     assert groups == [f"sweep group {i}/2: 2 member(s), one compiled program" for i in (1, 2)]
+    member = alone / "seed0_lr0.05_momentum0.5"  # the second group's program: the member as its run alone
+    run(Config.from_dict(json.loads((member / "config.json").read_text())), tmp_path / "single", progress=False)
+    for got, want in zip(rows(member), rows(tmp_path / "single"), strict=True):
+        # the evaluation's loss sums two members' clients at once: in another order, to the last bits
+        assert got.pop("personalized_loss") == pytest.approx(want.pop("personalized_loss"), rel=1e-6)
+        assert got == want
     names = sorted(p.name for p in alone.iterdir())
     calls, run_rounds, save = [0], Sweep.run_rounds, RunCheckpoints.save
 

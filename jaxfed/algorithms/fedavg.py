@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from jaxfed.algorithms.aggregation import averaging
-from jaxfed.algorithms.fedopt import ServerOptimizerOptions, server_step
+from jaxfed.algorithms.fedopt import ServerOptimizerOptions, step_toward_average
 from jaxfed.algorithms.records import ClientStats
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_classifier
@@ -71,7 +71,7 @@ def fedavg(
         return ClientStats(model_state), params, metrics
 
     def finish(server_state, average, info):
-        return ServerState(*server_step(server_optimizer, server_state.params, average, server_state.opt_state))
+        return ServerState(*step_toward_average(server_optimizer, server_state.params, average, server_state.opt_state))
 
     def eval_params(server_state, client_state):
         return {"params": server_state.params, **client_state.model_state}

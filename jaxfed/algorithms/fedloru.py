@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxfed.algorithms.fedopt import ServerOptimizerOptions, server_step
+from jaxfed.algorithms.fedopt import ServerOptimizerOptions, step_toward_average
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import masked, train_parameters
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -368,7 +368,7 @@ def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool, optimizer
         current, frozen = adapted.split(server_state.params)
         if optimizer is not None:
             (free, free_state), (loras, lora_state) = (
-                server_step(optimizer, *args)
+                step_toward_average(optimizer, *args)
                 for args in zip((current, server_state.loras), (free, loras), server_state.opt_state)
             )
         params = lowrank.merge_kernels(free, frozen)
@@ -408,7 +408,8 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     """FedLoRU (or, with :class:`FedLoRAOptions`, FedLoRA): clients train ``free`` and the factors."""
     adapted = _adapted(model, options.lora_rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, *_accumulation(options), options.server())
+    server_optimizer = options.server()
+    aggregate = _aggregate(adapted, *_accumulation(options), server_optimizer)
 
     def client_update(message, client_state, data, rng, info):
         optimizer = options.optimizer(info.round)  # this round's learning rate
@@ -433,7 +434,7 @@ def _low_rank_updates(model, options: FedLoRAOptions, name: str) -> FederatedAlg
     return FederatedAlgorithm(
         name=name,
         options=options,
-        init=_server_init(model, adapted, options.init, options.server()),
+        init=_server_init(model, adapted, options.init, server_optimizer),
         broadcast=_broadcaster(options),
         client_update=client_update,
         aggregation=aggregate,
@@ -462,8 +463,9 @@ def pfedloru(model, options: PFedLoRUOptions | None = None, **overrides) -> Fede
     personal = _adapted(model, options.personal_rank, options.lora_alpha, list(adapted.ranks), field="personal_rank")
     batching = {"batch_size": options.batch_size, "drop_last": options.drop_last}
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit, options.server())
-    server_init = _server_init(model, adapted, options.init, options.server())
+    server_optimizer = options.server()
+    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit, server_optimizer)
+    server_init = _server_init(model, adapted, options.init, server_optimizer)
 
     def init(rng):
         server_rng, personal_rng = jax.random.split(rng)
@@ -547,7 +549,8 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     rank = options.lora_rank
     adapted = _adapted(model, rank, options.lora_alpha, options.layers)
     global_params = _global_model(adapted)
-    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit, options.server())
+    server_optimizer = options.server()
+    aggregate = _aggregate(adapted, options.accumulate_every, options.reinit, server_optimizer)
     tiers = options.tiers
     tier_ranks = [nested_rank(rank, ratio) for ratio in tiers]
 
@@ -625,7 +628,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
     return FederatedAlgorithm(
         name="mfedloru",
         options=options,
-        init=_server_init(model, adapted, options.init, options.server()),
+        init=_server_init(model, adapted, options.init, server_optimizer),
         broadcast=broadcast,
         client_update=client_update,
         aggregation=aggregate,

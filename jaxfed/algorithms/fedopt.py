@@ -98,7 +98,7 @@ def scale_by_fedopt(rule: str, b1, b2, eps) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def server_step(optimizer: optax.GradientTransformation | None, params, average, opt_state):
+def step_toward_average(optimizer: optax.GradientTransformation | None, params, average, opt_state):
     """``(new parameters, new optimizer state)``: ``average`` itself without an optimizer, else
     ``params`` stepped by ``optimizer`` on the pseudo-gradient ``params - average``."""
     if optimizer is None:

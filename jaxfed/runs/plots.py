@@ -180,13 +180,14 @@ def is_regression_row(row: dict) -> bool:
 
 def plottable_metrics(rows_of_runs) -> list[str]:
     """What ``plot_runs`` may draw of runs with these rows: :data:`METRICS`, then every other number
-    their rows hold but the round (losses, steps, bytes, seconds, non-finite counts)."""
+    their rows hold but the round (losses, steps, bytes, seconds, non-finite counts; null where a
+    round had none, as ``train_loss`` when every update was skipped)."""
     numbers = {
         key
         for rows in rows_of_runs
         for row in rows
         for key, value in row.items()
-        if isinstance(value, int | float) and not isinstance(value, bool) and key != "round"
+        if (value is None or isinstance(value, int | float)) and not isinstance(value, bool) and key != "round"
     }
     return [*METRICS, *sorted(numbers - set(METRICS))]
 
@@ -197,6 +198,8 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path
     one of :func:`plottable_metrics` (a one-line ConfigError naming them otherwise)."""
     run_dirs = with_members(run_dirs)
     runs = [read_run(d) for d in run_dirs]
+    if not any(rows for _, rows in runs):
+        raise ConfigError("plot: no run has evaluated yet (metrics.jsonl is empty or missing)")
     if metric is not None and metric not in (allowed := plottable_metrics(rows for _, rows in runs)):
         raise ConfigError(f"--metric: {unknown_choice(metric, allowed)}")
     if metric is None:
@@ -223,8 +226,6 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path
         drawn += 1
     if not drawn:
         plt.close(fig)
-        if not any(rows for _, rows in runs):
-            raise ConfigError("plot: no run has evaluated yet (metrics.jsonl is empty or missing)")
         raise ConfigError(f"--metric: no run has {metric} rows to plot")
     name = metric.replace("_", " ")
     by_round.set(xlabel="round", ylabel=name, title=f"{name} vs round")
