@@ -367,10 +367,9 @@ def _aggregate(adapted: _Adapted, accumulate_every: int, reinit: bool, optimizer
         free, loras = (mean_of(part) for part in total)
         current, frozen = adapted.split(server_state.params)
         if optimizer is not None:
-            (free, free_state), (loras, lora_state) = (
-                step_toward_average(optimizer, *args)
-                for args in zip((current, server_state.loras), (free, loras), server_state.opt_state)
-            )
+            free_state, lora_state = server_state.opt_state
+            free, free_state = step_toward_average(optimizer, current, free, free_state)
+            loras, lora_state = step_toward_average(optimizer, server_state.loras, loras, lora_state)
         params = lowrank.merge_kernels(free, frozen)
         merged = server_state.merged
         if accumulate_every:
