@@ -2,6 +2,7 @@
 
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import chex
@@ -116,3 +117,42 @@ def test_authors_fmnist_cnn_torch_init_draws_torch_default_bounds(monkeypatch):
         assert np.abs(kernel).max() > 0.9 * bound and np.abs(bias).min() < np.abs(bias).max(), layer
         np.testing.assert_allclose(kernel.std(), bound / np.sqrt(3), rtol=0.15, err_msg=layer)  # uniform's std
         assert not np.any(flax_params[layer]["bias"]), layer
+
+
+def test_a_models_shapes_and_layers_are_traced_once_and_each_caller_gets_its_own_copy():
+    """``once_per_model`` answers a model's questions from one trace per model (equal modules are
+    one model); an unhashable module is traced every time; the variables handed out are copies."""
+    from jaxfed.nn.layers import layers_in_call_order
+    from jaxfed.nn.models import Model
+    from jaxfed.nn.traced import abstract_variables, once_per_model
+
+    traces = []
+
+    class Counted(nn.Module):
+        widths: Sequence[int] = (5, 3)
+
+        @nn.compact
+        def __call__(self, x):
+            traces.append(self.widths)
+            for i, w in enumerate(self.widths):
+                x = nn.Dense(w, name=f"d{i}")(x)
+            return x
+
+    model, same = (Model("counted", Counted(), (4,)) for _ in range(2))
+    first = abstract_variables(model)
+    assert jax.tree.map(lambda s: s.shape, first["params"]["d1"]) == {"kernel": (5, 3), "bias": (3,)}
+    first["params"].pop("d0")  # the caller's copy only
+    assert set(abstract_variables(same)["params"]) == {"d0", "d1"}
+    assert layers_in_call_order(same) == ["d0", "d1"]
+    assert len(traces) == 2  # the variables once, the watched forward pass once
+
+    unhashable = Model("counted", Counted(widths=[5, 3]), (4,))
+    shapes = [jax.tree.map(lambda s: s.shape, abstract_variables(unhashable)) for _ in range(2)]
+    assert shapes[0] == shapes[1] == jax.tree.map(lambda s: s.shape, abstract_variables(same))
+    assert len(traces) == 4  # each time
+
+    calls = []
+    answer = once_per_model(lambda m: calls.append(m) or len(calls))
+    assert answer(model) == answer(same) == 1
+    with jax.enable_x64(True):
+        assert answer(model) == 2  # x64 mode changes a model's dtypes

@@ -34,7 +34,7 @@ from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import stack_clients
-from jaxfed.nn import split_variables
+from jaxfed.nn import model_template, split_variables
 from jaxfed.options import TrainingOptions, at_least, non_negative, option, positive, resolve
 
 CODE = (
@@ -119,7 +119,7 @@ def cloud_models(models, known, alpha, sigma: float):
 def fedamp(model, options: FedAMPOptions | None = None, *, num_clients: int, **overrides) -> FederatedAlgorithm:
     """FedAMP: each client's own model pulled toward a cloud model of its similar clients' models."""
     options = resolve(FedAMPOptions, options, overrides)
-    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, _ = model_template(model)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))

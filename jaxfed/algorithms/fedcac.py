@@ -44,7 +44,7 @@ from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import stack_clients, tree_bytes, tree_select, weighted_mean
-from jaxfed.nn import split_variables
+from jaxfed.nn import model_template, split_variables
 from jaxfed.options import DatasetDefaults, TrainingOptions, at_least, option, ratio, resolve
 
 CODE = "the authors' code (Fling, flzoo/cifar10/cifar10_fedcac_resnet_config.py: tau 0.5, beta 100 on CIFAR-10)"
@@ -157,7 +157,7 @@ def synced(server_state: ServerState, client_state: ClientState):
 def fedcac(model, options: FedCACOptions | None = None, *, num_clients: int, **overrides) -> FederatedAlgorithm:
     """FedCAC: critical parameters averaged among clients of similar critical places, the rest by all."""
     options = resolve(FedCACOptions, options, overrides)
-    template, _ = split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    template, _ = model_template(model)
 
     def init(rng):
         params, model_state = split_variables(model.init(rng))

@@ -58,7 +58,7 @@ from jaxfed.contract import FederatedAlgorithm
 from jaxfed.core import lowrank
 from jaxfed.core.losses import masked_loss
 from jaxfed.errors import ConfigError
-from jaxfed.nn import split_variables
+from jaxfed.nn import model_template, split_variables
 from jaxfed.nn.layers import dense, head_input, head_layer
 from jaxfed.options import (
     TrainingOptions,
@@ -124,7 +124,7 @@ class Extractor(NamedTuple):
     @classmethod
     def of(cls, model) -> Extractor:
         head = head_layer(model, "", "pfedafm")
-        params = jax.eval_shape(model.init, jax.random.key(0))["params"]
+        params = model_template(model)[0]
         template = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), lowrank.get_layer(params, head))
         return cls(model, head, template)
 

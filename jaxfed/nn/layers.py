@@ -12,12 +12,14 @@ import flax.linen as nn
 import jax
 
 from jaxfed.nn.conv import Conv
+from jaxfed.nn.traced import abstract_variables, once_per_model
 
 DENSE_OR_CONV = (nn.Dense, nn.Conv, Conv)
 NORMALIZATION = (nn.BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.InstanceNorm)
 
 
-def _called_modules(model) -> list[tuple[str, nn.Module]]:
+@once_per_model
+def _called_modules(model) -> tuple[tuple[str, nn.Module], ...]:
     """``(key, module)`` of every submodule one forward pass calls, in call order (first call)."""
     order: dict[str, nn.Module] = {}
 
@@ -28,7 +30,7 @@ def _called_modules(model) -> list[tuple[str, nn.Module]]:
 
     with nn.intercept_methods(record):
         jax.eval_shape(model.init, jax.random.key(0))
-    return list(order.items())
+    return tuple(order.items())
 
 
 def _calls(model) -> list[tuple[str, nn.Module]]:
@@ -124,7 +126,7 @@ def parameter_layers(model) -> list[str]:
 
 def _parameter_modules(model) -> list[tuple[str, nn.Module]]:
     """``(key, module)`` of the called modules that hold parameter arrays of their own, in call order."""
-    params = jax.eval_shape(model.init, jax.random.key(0))["params"]
+    params = abstract_variables(model)["params"]
 
     def own_arrays(key: str) -> bool:
         node = params

@@ -24,6 +24,7 @@ import numpy as np
 from jaxfed.errors import ConfigError, channels_first, first_line, unknown_choice
 from jaxfed.nn import user
 from jaxfed.nn.conv import CONV_IMPLS, Conv, max_pool_2x2
+from jaxfed.nn.traced import abstract_variables
 
 NORMS = ("group", "batch")
 GROUPS = 2
@@ -284,7 +285,7 @@ def split_variables(variables: dict):
 def model_template(model):
     """``(params, model_state)`` of ``model``'s variables as shapes (``jax.ShapeDtypeStruct``),
     without computing them: what an algorithm sizes its states and factors by."""
-    return split_variables(jax.eval_shape(model.init, jax.random.key(0)))
+    return split_variables(abstract_variables(model))
 
 
 def built_in_setting(model: Model, name: str, allowed, default: str) -> str:
@@ -402,7 +403,7 @@ def _check_fits(
     x = jax.ShapeDtypeStruct((1,) + example_shape, example_dtype or model.input_dtype)
     applied = num_classes is not None or example_shape != model.input_shape
     try:
-        variables = jax.eval_shape(model.init, jax.random.key(0))
+        variables = abstract_variables(model)
     except Exception as err:  # shape errors from Flax/XLA for inputs the model cannot take
         _cannot_take(model, shown, err, num_classes is not None)
     try:
