@@ -38,6 +38,11 @@ def test_skip_drops_the_client_from_the_mean(mlp, digits_federation):
     new_state, metrics = sim.run_rounds(state, 1)
     assert float(metrics["nonfinite_clients"][0]) == 1
     assert np.isfinite(float(metrics["train_loss"][0]))
+    # "a bad client keeps its old state and sends nothing": the 9 others' models up, all 10 down
+    # (one client at a time, CPU's default; tests/test_bytes_counted.py: vmapped, padded tiers)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(state.server.params))
+    assert float(metrics["bytes_up"][0]) == 9 * model_bytes
+    assert float(metrics["bytes_down"][0]) == 10 * model_bytes
 
     key = sampling.round_key(sim.root, 0)
     ids = np.asarray(sampling.sample_clients(sim.root, key, fed.num_clients, fed.num_clients))

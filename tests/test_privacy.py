@@ -10,6 +10,10 @@ legitimately depend on it, so those run with training frozen (``lr=0``): the upl
 server sent alone. Where the private state is only BatchNorm statistics (train mode normalizes
 with the batch's own statistics) the clients train at a real learning rate. This catches a
 private leaf sent in any form (copied, scaled, mixed into a shared leaf), not only verbatim.
+
+The default run checks the papers' methods and FedAvg (``tests/conftest.py``'s ``PAPER_METHODS``;
+each compiles its own update, about 1.3 s); the other built-ins run in the slow run
+(``python -m pytest -m slow``: README "Run the tests").
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BatchNormNet, round_info
+from conftest import BatchNormNet, paper_methods_by_default, round_info
 
 from jaxfed.algorithms import registry
 from jaxfed.core import packs as pk
@@ -170,7 +174,7 @@ def _fedcspack_client(alg, server, client, upload_of):
     return server, client, moved
 
 
-@pytest.mark.parametrize("name", sorted(PRIVATE))
+@pytest.mark.parametrize("name", paper_methods_by_default(sorted(PRIVATE)))
 def test_a_private_state_changes_the_personalized_model_but_not_the_upload(name, digits, digits_federation):
     model = Model("bn_net", BatchNormNet(digits.num_classes), digits.input_shape)
     alg = _algorithm(name, model, name in FROZEN)
