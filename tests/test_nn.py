@@ -122,8 +122,8 @@ def test_authors_fmnist_cnn_torch_init_draws_torch_default_bounds(monkeypatch):
 def test_a_models_shapes_and_layers_are_traced_once_and_each_caller_gets_its_own_copy():
     """``once_per_model`` answers a model's questions from one trace per model (equal modules are
     one model); an unhashable module is traced every time; the variables handed out are copies."""
-    from jaxfed.nn.layers import layers_in_call_order
-    from jaxfed.nn.models import Model
+    from jaxfed.nn.layers import head_layer, layers_in_call_order, parameter_layers
+    from jaxfed.nn.models import Model, model_template
     from jaxfed.nn.traced import abstract_variables, once_per_model
 
     traces = []
@@ -143,7 +143,8 @@ def test_a_models_shapes_and_layers_are_traced_once_and_each_caller_gets_its_own
     assert jax.tree.map(lambda s: s.shape, first["params"]["d1"]) == {"kernel": (5, 3), "bias": (3,)}
     first["params"].pop("d0")  # the caller's copy only
     assert set(abstract_variables(same)["params"]) == {"d0", "d1"}
-    assert layers_in_call_order(same) == ["d0", "d1"]
+    assert layers_in_call_order(same) == layers_in_call_order(model) == parameter_layers(model) == ["d0", "d1"]
+    assert head_layer(same) == "d1" and set(model_template(same)[0]) == {"d0", "d1"}
     assert len(traces) == 2  # the variables once, the watched forward pass once
 
     unhashable = Model("counted", Counted(widths=[5, 3]), (4,))

@@ -33,13 +33,13 @@ def test_skip_drops_the_client_from_the_mean(mlp, digits_federation):
     bad = 2
     fed = _poison(digits_federation, bad)
     alg = fedavg(mlp, lr=0.1, local_epochs=1, batch_size=16)
-    sim = Simulation(alg, mlp, fed, participation=1.0, seed=4, nonfinite="skip")
+    sim = Simulation(alg, mlp, fed, participation=1.0, seed=4, nonfinite="skip", client_chunk=1)
     state = sim.init()
     new_state, metrics = sim.run_rounds(state, 1)
     assert float(metrics["nonfinite_clients"][0]) == 1
     assert np.isfinite(float(metrics["train_loss"][0]))
     # "a bad client keeps its old state and sends nothing": the 9 others' models up, all 10 down
-    # (one client at a time, CPU's default; tests/test_bytes_counted.py: vmapped, padded tiers)
+    # (one client at a time; tests/test_bytes_counted.py: vmapped, padded tiers)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(state.server.params))
     assert float(metrics["bytes_up"][0]) == 9 * model_bytes
     assert float(metrics["bytes_down"][0]) == 10 * model_bytes

@@ -20,12 +20,14 @@ NORMALIZATION = (nn.BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.Instan
 
 @once_per_model
 def _called_modules(model) -> tuple[tuple[str, nn.Module], ...]:
-    """``(key, module)`` of every submodule one forward pass calls, in call order (first call)."""
+    """``(key, module)`` of every submodule one forward pass calls, in call order (first call);
+    each module unbound (kept past the trace: it holds its fields, not the trace's variables)."""
     order: dict[str, nn.Module] = {}
 
     def record(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and context.module.path:
-            order.setdefault(".".join(context.module.path), context.module)
+        key = ".".join(context.module.path)
+        if context.method_name == "__call__" and key and key not in order:
+            order[key] = context.module.clone(parent=None)
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
