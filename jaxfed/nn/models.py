@@ -24,7 +24,7 @@ import numpy as np
 from jaxfed.errors import ConfigError, channels_first, first_line, unknown_choice
 from jaxfed.nn import user
 from jaxfed.nn.conv import CONV_IMPLS, Conv, max_pool_2x2
-from jaxfed.nn.traced import abstract_variables
+from jaxfed.nn.traced import abstract_variables, once_per_model
 
 NORMS = ("group", "batch")
 GROUPS = 2
@@ -369,21 +369,13 @@ def check_data_fits(model: Model, example_shape: tuple, example_dtype, outputs: 
             "x.transpose(0, 2, 3, 1) and wrap the model for that shape, unless the model transposes them itself",
             stacklevel=3,
         )
-    arguments = (model, tuple(example_shape), np.dtype(example_dtype), outputs)
-    try:
-        hash(arguments)
-    except TypeError:  # a module holding arrays: checked every time
-        _data_fits(*arguments)
-    else:
-        _data_fits_once(*arguments)
+    _data_fits(model, tuple(example_shape), np.dtype(example_dtype), outputs)
 
 
+@once_per_model  # a model and data seen before fit
 def _data_fits(model: Model, example_shape: tuple, example_dtype, outputs: int) -> None:
     hint = "the data's num_classes, or its targets per example in a regression"
     _check_fits(model, f"'{model.name}'", outputs, example_shape, example_dtype, hint)
-
-
-_data_fits_once = functools.lru_cache(maxsize=256)(_data_fits)  # a model and data seen before fit (errors: not cached)
 
 
 def _check_fits(

@@ -20,19 +20,20 @@ _MODELS_KEPT = 256  # answers per question kept: each is a small tree of shapes 
 
 
 def once_per_model(answer: Callable[..., T]) -> Callable[..., T]:
-    """``answer(model)`` traced once per model and x64 mode (a model is what it computes: its
-    module's class and fields, its input's shape and dtype; models compare and hash by them).
-    A model that cannot be hashed (a module field that is a list) is traced each time. Callers
-    share the answer: they must not edit it (:func:`abstract_variables` hands out copies)."""
-    kept = functools.lru_cache(maxsize=_MODELS_KEPT)(lambda model, x64: answer(model))
+    """``answer(model, *arguments)`` computed once per model, arguments and x64 mode (a model is
+    what it computes: its module's class and fields, its input's shape and dtype; models compare
+    and hash by them). A model that cannot be hashed (a module field holding an array) is asked
+    each time; an error is not kept. Callers share the answer: they must not edit it
+    (:func:`abstract_variables` hands out copies)."""
+    kept = functools.lru_cache(maxsize=_MODELS_KEPT)(lambda x64, *question: answer(*question))
 
     @functools.wraps(answer)
-    def cached(model):
+    def cached(model, *arguments):
         try:
-            hash(model)
+            hash((model, *arguments))
         except TypeError:
-            return answer(model)
-        return kept(model, jax.config.jax_enable_x64)
+            return answer(model, *arguments)
+        return kept(jax.config.jax_enable_x64, model, *arguments)
 
     cached.cache_clear = kept.cache_clear
     return cached
