@@ -35,7 +35,6 @@ def once_per_model(answer: Callable[..., T]) -> Callable[..., T]:
             return answer(model, *arguments)
         return kept(jax.config.jax_enable_x64, model, *arguments)
 
-    cached.cache_clear = kept.cache_clear
     return cached
 
 
