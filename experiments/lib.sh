@@ -41,6 +41,7 @@ run_variant() {
   local name status=0 resume=()
   name=$(basename "$out")
   seen_variants+=("$name")
+  if [[ -n ${_RUN_SH_LISTING:-} ]]; then echo "$name" >> "$_RUN_SH_LISTING"; return 0; fi
   [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$name,"* ]] || return 0
   ran_dirs+=("$(dirname "$out")")
   if [[ -n ${SEEDS:-} ]]; then
@@ -65,24 +66,49 @@ run_variant() {
   fi
 }
 
-# At the script's end: a name in VARIANTS that no run_variant call had is an error (exit 2), and
-# so is a variant that failed (exit 1); the reports of the rest are written by then.
+# _refuse_unknown_variants NAME...: a name in VARIANTS that is not among the script's variants
+# (NAME...) is an error (exit 2) naming them.
+_refuse_unknown_variants() {
+  local name unknown=()
+  [[ -n ${VARIANTS:-} ]] || return 0
+  for name in ${VARIANTS//,/ }; do
+    [[ " $* " == *" $name "* ]] || unknown+=("$name")
+  done
+  if [[ ${#unknown[@]} -gt 0 ]]; then
+    echo "run.sh: VARIANTS: unknown ${unknown[*]}; this script's variants: $(printf '%s\n' "$@" | sort -u | paste -sd, -)" >&2
+    exit 2
+  fi
+}
+
+# At the script's end: a variant that failed is an error (exit 1), and so is a name in VARIANTS
+# that no run_variant call had (exit 2: where the script could not be listed up front, below);
+# the reports of the rest are written by then.
 _finish_run_script() {
-  local status=$? name unknown=()
+  local status=$?
   [[ $status -ne 0 ]] && return
   [[ ${#failed[@]} -gt 0 ]] && echo "run.sh: ${#failed[@]} variant(s) failed: ${failed[*]}" >&2
-  if [[ -n ${VARIANTS:-} ]]; then
-    for name in ${VARIANTS//,/ }; do
-      [[ " ${seen_variants[*]} " == *" $name "* ]] || unknown+=("$name")
-    done
-    if [[ ${#unknown[@]} -gt 0 ]]; then
-      echo "run.sh: VARIANTS: unknown ${unknown[*]}; this script's variants: $(printf '%s\n' "${seen_variants[@]}" | sort -u | paste -sd, -)" >&2
-      exit 2
-    fi
-  fi
+  _refuse_unknown_variants "${seen_variants[@]}"
   [[ ${#failed[@]} -eq 0 ]] || exit 1
 }
 trap _finish_run_script EXIT
+
+# With VARIANTS, the script (its file, $0, with its arguments) first runs as a listing, where
+# run_variant only writes its variant's name and report_variants does nothing: a name that is none
+# of them stops it before its first run, not when the runs before it have finished. A script that
+# fails as a listing (a usage mistake) is left to fail in the real run, with its own message.
+_list_variants_first() {
+  local listing names listed=0
+  [[ -n ${VARIANTS:-} && -z ${_RUN_SH_LISTING:-} && -f $0 ]] || return 0
+  listing=$(mktemp)
+  VARIANTS="" _RUN_SH_LISTING=$listing bash "$0" "$@" > /dev/null 2>&1 && listed=1
+  names=$(sort -u "$listing")
+  rm -f "$listing"
+  if [[ $listed == 1 ]]; then
+    # shellcheck disable=SC2086  # variant names are words
+    _refuse_unknown_variants $names
+  fi
+}
+_list_variants_first "$@"
 
 # report_variants DIR [CLAIM...] [--OPTION=VALUE...]: every variant directory in DIR (but report/)
 # into DIR/report; a CLAIM is 'A>B' ("variant A beats B") or 'A>B-0.03' ("A at most 0.03 below
@@ -92,6 +118,7 @@ trap _finish_run_script EXIT
 report_variants() {
   local dir=$1; shift
   local variants=() names=() options=() name arg
+  [[ -z ${_RUN_SH_LISTING:-} ]] || return 0
   if [[ -n ${VARIANTS:-} && " ${ran_dirs[*]} " != *" $dir "* ]]; then
     echo "run.sh: VARIANTS=$VARIANTS ran nothing in $dir; its report is left as it was" >&2
     return 0

@@ -1,6 +1,10 @@
 """jaxfed report: mean ± std over seeds (numpy's), verdicts against the seeds' spread, the files."""
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,6 +205,7 @@ def test_experiment_scripts_report_finished_variants_and_drop_what_names_the_res
     assert "run.sh: 'fedlora=80.0' left out of the report: fedlora has no finished run there" in notes
 
 
+EXPERIMENTS_LIB = Path(__file__).parents[1] / "experiments" / "lib.sh"
 FAKE_JAXFED = """#!/usr/bin/env bash
 echo "$*" >> "$LOG"
 command=$1
@@ -235,28 +240,10 @@ def test_experiment_scripts_stop_when_interrupted_resume_what_exists_and_exit_wi
 ):
     """experiments/lib.sh run_variant with a stand-in jaxfed that logs its arguments: a variant
     whose directory exists is resumed, and the script's exit status says what went wrong."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    if shutil.which("bash") is None:
-        pytest.skip("bash is not installed")
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "jaxfed").write_text(FAKE_JAXFED)
-    (tmp_path / "bin" / "jaxfed").chmod(0o755)
-    lib = Path(__file__).parents[1] / "experiments" / "lib.sh"
-    env = {
-        **os.environ,
-        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
-        "LOG": str(tmp_path / "log"),
-        "VARIANTS": variants,
-    }
-    script = f"set -euo pipefail; source {lib}; D={tmp_path / 'runs'}; {calls.replace('D', '$D')}"
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    script = f"set -euo pipefail; source {EXPERIMENTS_LIB}; D={tmp_path / 'runs'}; {calls.replace('D', '$D')}"
+    done, log = _run_with_fake_jaxfed(tmp_path, ["bash", "-c", script], variants)
     assert done.returncode == code, done.stderr
     assert message.replace("D", str(tmp_path / "runs")) in done.stderr
-    log = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
     runs = [line for line in log if line.startswith("run ")]
     assert "c" not in {line.split("--out ")[1].split()[0].rsplit("/", 1)[-1] for line in runs}
     if code == 1:  # a's second call resumes it; the first started it; nockpt's second is skipped
@@ -264,6 +251,51 @@ def test_experiment_scripts_stop_when_interrupted_resume_what_exists_and_exit_wi
         assert ["--resume" in line for line in runs if "/runs/nockpt " in line + " "] == [False]
         assert "runs/nockpt finished already, without a checkpoint to go on from: skipped" in done.stderr
         assert any(line.startswith("report ") for line in log)
+
+
+def _run_with_fake_jaxfed(tmp_path, command, variants):
+    """``command`` run with VARIANTS=``variants`` and FAKE_JAXFED as jaxfed: its completed process
+    and the stand-in's log (a line per jaxfed call)."""
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "jaxfed").write_text(FAKE_JAXFED)
+    (tmp_path / "bin" / "jaxfed").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "LOG": str(tmp_path / "log"),
+        "VARIANTS": variants,
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    (tmp_path / "tmp").mkdir()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    log = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
+    return done, log
+
+
+@pytest.mark.parametrize(
+    "variants, code, ran",
+    [("a,typo", 2, []), ("b", 0, ["b"]), ("", 0, ["a", "b"])],
+)
+def test_a_run_script_refuses_an_unknown_variant_before_it_runs_any(variants, code, ran, tmp_path):
+    """A run.sh (a file, as experiments/*/run.sh) with VARIANTS naming no variant of it stops with
+    exit 2 before its first run; VARIANTS naming one runs that one alone, and its report."""
+    script = tmp_path / "run.sh"
+    script.write_text(
+        f"set -euo pipefail\nsource {EXPERIMENTS_LIB}\nD={tmp_path / 'runs'}\n"
+        'for v in a b; do run_variant "$D/$v" fedavg; done\nreport_variants "$D"\n'
+    )
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)  # a variant finished before: in the report
+    (tmp_path / "runs" / "earlier" / "summary.json").touch()
+    done, log = _run_with_fake_jaxfed(tmp_path, ["bash", str(script), "DATA"], variants)
+    assert done.returncode == code, done.stderr
+    assert [line.split("--out ")[1].split()[0].rsplit("/", 1)[-1] for line in log if line.startswith("run ")] == ran
+    if code == 2:
+        assert done.stderr.strip() == "run.sh: VARIANTS: unknown typo; this script's variants: a,b"
+    else:
+        assert sum(line.startswith("report ") for line in log) == 1
+    assert not list((tmp_path / "tmp").iterdir())  # the listing's file is removed
 
 
 def test_the_paired_standard_error_is_that_of_the_per_seed_differences(tmp_path):
