@@ -7,10 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import round_info
+from conftest import fedopt_reference, round_info
 
 from jaxfed.algorithms.fedavg import fedavg
-from jaxfed.algorithms.feddecomp import FedDecompOptions, auto_lora_epochs, decomposition_ranks, feddecomp, layer_scales
+from jaxfed.algorithms.feddecomp import (
+    FedDecompOptions,
+    SharedModel,
+    auto_lora_epochs,
+    decomposition_ranks,
+    feddecomp,
+    layer_scales,
+)
+from jaxfed.algorithms.pfedlora import pfedlora
 from jaxfed.cli import main
 from jaxfed.core import lowrank, tree_bytes
 from jaxfed.data import ClientData
@@ -136,6 +144,32 @@ def test_server_mean_is_uniform_or_sample_weighted(mlp, aggregation):
     for got, stacked in zip(jax.tree.leaves(new.params), jax.tree.leaves(uploads)):
         expected = np.tensordot(p, np.asarray(stacked, np.float64), axes=1)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", [feddecomp, pfedlora])
+def test_a_server_optimizer_steps_sigma_from_the_clients_average(mlp, build):
+    """FedDecomp and pFedLoRA with FedYogi on the server: two rounds of given uploads, sigma against
+    Algorithm 2 (float64) from the plain server's means of the same uploads; the broadcast is sigma
+    alone, and without the option the server state is as it was (its checkpoints restore)."""
+    options = dict(server_lr=0.3, server_b1=0.8, server_b2=0.95, server_eps=0.01)
+    plain, yogi = build(mlp), build(mlp, server_optimizer="yogi", **options)
+    assert type(plain.init(jax.random.key(0))[0]) is SharedModel
+    start, _ = yogi.init(jax.random.key(0))
+    assert type(yogi.broadcast(start, round_info(0))) is SharedModel
+    rng = np.random.default_rng(0)
+    weights = jnp.asarray([3.0, 1.0])
+    state, means = start, []
+    for round_ in range(2):
+        uploads = jax.tree.map(
+            lambda a: jnp.asarray(a + rng.normal(size=(2,) + a.shape), jnp.float32),
+            yogi.broadcast(state, round_info(round_)),
+        )
+        plain_state = SharedModel(state.params, state.model_state)  # the same server without the optimizer's state
+        means.append(server_step(plain, plain_state, uploads, weights, round_).params)
+        state = server_step(yogi, state, uploads, weights, round_)
+    for x0, *rounds, got in zip(*map(jax.tree.leaves, (start.params, *means, state.params)), strict=True):
+        want = fedopt_reference("yogi", x0, rounds, 0.3, 0.8, 0.95, 0.01)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_no_lora_epochs_with_sample_weights_follows_fedavg(mlp, digits_federation):

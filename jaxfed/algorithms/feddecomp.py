@@ -31,8 +31,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxfed.algorithms.aggregation import averaging, uniform_averaging
+from jaxfed.algorithms.fedopt import ServerOptimizerOptions, step_toward_average
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import train_parameters
 from jaxfed.contract import Aggregation, FederatedAlgorithm
@@ -63,8 +65,9 @@ AUTHORS = "the FedDecomp authors' code"
 
 
 @dataclasses.dataclass(frozen=True)
-class FedDecompOptions(TrainingOptions):
-    """FedDecomp's options: the private low-rank part's ranks and the alternating schedule."""
+class FedDecompOptions(ServerOptimizerOptions):
+    """FedDecomp's options: the private low-rank part's ranks, the alternating schedule and the
+    server optimizer of ``sigma`` (none: the paper's mean)."""
 
     local_epochs: int = option(5, "local epochs per round (tau first, then sigma)", source=PAPER)
     batch_size: int = option(100, "local batch size", source=PAPER)
@@ -159,6 +162,15 @@ class SharedModel(NamedTuple):
     model_state: Any
 
 
+class OptimizedSharedModel(NamedTuple):
+    """:class:`SharedModel` with a server optimizer's state (``server_optimizer`` other than none:
+    without one the server state, and the checkpoints written before the option, stay as they were)."""
+
+    params: Any
+    model_state: Any
+    opt_state: Any  # the server optimizer's, of sigma
+
+
 def decomposition_ranks(template, rank_dense: float, rank_conv: float, layers=None) -> dict[str, int]:
     """``{layer: rank}`` of the private part of every Dense and Conv kernel (or of ``layers``)."""
     lowrank.check_ratio("rank_dense", rank_dense)
@@ -232,13 +244,16 @@ def decomposed(
     aggregation: Callable[..., Aggregation],
     shared_stats: bool,
     name: str,
+    server_optimizer: optax.GradientTransformation | None = None,
 ) -> FederatedAlgorithm:
     """A shared full-rank model ``sigma`` plus, on each layer of ``ranks``, a private low-rank
     part ``tau_k = scales[layer] * fold(down @ up)`` of that rank in ``layout`` (zero at init),
     trained on the client's data by ``schedule`` with ``options``' optimizer and batching. The
     server takes ``aggregation(finish)`` of the uploaded ``sigma`` (:func:`averaging` or
-    :func:`uniform_averaging`); BatchNorm statistics go with ``sigma`` when ``shared_stats``,
-    else stay with each client. FedDecomp, and pFedLoRA (:mod:`jaxfed.algorithms.pfedlora`)."""
+    :func:`uniform_averaging`), stepped toward by ``server_optimizer`` when there is one
+    (:func:`~jaxfed.algorithms.fedopt.step_toward_average`); BatchNorm statistics go with ``sigma``
+    (their mean) when ``shared_stats``, else stay with each client. FedDecomp, and pFedLoRA
+    (:mod:`jaxfed.algorithms.pfedlora`)."""
     template, model_stats = model_template(model)
     if not ranks:
         raise no_adaptable_layers(name, model)
@@ -246,9 +261,10 @@ def decomposed(
     def init(rng):
         params, model_state = split_variables(model.init(rng))
         tau = lowrank.init_loras(jax.random.fold_in(rng, 1), template, ranks, layout)
-        if shared_stats:
-            return SharedModel(params, model_state), ClientState(tau, {})
-        return SharedModel(params, {}), ClientState(tau, model_state)
+        shared, private = (model_state, {}) if shared_stats else ({}, model_state)
+        if server_optimizer is None:
+            return SharedModel(params, shared), ClientState(tau, private)
+        return OptimizedSharedModel(params, shared, server_optimizer.init(params)), ClientState(tau, private)
 
     def statistics(server_state, client_state):
         return server_state.model_state if shared_stats else client_state.model_state
@@ -299,8 +315,16 @@ def decomposed(
             return ClientState(tau, {}), SharedModel(sigma, model_state), metrics
         return ClientState(tau, model_state), SharedModel(sigma, {}), metrics
 
+    def broadcast(server_state, info):
+        return SharedModel(server_state.params, server_state.model_state)
+
     def finish(server_state, average, info):
-        return average
+        if server_optimizer is None:
+            return average
+        params, opt_state = step_toward_average(
+            server_optimizer, server_state.params, average.params, server_state.opt_state
+        )
+        return OptimizedSharedModel(params, average.model_state, opt_state)
 
     def eval_params(server_state, client_state):
         tau = client_state.tau
@@ -313,7 +337,7 @@ def decomposed(
         name=name,
         options=options,
         init=init,
-        broadcast=lambda server_state, info: server_state,
+        broadcast=broadcast,
         client_update=client_update,
         aggregation=aggregation(finish),
         eval_params=eval_params,
@@ -340,6 +364,7 @@ def feddecomp(model, options: FedDecompOptions | None = None, *, name: str = "fe
         aggregation=uniform_averaging if options.aggregation == "uniform" else averaging,
         shared_stats=options.batch_stats == "shared",
         name=name,
+        server_optimizer=options.server(),
     )
 
 

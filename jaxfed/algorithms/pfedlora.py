@@ -23,6 +23,7 @@ import dataclasses
 from jaxfed.algorithms.aggregation import averaging
 from jaxfed.algorithms.feddecomp import SCHEDULES, Alternating, Simultaneous, decomposed
 from jaxfed.algorithms.fedloru import LAYOUT, FamilyOptions, PFedLoRUOptions, adapted_ranks, lora_scale
+from jaxfed.algorithms.fedopt import ServerOptimizerOptions
 from jaxfed.algorithms.registry import builtin
 from jaxfed.contract import FederatedAlgorithm
 from jaxfed.nn import model_template
@@ -32,8 +33,9 @@ PAPER = "FedLoRU paper App. C.4"
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedLoRAOptions(FamilyOptions):
-    """pFedLoRA's options: the FedLoRU family's training and layers, the personal modules, the schedule."""
+class PFedLoRAOptions(FamilyOptions, ServerOptimizerOptions):
+    """pFedLoRA's options: the FedLoRU family's training, layers and server optimizer, the personal
+    modules, the schedule."""
 
     personal_rank: int = option(
         PFedLoRUOptions.personal_rank,
@@ -79,6 +81,7 @@ def pfedlora(model, options: PFedLoRAOptions | None = None, **overrides) -> Fede
         aggregation=averaging,
         shared_stats=False,
         name="pfedlora",
+        server_optimizer=options.server(),
     )
 
 
