@@ -118,6 +118,30 @@ def test_global_anchors_come_from_the_full_rank_global_fe(mlp, digits_federation
     assert gap > 1e-4
 
 
+def test_global_anchors_count_only_the_global_kernels_a_tier_receives_factorized(mlp):
+    """anchor_model=global sends the full global FE beside the tier's; the download counted is the
+    tier's FE plus the global kernels of the layers it holds as factors (none at full rank), as the
+    rest of the global FE is the tier's own."""
+    alg = _fedara(mlp, anchor_model="global", tiers=(1.0, 0.25))
+    server, client = alg.init(jax.random.key(0))
+    for tier in (0, 1):
+        message = alg.broadcast(server, round_info(0, tier))
+        factorized = [key for key, layer in _layers(message.fe) if "u" in layer]
+        assert bool(factorized) == (tier == 1)
+        kernels = sum(np.asarray(dict(_layers(server.fe))[key]["kernel"]).nbytes for key in factorized)
+        counted = alg.sent_bytes(message, client, round_info(0, tier))
+        assert int(counted) == tree_bytes(message.fe) + kernels < tree_bytes(message)
+
+
+def _layers(params, prefix=()):
+    """``(key, layer)`` of every layer dict (one holding a kernel or factors) in ``params``."""
+    if "kernel" in params or "u" in params:
+        yield "/".join(prefix), params
+        return
+    for name, child in params.items():
+        yield from _layers(child, (*prefix, name))
+
+
 def test_lambda_ramps_from_zero_in_round_one():
     values = [float(lambda_at(jnp.int32(t), 2.0, 10)) for t in (1, 2, 6, 10, 11, 50)]
     # the paper: 0 in round 1, rising linearly to lambda over the first 10 rounds

@@ -127,6 +127,10 @@ def test_mfedloru_tiers_upload_less_than_fedloru_at_rank_r(mlp, digits):
     fc2_saving = 4 * (200 * 16 * 2 - (200 * 8 + 8 * 16 + 16 * 8 + 8 * 200))
     assert fedloru_per_client - per_client[1] == fc2_saving
     assert float(metrics["bytes_up"][0]) == 2 * sum(per_client)  # two clients per tier, all sampled
+    # every client downloads FedLoRU's broadcast (W and the rank-r factors); a lower tier's nested
+    # pairs' start counts as the 8-byte key it is drawn from
+    fedloru_download = tree_bytes(plain.broadcast(server, round_info(0, 0)))
+    assert float(metrics["bytes_down"][0]) == 6 * fedloru_download + 4 * 8
     assert sim.evaluate(state)["global_acc"] > 0.5
 
 

@@ -37,7 +37,7 @@ from jaxfed.algorithms.fedhm import TieredOptions, reconstruct_upload, tier_rank
 from jaxfed.algorithms.registry import builtin
 from jaxfed.algorithms.training import fit
 from jaxfed.contract import FederatedAlgorithm
-from jaxfed.core import lowrank
+from jaxfed.core import lowrank, tree_bytes
 from jaxfed.core.losses import masked_loss, masked_mean
 from jaxfed.data import Batch
 from jaxfed.errors import ConfigError
@@ -231,6 +231,12 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         fe = lowrank.factorize_layers(server_state.fe, ranks[info.tier], options.factorization)
         return Broadcast(fe, server_state.fe if options.anchor_model == "global" else None)
 
+    def sent_bytes_with_global_anchors(message, client_state, info):
+        """``anchor_model=global``: the tier's FE and, of the global FE, the kernels the tier
+        receives factorized; the rest of the global FE is the tier's FE itself, sent once."""
+        kernels = [lowrank.get_layer(message.anchor_fe, key)["kernel"] for key in ranks[info.tier]]
+        return tree_bytes(message.fe) + tree_bytes(kernels)
+
     union = lowrank.union_ranks(ranks)
 
     def pad_tier(message, info):
@@ -278,6 +284,7 @@ def fedara(model, options: FedARAOptions | None = None, *, name: str = "fedara",
         receive=reconstruct_upload,
         pad_tier=pad_tier,
         eval_server=eval_server,
+        sent_bytes=sent_bytes_with_global_anchors if options.anchor_model == "global" else None,
     )
 
 

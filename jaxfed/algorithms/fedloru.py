@@ -571,7 +571,7 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         message = shared_message(server_state, info)
         if tier_ranks[info.tier] == rank:  # trains the rank-r factors themselves, as FedLoRU
             return message
-        # The nested pairs' start (a real deployment would send its seed; counted as sent here).
+        # The nested pairs' start, drawn from a key: counted as that key (_nested_start_as_seed).
         rng = jax.random.fold_in(jax.random.wrap_key_data(server_state.key_data), info.round)
         return message._replace(nested=nested_start(jax.random.fold_in(rng, info.tier + 1), tier_ranks[info.tier]))
 
@@ -637,8 +637,24 @@ def mfedloru(model, options: MFedLoRUOptions | None = None, **overrides) -> Fede
         num_tiers=len(tier_ranks),
         receive=receive,
         pad_tier=pad_tier if len(set(tier_ranks)) > 1 else None,  # one rank: one shape already
-        download_bytes=_download_counter(adapted, options),
+        sent_bytes=_nested_start_as_seed(None),
+        download_bytes=_nested_start_as_seed(_download_counter(adapted, options)),
     )
+
+
+SEED_BYTES = 8  # a PRNG key's data (uint32[2])
+
+
+def _nested_start_as_seed(count_bytes):
+    """``count_bytes`` (a ``sent_bytes`` / ``download_bytes``; None: all of the message) with
+    mFedLoRU's nested pairs' start counted as the key a client draws it from (``SEED_BYTES``): a
+    lower tier downloads no more than a tier training the rank-r factors themselves."""
+
+    def counted(message: Broadcast, client_state, info):
+        sent = tree_bytes(message) if count_bytes is None else count_bytes(message, client_state, info)
+        return sent if message.nested is None else sent - tree_bytes(message.nested) + SEED_BYTES
+
+    return counted
 
 
 def _pad_pair(pair: lowrank.LoRA, rank: int) -> lowrank.LoRA:
