@@ -47,8 +47,16 @@ SCRIPT = textwrap.dedent(
     arrays["loss"] = np.asarray(metrics["train_loss"])
     np.savez(out, **arrays)
     per_client = jax.tree.leaves(state.clients) + [sim.data.train_idx, sim.data.test_idx]
-    on_first = sum(s.data.nbytes for x in per_client for s in x.addressable_shards if s.device == jax.devices()[0])
-    sizes = {"client_bytes": sum(x.nbytes for x in per_client), "client_bytes_on_device_0": on_first}
+    first = jax.devices()[0]
+    on_first = lambda leaves: sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
+    sizes = {"client_bytes": sum(x.nbytes for x in per_client), "client_bytes_on_device_0": on_first(per_client)}
+    if devices > 1:  # a sweep's members' client states are split from the start, as a run's
+        from jaxfed.runs.sweep import Sweep, sweep_configs
+        sweep = Sweep(sweep_configs(config.with_overrides(["member_chunk=0"]), seeds=[0, 1]))
+        states = sweep.init()
+        sizes["sweep_client_bytes"] = sum(x.nbytes for x in jax.tree.leaves(states.clients))
+        sizes["sweep_client_bytes_on_device_0"] = on_first(jax.tree.leaves(states.clients))
+        sweep.run_rounds(states, 1)  # vmapped members run from states placed on the mesh
     summaries = {k: v for k, v in sim.evaluate(state).items() if k != "clients"}
     print(json.dumps({"devices": sim.num_devices, "sharded": sim.mesh is not None, **sizes, **summaries, "told": told}))
     """
@@ -89,6 +97,7 @@ def test_one_vs_four_devices(tmp_path):
     # client states and per-client index tables split over the devices: each holds a quarter
     assert one_info["client_bytes_on_device_0"] == one_info["client_bytes"] == four_info["client_bytes"]
     assert four_info["client_bytes_on_device_0"] == four_info["client_bytes"] // 4
+    assert four_info["sweep_client_bytes_on_device_0"] == four_info["sweep_client_bytes"] // 4
     assert one_info["personalized_acc_mean"] == pytest.approx(four_info["personalized_acc_mean"], abs=0.01)
     # 10 clients do not divide over 4 devices: replicated, and said so once (12 do; one device has nothing to split)
     assert one_info["told"] == [] and len(four_info["told"]) == 1

@@ -303,13 +303,43 @@ def test_a_sweep_directory_is_not_a_run_directory(tmp_path, capsys):
     assert not (parent / "config.json").exists()
 
 
-def test_resume_with_other_host_devices_names_the_key(tmp_path, capsys):
-    out = str(tmp_path / "run")
-    assert main(["run", "--quiet", "--out", out, *TINY]) == 0
-    capsys.readouterr()
-    assert main(["run", "--quiet", "--resume", "--out", out, "--set", "host_devices=2", "rounds=3"]) == 2
-    err = _one_line_error(capsys)
-    assert "host_devices differs from the run's (0 -> 2)" in err and "XLA_FLAGS" not in err
+def test_a_resume_may_move_to_other_devices_and_says_so(tmp_path, capsys, monkeypatch):
+    """A run resumes on the devices the resume names (``devices``, ``host_devices``: the host is
+    split into the resume's count before the checkpoint is read, else the run's), with a warning
+    that its rounds match the run left alone to float tolerance; other keys stay refused."""
+    from jaxfed.runs import driver
+    from jaxfed.runs.rundir import RunRecord, check_resumable, warn_other_devices
+
+    saved = Config(host_devices=8, devices=0)
+    check_resumable(saved, dataclasses.replace(saved, host_devices=4, devices=2))
+    with pytest.raises(ConfigError, match=r"in seed \(0 -> 1\); only .*devices.*host_devices"):
+        check_resumable(saved, dataclasses.replace(saved, host_devices=4, seed=1))
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out), *TINY, "--set", "checkpoint_every=1"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "host_devices": 8}))  # as a run on 8 would
+    splits = []
+    monkeypatch.setattr(driver, "split_host", splits.append)
+    driver.resume_point(out, log=lambda line: None, host_devices=2)
+    driver.resume_point(out, log=lambda line: None)
+    assert splits == [2, 8]
+    asked = []  # the command line's host_devices reach resume_point (the last one given)
+
+    def resume_point(out_dir, log=None, plugins=(), host_devices=None):
+        asked.append(host_devices)
+        raise ConfigError("stopped here")
+
+    monkeypatch.setattr(driver, "resume_point", resume_point)
+    for given in (["host_devices=3", "host_devices=2"], ["rounds=3"]):
+        assert main(["run", "--quiet", "--resume", "--out", str(out), "--set", *given]) == 2
+    assert asked == [2, None]
+    lines = []
+    warn_other_devices(RunRecord({}, {"devices": 8}), 4, lines.append, name="seed0")
+    warn_other_devices(RunRecord({}, {"devices": 4}), 4, lines.append)
+    assert lines == [
+        "warning: seed0: checkpoint written on 8 device(s), resuming on 4: results match to float tolerance, "
+        "not bit for bit"
+    ]
 
 
 def test_out_names_too_long_are_one_line(tmp_path, capsys):

@@ -203,6 +203,18 @@ def config_from_args(args, base: Config | None = None) -> Config:
     """The config of ``jaxfed run``: ``base`` (defaults, or a resumed run's), then the ``--config``
     files in order, then the algorithm, ``--dataset`` and ``--data-dir``, then ``--set`` (a
     sweep's ``--grid algorithm=...`` names the algorithm too)."""
+    pairs, origins = given_pairs(args)
+    config = (base or Config()).validated_with(pairs, origins)
+    named = [pair.partition("=")[0].strip() for pair in [*pairs, *getattr(args, "grid", [])]]
+    if base is None and "algorithm" not in named:
+        refuse_unnamed_plugin_algorithm(getattr(args, "command", None) or "run", args.plugin)
+    return config
+
+
+def given_pairs(args) -> tuple[list[str], list]:
+    """``(pairs, origins)``: the ``key=value`` settings the command line gives, in the order they
+    apply (the ``--config`` files' lines, with their origins, then the algorithm, ``--dataset``,
+    ``--data-dir`` and ``--set``, whose origins are None)."""
     lines = [line for path in args.config for line in read_config_lines(path)]
     pairs, origins = [pair for pair, _ in lines], [origin for _, origin in lines]
     if args.plugin:  # on --resume too: a plugin that moved is found where it is now
@@ -211,12 +223,18 @@ def config_from_args(args, base: Config | None = None) -> Config:
         if value is not None:
             pairs.append(f"{key}={value}")
     pairs += args.set
-    origins += [None] * (len(pairs) - len(origins))
-    config = (base or Config()).validated_with(pairs, origins)
-    named = [pair.partition("=")[0].strip() for pair in [*pairs, *getattr(args, "grid", [])]]
-    if base is None and "algorithm" not in named:
-        refuse_unnamed_plugin_algorithm(getattr(args, "command", None) or "run", args.plugin)
-    return config
+    return pairs, origins + [None] * (len(pairs) - len(origins))
+
+
+def given_host_devices(args) -> int | None:
+    """The ``host_devices`` the command line sets (the last that reads as a count), else None."""
+    values = [
+        pair.partition("=")[2].strip()
+        for pair in given_pairs(args)[0]
+        if pair.partition("=")[0].strip() == "host_devices"
+    ]
+    counts = [int(v) for v in values if v.isdigit()]
+    return counts[-1] if counts else None
 
 
 def refuse_unnamed_plugin_algorithm(command: str, plugins: list[str]) -> None:
@@ -244,8 +262,9 @@ def _silent(message: str) -> None:
 
 
 def _run(args) -> int:
+    from jaxfed.core import human_bytes
     from jaxfed.runs.driver import resume_point, run
-    from jaxfed.runs.rundir import human_bytes, new_run_dir
+    from jaxfed.runs.rundir import new_run_dir
 
     if args.resume and not args.out:
         raise ConfigError("--resume: needs --out DIR, the run directory to continue")
@@ -256,7 +275,11 @@ def _run(args) -> int:
         distributed.start(*processes)  # before anything below starts JAX's backend
     primary = distributed.is_primary()  # process 0 alone prints (docs/devices.md); errors still raise
     log = None if primary else _silent
-    saved, point = resume_point(args.out, log=log, plugins=plugin_paths(args.plugin)) if args.resume else (None, False)
+    saved, point = (None, False)
+    if args.resume:
+        saved, point = resume_point(
+            args.out, log=log, plugins=plugin_paths(args.plugin), host_devices=given_host_devices(args)
+        )
     config = config_from_args(args, saved)
     out = args.out or new_run_dir(f"runs/{config.algorithm}_{config.dataset}")
     try:

@@ -315,7 +315,7 @@ def _fmt(stat: tuple[float, float] | None, digits: int = 4, seeds: int = 2) -> s
 
 
 def _bytes(stat: tuple[float, float] | None) -> str:
-    from jaxfed.runs.rundir import human_bytes
+    from jaxfed.core import human_bytes
 
     return "n/a" if stat is None else human_bytes(stat[0])
 

@@ -148,3 +148,12 @@ def tree_select(predicate, on_true, on_false):
 def tree_bytes(tree) -> int:
     """Bytes of all array leaves of ``tree`` (static: from shapes and dtypes)."""
     return int(sum(np.prod(np.shape(x), dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``"512 B"``, ``"12.3 KB"``, ``"66.3 MB"``, ... (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

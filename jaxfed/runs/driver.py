@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 
 from jaxfed.algorithms import registry
-from jaxfed.core import tree_bytes
+from jaxfed.core import human_bytes, tree_bytes
 from jaxfed.data import describe as describe_partition
 from jaxfed.errors import (
     ConfigError,
@@ -54,10 +54,9 @@ from jaxfed.runs.rundir import (
     check_out_dir,
     check_resumable,
     check_rounds,
-    check_same_host_devices,
     headline,
-    human_bytes,
     summary,
+    warn_other_devices,
     written_config,
 )
 from jaxfed.simulation.engine import first_nonfinite
@@ -326,14 +325,18 @@ class ResumePoint(NamedTuple):
     record: dict
 
 
-def resume_point(out_dir: str | Path, log=None, plugins=()) -> tuple[Config, ResumePoint]:
+def resume_point(
+    out_dir: str | Path, log=None, plugins=(), host_devices: int | None = None
+) -> tuple[Config, ResumePoint]:
     """``(config, point)`` of the run in ``out_dir`` that ``--resume`` continues: the config of its
     newest readable checkpoint, with ``plugins`` (where given) instead of the recorded ones (a
-    plugin file that moved). A run on ``host_devices`` gets them set from its ``config.json``
-    first, before reading the checkpoint starts JAX's backend."""
+    plugin file that moved). The host is split into ``host_devices`` (the resume's, where it sets
+    them, else those of the run's ``config.json``) first, before reading the checkpoint starts
+    JAX's backend."""
     log = log or _to_stderr
     check_out_dir(out_dir)
-    host_devices = written_config(out_dir).get("host_devices")
+    if host_devices is None:
+        host_devices = written_config(out_dir).get("host_devices")
     if host_devices:
         split_host(int(host_devices))
     point = ResumePoint(*RunDirectory(out_dir).newest_checkpoint_record(log))
@@ -368,8 +371,6 @@ def run(
     """
     log = log or _to_stderr
     config = Config.of(config).validate()
-    if resume:
-        check_same_host_devices(out_dir, config)
     split_host_for([config])  # the process entry for research code: before anything starts JAX's backend
     directory = RunDirectory(out_dir, config.keep_checkpoints)
     with directory.locked():  # refuse before anything is built or written; held until the run ends
@@ -481,11 +482,7 @@ def _run_in(directory: RunDirectory, sim, job: Run, resume, at_most, progress, l
     else:
         state, record = directory.restore(state, log, at_most=at_most)
         check_rounds(int(state.round), job.settings.rounds)
-        if record.devices is not None and record.devices != sim.num_devices:
-            log(
-                f"warning: checkpoint written on {record.devices} device(s), resuming on {sim.num_devices}: "
-                "results match to float tolerance, not bit for bit"
-            )
+        warn_other_devices(record, sim.num_devices, log)
         record.config, record.fingerprint = job.config, job.fingerprint
     directory.start(job.config, record.rows)
     drive(

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import jax
 
-from jaxfed.core import tree_bytes
+from jaxfed.core import human_bytes, tree_bytes
 from jaxfed.errors import ConfigError
 from jaxfed.nn import model_template
-from jaxfed.runs.rundir import human_bytes
 
 CGROUP = Path("/sys/fs/cgroup")
 

@@ -35,7 +35,7 @@ from jaxfed.runs.checkpoint import RunCheckpoints
 from jaxfed.runs.config import Config
 from jaxfed.runs.distributed import is_primary
 from jaxfed.runs.fingerprint import model_name
-from jaxfed.runs.keys import NEUTRAL_KEYS, RESUMABLE_KEYS  # noqa: F401  (NEUTRAL_KEYS: re-exported)
+from jaxfed.runs.keys import DEVICE_KEYS, NEUTRAL_KEYS, RESUMABLE_KEYS  # noqa: F401  (NEUTRAL_KEYS: re-exported)
 from jaxfed.runs.plots import (  # noqa: F401  (read_clients: re-exported)
     CLIENTS_DIR,
     client_files,
@@ -433,14 +433,14 @@ def written_config(out_dir: str | Path) -> dict:
         return {}
 
 
-def check_same_host_devices(out_dir: str | Path, config: Config) -> None:
-    """A resumed run keeps its ``host_devices`` (read from ``config.json``, before JAX starts):
-    said in one line here, since splitting the host differently would fail first."""
-    saved = int(written_config(out_dir).get("host_devices", config.host_devices) or 0)
-    if saved != config.host_devices:
-        raise ConfigError(
-            f"--resume: host_devices differs from the run's ({saved} -> {config.host_devices}); a run resumes "
-            "on the host devices it started with"
+def warn_other_devices(record: RunRecord, num_devices: int, log, name: str = "") -> None:
+    """A resume on another device count than its checkpoint's (``record.devices``) says it is one:
+    its rounds match the run left alone to float tolerance, not bit for bit. ``name``: a sweep
+    member's, before the line."""
+    if record.devices is not None and record.devices != num_devices:
+        log(
+            f"warning: {name}{': ' if name else ''}checkpoint written on {record.devices} device(s), resuming on "
+            f"{num_devices}: results match to float tolerance, not bit for bit"
         )
 
 
@@ -450,7 +450,7 @@ def check_resumable(saved: Config, config: Config, source: str = "the checkpoint
     changed = [
         f"{key} ({getattr(saved, key)!r} -> {getattr(config, key)!r})"
         for key in Config.run_keys()
-        if key not in RESUMABLE_KEYS and getattr(saved, key) != getattr(config, key)
+        if key not in RESUMABLE_KEYS | DEVICE_KEYS and getattr(saved, key) != getattr(config, key)
     ]
     if saved.options != config.options:
         old, new = saved.options.to_dict(), config.options.to_dict()
@@ -459,7 +459,7 @@ def check_resumable(saved: Config, config: Config, source: str = "the checkpoint
         raise ConfigError(
             f"--resume: the config differs from {source} in "
             + ", ".join(changed)
-            + f"; only {', '.join(sorted(RESUMABLE_KEYS))} may change"
+            + f"; only {', '.join(sorted(RESUMABLE_KEYS | DEVICE_KEYS))} may change"
         )
 
 
@@ -553,11 +553,3 @@ def summary(sim, record: RunRecord, wall: float, *, partition: Any = None) -> di
         "devices": sim.num_devices,
         "partition": partition,
     }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"

@@ -34,14 +34,17 @@ import functools
 import itertools
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxfed.algorithms import registry
-from jaxfed.core import gather_clients
+from jaxfed.core import gather_clients, tree_bytes
 from jaxfed.data import FederatedData
 from jaxfed.errors import ConfigError
 from jaxfed.options import field_types, key_of
@@ -65,6 +68,7 @@ from jaxfed.runs.rundir import (
     check_resumable,
     check_rounds,
     summary,
+    warn_other_devices,
     written_config,
 )
 from jaxfed.simulation.engine import host_metrics
@@ -395,9 +399,15 @@ class Sweep:
                     "(a Sweep.of_simulation each, or jaxfed run each)"
                 ) from None
 
-    def init(self):
+    def init(self, *, warn: Callable[[str], Any] | None = None):
+        """Every member's starting state, stacked, placed as a run's (client states split over the
+        mesh's devices where the clients divide over them; else ``warn(message)``, default
+        :func:`warnings.warn`, hears of it)."""
         with self._tracing():
-            return self._init(self.seeds, self.values, None, self.data)
+            states = self._init(self.seeds, self.values, None, self.data)
+        held = tree_bytes(states.clients)  # every member's
+        self.template.warn_unsplit_clients(held, warn or functools.partial(warnings.warn, stacklevel=2))
+        return self.template.place(states, leading=1)
 
     def run_rounds(self, states, num_rounds: int):
         """``num_rounds`` rounds of every member in one compiled call: the stacked states and each
@@ -405,7 +415,7 @@ class Sweep:
         if num_rounds not in self._executables:
             start = time.perf_counter()
             with self._tracing():
-                lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, states, self.data)
+                lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, _unplaced(states), self.data)
                 self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
         states, metrics = self._executables[num_rounds](self.seeds, self.values, states, self.data)
@@ -585,7 +595,7 @@ def _drive_members(
     """Every member of ``sweep`` through :func:`~jaxfed.runs.driver.drive` into its locked run
     directory (``configs``: what each one's ``config.json`` records), from the start or
     (``resume``) from each one's newest checkpoint; each one's summary."""
-    states, prints = sweep.init(), sweep.fingerprints()
+    states, prints = sweep.init(warn=lambda message: log(f"warning: {message}")), sweep.fingerprints()
     if resume:
         states, records = restore_members(sweep, states, dirs, configs, prints, log, field)
     else:
@@ -628,6 +638,7 @@ def restore_members(
         state, record = sweep.member(states, i), RunRecord(config, fingerprint=current)
         if directory.checkpoints.rounds():
             state, record = directory.restore(state, log)
+            warn_other_devices(record, sweep.num_devices, log, name=directory.path.name)
             record.config, record.fingerprint = config, current
         members.append(state)
         records.append(record)
@@ -641,12 +652,18 @@ def restore_members(
         )
 
     def placed(like, *xs):
-        # a fresh sweep's states are uncommitted (the compiled call places them): so are the restored
-        # ones; committed to the one device they were read onto, they clash with a mesh of several
+        # where a fresh sweep's states are (Sweep.init); committed to the one device they were read
+        # onto, they would clash with a mesh of several
         stacked = jnp.stack(xs)
         return jax.device_put(stacked, like.sharding) if like.committed else jnp.asarray(jax.device_get(stacked))
 
     return jax.tree.map(placed, states, *members), records
+
+
+def _unplaced(tree):
+    """``tree``'s shapes and dtypes alone: a sweep's program is lowered as for states a fresh
+    sweep makes, wherever :meth:`Sweep.init` or a restore placed them."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 def narrow_vmapped_clients(template, member_chunk: int, num_members: int) -> None:

@@ -55,6 +55,7 @@ from jaxfed.core import (
     all_finite,
     concat_clients,
     gather_clients,
+    human_bytes,
     scatter_clients,
     stack_clients,
     stack_trees,
@@ -320,15 +321,25 @@ class Simulation:
             return self._init_held()
         with self.precision():
             state = self._init_state()
-        state = self.strategy.replicate(state)
-        held = tree_bytes(state.clients)
+        self.warn_unsplit_clients(tree_bytes(state.clients), warn or functools.partial(warnings.warn, stacklevel=3))
+        return self.place(state)
+
+    def place(self, state: SimState, leading: int = 0) -> SimState:
+        """``state`` on the mesh: client states by :meth:`Strategy.place_clients` (their client axis
+        ``leading``: 1 for a sweep's states, stacked over members), the rest on every device (each
+        part moved once: the client states never whole on every device on the way)."""
+        clients = self.strategy.place_clients(state.clients, leading)
+        return self.strategy.replicate(state.replace(clients=None)).replace(clients=clients)
+
+    def warn_unsplit_clients(self, held: int, warn: Callable[[str], Any]) -> None:
+        """``warn(message)`` where client states of ``held`` bytes (all of them) stay whole on
+        every device: a client count the mesh's devices do not divide."""
         if held and self.num_devices > 1 and jax.process_count() == 1 and not self.strategy.splits(self.num_clients):
-            (warn or functools.partial(warnings.warn, stacklevel=2))(
+            warn(
                 f"client states: {self.num_clients} clients do not divide over {self.num_devices} devices, so every "
-                f"device holds all of them ({held / 1e6:.1f} MB each); a multiple of {self.num_devices} clients "
+                f"device holds all of them ({human_bytes(held)} each); a multiple of {self.num_devices} clients "
                 "splits them"
             )
-        return state.replace(clients=self.strategy.place_clients(state.clients))
 
     def _init_held(self) -> SimState:
         """:meth:`init` with the client states built into host memory a block of clients at a time

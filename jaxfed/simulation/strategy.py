@@ -225,25 +225,27 @@ class ClientStrategy:
         """``tree`` placed on every device of the mesh (as it is on one device)."""
         return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def client_sharding(self, num_rows: int) -> NamedSharding | None:
-        """Where a per-client table of ``num_rows`` rows lives on the mesh: its rows split over the
-        ``clients`` axis (each device holds 1/D of them) when they divide evenly over the devices
-        of one process; else replicated. None without a mesh."""
+    def client_sharding(self, num_rows: int, leading: int = 0) -> NamedSharding | None:
+        """Where a per-client table of ``num_rows`` rows (its axis ``leading``: 1 for a sweep's
+        tables, stacked over members) lives on the mesh: its rows split over the ``clients`` axis
+        (each device holds 1/D of them) when they divide evenly over the devices of one process;
+        else replicated. None without a mesh."""
         if self.mesh is None:
             return None
-        return NamedSharding(self.mesh, PartitionSpec(CLIENT_AXIS) if self.splits(num_rows) else PartitionSpec())
+        split = PartitionSpec(*[None] * leading, CLIENT_AXIS)
+        return NamedSharding(self.mesh, split if self.splits(num_rows) else PartitionSpec())
 
     def splits(self, num_rows: int) -> bool:
         """Whether per-client tables of ``num_rows`` rows are split over the mesh's devices: they
         divide evenly over the devices of one process."""
         return self.mesh is not None and num_rows % self.num_devices == 0 and jax.process_count() == 1
 
-    def place_clients(self, tree):
-        """A stacked per-client pytree (client states, per-client index tables) placed by
-        :meth:`client_sharding`."""
+    def place_clients(self, tree, leading: int = 0):
+        """A stacked per-client pytree (client states, per-client index tables; its client axis
+        ``leading``) placed by :meth:`client_sharding`."""
         if self.mesh is None:
             return tree
-        return jax.tree.map(lambda x: jax.device_put(x, self.client_sharding(x.shape[0])), tree)
+        return jax.tree.map(lambda x: jax.device_put(x, self.client_sharding(x.shape[leading], leading)), tree)
 
     def keep_clients_placed(self, tree):
         """Inside a compiled round: a stacked per-client pytree kept where :meth:`place_clients`
