@@ -415,7 +415,8 @@ class Sweep:
         if num_rounds not in self._executables:
             start = time.perf_counter()
             with self._tracing():
-                lowered = jax.jit(self.members_run(num_rounds)).lower(self.seeds, self.values, _unplaced(states), self.data)
+                program = jax.jit(self.members_run(num_rounds))
+                lowered = program.lower(self.seeds, self.values, _unplaced(states), self.data)
                 self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
         states, metrics = self._executables[num_rounds](self.seeds, self.values, states, self.data)
