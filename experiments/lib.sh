@@ -35,13 +35,16 @@ require_conf() {
 # setting changed since is refused by the resume, naming the key. With VARIANTS=a,b (variant
 # names: OUT's last part) only those run; the report still takes every finished variant in the
 # directory (a table split across sessions).
-seen_variants=() ran_dirs=() failed=()
+seen_variants=() ran_dirs=() failed=() _listing=""
+# listing: true while the script runs as a listing of its variants (below); a script skips work
+# other than run_variant and report_variants under it (`listing || python prepare.py`).
+listing() { [[ -n ${_RUN_SH_LISTING:-} ]]; }
 run_variant() {
   local out=$1; shift
   local name status=0 resume=()
   name=$(basename "$out")
   seen_variants+=("$name")
-  if [[ -n ${_RUN_SH_LISTING:-} ]]; then echo "$name" >> "$_RUN_SH_LISTING"; return 0; fi
+  if listing; then echo "$name" >> "$_RUN_SH_LISTING"; return 0; fi
   [[ -z ${VARIANTS:-} || ",$VARIANTS," == *",$name,"* ]] || return 0
   ran_dirs+=("$(dirname "$out")")
   if [[ -n ${SEEDS:-} ]]; then
@@ -85,6 +88,7 @@ _refuse_unknown_variants() {
 # the reports of the rest are written by then.
 _finish_run_script() {
   local status=$?
+  [[ -z $_listing ]] || rm -f "$_listing"
   [[ $status -ne 0 ]] && return
   [[ ${#failed[@]} -gt 0 ]] && echo "run.sh: ${#failed[@]} variant(s) failed: ${failed[*]}" >&2
   _refuse_unknown_variants "${seen_variants[@]}"
@@ -93,16 +97,18 @@ _finish_run_script() {
 trap _finish_run_script EXIT
 
 # With VARIANTS, the script (its file, $0, with its arguments) first runs as a listing, where
-# run_variant only writes its variant's name and report_variants does nothing: a name that is none
-# of them stops it before its first run, not when the runs before it have finished. A script that
-# fails as a listing (a usage mistake) is left to fail in the real run, with its own message.
+# run_variant only writes its variant's name and report_variants does nothing (and what else the
+# script does is skipped under `listing`): a name that is none of them stops it before its first
+# run, not when the runs before it have finished. A script that fails as a listing (a usage
+# mistake) is left to fail in the real run, with its own message.
 _list_variants_first() {
-  local listing names listed=0
+  local names listed=0
   [[ -n ${VARIANTS:-} && -z ${_RUN_SH_LISTING:-} && -f $0 ]] || return 0
-  listing=$(mktemp)
-  VARIANTS="" _RUN_SH_LISTING=$listing bash "$0" "$@" > /dev/null 2>&1 && listed=1
-  names=$(sort -u "$listing")
-  rm -f "$listing"
+  _listing=$(mktemp)  # removed here, or by _finish_run_script if the listing is interrupted
+  VARIANTS="" _RUN_SH_LISTING=$_listing bash "$0" "$@" > /dev/null 2>&1 && listed=1
+  names=$(sort -u "$_listing")
+  rm -f "$_listing"
+  _listing=""
   if [[ $listed == 1 ]]; then
     # shellcheck disable=SC2086  # variant names are words
     _refuse_unknown_variants $names
@@ -118,7 +124,7 @@ _list_variants_first "$@"
 report_variants() {
   local dir=$1; shift
   local variants=() names=() options=() name arg
-  [[ -z ${_RUN_SH_LISTING:-} ]] || return 0
+  if listing; then return 0; fi
   if [[ -n ${VARIANTS:-} && " ${ran_dirs[*]} " != *" $dir "* ]]; then
     echo "run.sh: VARIANTS=$VARIANTS ran nothing in $dir; its report is left as it was" >&2
     return 0

@@ -20,7 +20,7 @@ require_conf
 configs=(--config "$here/$setting.conf")
 if [[ $setting == fmnist_authors_data ]]; then  # the authors' own clients, drawn once beside the runs
   authors="$runs/$setting/data"
-  [[ -f $authors/authors_parts.npz ]] || python "$here/authors_data.py" "$data_dir" "$authors" > /dev/null
+  [[ -f $authors/authors_parts.npz ]] || listing || python "$here/authors_data.py" "$data_dir" "$authors" > /dev/null
   data_dir=$authors
   configs=(--config "$here/fmnist_authors.conf" "${configs[@]}"
     --set "partition_file=$authors/authors_parts.npz" "model=$here/models.py:AuthorsFMNISTCNN")

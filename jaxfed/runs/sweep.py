@@ -406,7 +406,7 @@ class Sweep:
         with self._tracing():
             states = self._init(self.seeds, self.values, None, self.data)
         held = tree_bytes(states.clients)  # every member's
-        self.template.warn_unsplit_clients(held, warn or functools.partial(warnings.warn, stacklevel=2))
+        self.template.warn_unsplit_clients(held, warn or functools.partial(warnings.warn, stacklevel=3))
         return self.template.place(states, leading=1)
 
     def run_rounds(self, states, num_rounds: int):
@@ -419,7 +419,9 @@ class Sweep:
                 lowered = program.lower(self.seeds, self.values, _unplaced(states), self.data)
                 self._executables[num_rounds] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
-        states, metrics = self._executables[num_rounds](self.seeds, self.values, states, self.data)
+        executable = self._executables[num_rounds]
+        states = jax.device_put(states, executable.input_shardings[0][2])  # where it was compiled for them
+        states, metrics = executable(self.seeds, self.values, states, self.data)
         metrics = jax.device_get(metrics)
         return states, [jax.tree.map(lambda m, i=i: m[i], metrics) for i in range(self.num_members)]  # host rows
 
@@ -662,9 +664,10 @@ def restore_members(
 
 
 def _unplaced(tree):
-    """``tree``'s shapes and dtypes alone: a sweep's program is lowered as for states a fresh
-    sweep makes, wherever :meth:`Sweep.init` or a restore placed them."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """``tree``'s shapes and dtypes alone: a sweep's program is lowered from them, wherever
+    :meth:`Sweep.init` or a restore placed the states (placed, vmapped members' programs fail to
+    trace), and chooses where it takes them (:meth:`Sweep.run_rounds` puts them there)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), tree)
 
 
 def narrow_vmapped_clients(template, member_chunk: int, num_members: int) -> None:
