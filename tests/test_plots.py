@@ -80,6 +80,12 @@ def test_plot_of_something_that_is_not_a_run_is_one_line_exit_2(tmp_path, capsys
     _fake_run(tmp_path / "a", {"algorithm": "fedavg"}, [0.5], 1e6)
     assert main(["plot", str(tmp_path / "a"), "--metric", "accuracy"]) == 2
     assert "--metric: unknown 'accuracy'" in capsys.readouterr().err
+    regression = _fake_run(tmp_path / "r", {"algorithm": "fedavg"}, [0.5], 1e6)
+    (regression / "metrics.jsonl").write_text(
+        (regression / "metrics.jsonl").read_text().replace("personalized_acc_mean", "personalized_mse_mean")
+    )
+    assert main(["plot", str(tmp_path / "a"), str(regression), "--out", str(tmp_path / "mixed.png")]) == 2
+    assert "plot: the runs mix regression (MSE) and classification (accuracy)" in capsys.readouterr().err
     (tmp_path / "a" / "metrics.jsonl").write_text("")  # a run that has not evaluated yet
     assert main(["plot", str(tmp_path / "a")]) == 2
     assert "plot: no run has evaluated yet (metrics.jsonl is empty or missing)" in capsys.readouterr().err

@@ -108,12 +108,34 @@ def test_paper_numbers_and_traffic_relative_to_a_variant(tmp_path):
     assert "| fedcspack > fedavg | +0.0300 |" in table
 
 
+def test_per_seed_values_are_in_seed_order_and_nan_is_null(tmp_path):
+    """The per-seed cell runs in seed order (not the directories' names: seed10 before seed2); a
+    NaN a summary.json holds (JSON readers take it) is a null: its claims are not judged."""
+    for seed, final in ((2, 0.5), (10, 0.9), (3, 0.7)):
+        _fake_run(tmp_path / "a" / f"seed{seed}_lr0.05", seed, final)
+    table = markdown(collect({"a": tmp_path / "a"}))
+    assert "| 0.5000, 0.7000, 0.9000 |" in table
+    nan = _variant(tmp_path, "nan", [0.8, 0.7])
+    summary = nan / "seed1_lr0.05" / "summary.json"
+    summary.write_text(summary.read_text().replace('"personalized_acc_mean": 0.7', '"personalized_acc_mean": NaN'))
+    other = _variant(tmp_path, "b", [0.6, 0.5])
+    table = markdown(collect({"nan": nan, "b": other}), [parse_claim("nan>b")])
+    assert "| nan > b | n/a | n/a | not judged: a run's personalized_acc_mean is null (not finite) | n/a |" in table
+    assert "0.8000, null" in table
+
+
+def test_traffic_relative_to_a_variant_that_sent_nothing_says_so(tmp_path):
+    variants = collect({"a": _variant(tmp_path, "a", [0.8, 0.7]), "z": _variant(tmp_path, "z", [0.6], upload=0.0)})
+    table = markdown(variants, relative_to="z")
+    assert "z sent nothing: no fractions of its traffic." in table and "the fraction of" not in table
+
+
 def test_traffic_with_clients_caching_is_a_column_only_where_it_differs(tmp_path):
     plain = {"fedavg": _variant(tmp_path, "f", [0.88, 0.87])}
     assert "caching" not in markdown(collect(plain), relative_to="fedavg")
     cached = {**plain, "fedloru": _variant(tmp_path, "l", [0.86, 0.87], upload=1e6, cached=1.5e6)}
     table = markdown(collect(cached), relative_to="fedavg")
-    assert "| uploaded | total traffic | total traffic, clients caching | per seed |" in table
+    assert "| uploaded | total traffic | total traffic, clients caching | per seed (in seed order) |" in table
     assert "| 2.0 MB (1.000) | 6.0 MB (1.000) | 6.0 MB (1.000) |" in table
     assert "| 1.0 MB (0.500) | 3.0 MB (0.500) | 1.5 MB (0.250) |" in table
 

@@ -255,6 +255,12 @@ def test_jaxfed_run_calls_back_and_load_runs_gives_what_the_files_hold(base, tmp
         assert jaxfed.load_runs([tmp_path / "sweep" / "a", tmp_path / "sweep" / "b"], per=per) == expected
     records = jaxfed.load_runs(tmp_path / "sweep")
     assert len(records) == 4 and {r["lr"] for r in records} == {0.05}
+    # a member stopped before its first row (config.json alone): no rows, not finished
+    (tmp_path / "sweep" / "c").mkdir()
+    shutil.copy(tmp_path / "cli" / "config.json", tmp_path / "sweep" / "c")
+    assert jaxfed.load_runs(tmp_path / "sweep") == records
+    assert [r["finished"] for r in jaxfed.load_runs(tmp_path / "sweep", per="run")] == [True, True, False]
+    shutil.rmtree(tmp_path / "sweep" / "c")
     assert records[0]["data.input_shape"] == (8, 8, 1) and records[2]["partition"] == "dirichlet"
     with pytest.raises(ConfigError, match="per: unknown 'cell'; allowed: row, run"):
         jaxfed.load_runs(tmp_path / "sweep", per="cell")

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from jaxfed.errors import ConfigError
 from jaxfed.runs.plots import differing_keys, flat_config, read_json, read_run, run_dirs_below, show
-from jaxfed.runs.rundir import NEUTRAL_KEYS, check_out_dir, json_text, listed
+from jaxfed.runs.rundir import NEUTRAL_KEYS, check_out_dir, finite_or_none, json_text, listed
 
 SE_FACTOR = 2.0  # a difference under this many standard errors is inconclusive
 
@@ -102,13 +102,18 @@ def collect(variants: dict[str, Path]) -> list[Variant]:
                     "give each directory its own NAME=DIR"
                 )
             given[variant] = directory
+            members = sorted(members, key=lambda i: _seed_order(read[i][0].get("seed")))  # "per seed": in seed order
             these = [runs[i] for i in members]
             configs, rows = [read[i][0] for i in members], [read[i][1] for i in members]
             check_one_configuration(f"report: variant '{variant}' ({directory})", these, configs)
-            summaries = [read_json(run / "summary.json") for run in these]
+            summaries = [finite_or_none(read_json(run / "summary.json")) for run in these]  # NaN: null
             collected.append(Variant(variant, these, summaries, rows, [c.get("seed") for c in configs], configs))
     check_one_task(collected)
     return collected
+
+
+def _seed_order(seed) -> tuple:
+    return (seed is None, seed if isinstance(seed, int) else 0)
 
 
 def configurations(configs: list[dict]) -> list[tuple[str, list[int]]]:
@@ -360,7 +365,7 @@ def markdown(
     columns = ["variant", "seeds", f"personalized {kind} (mean ± std)"] + (["paper"] if paper else [])
     columns += [f"global {kind}", "uploaded", "total traffic"]
     columns += ["total traffic, clients caching"] if "bytes_total_cached" in traffic else []
-    columns += ["per seed"]
+    columns += ["per seed (in seed order)"]
     summary_line, _ = setting(variants)
     lines = [f"{metric} after each run's last round (summary.json); {summary_line}", ""]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -373,7 +378,13 @@ def markdown(
         cells.append(", ".join("null" if s[metric] is None else f"{s[metric]:.4f}" for s in v.summaries))
         lines.append("| " + " | ".join(cells) + " |")
     if relative_to is not None:
-        lines += ["", f"Traffic in brackets: the fraction of {relative_to}'s."]
+        sent = any(reference.values())
+        lines += [
+            "",
+            f"Traffic in brackets: the fraction of {relative_to}'s."
+            if sent
+            else f"{relative_to} sent nothing: no fractions of its traffic.",
+        ]
     if "bytes_total_cached" in traffic:
         lines += [
             "",

@@ -40,18 +40,19 @@ UNLABELLED_KEYS = NEUTRAL_KEYS | {"algorithm", "rounds"}
 
 
 def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
-    """``(config, rows)`` of a run directory; an unfinished last line of ``metrics.jsonl`` is ignored."""
+    """``(config, rows)`` of a run directory; an unfinished last line of ``metrics.jsonl`` is
+    ignored, and a run stopped before it wrote one (its ``config.json`` alone) has no rows."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
+    config_file = run_dir / "config.json"
+    if not metrics.exists() and not config_file.exists():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (not a jaxfed run directory)")
     rows = []
-    for line in metrics.read_text(errors="replace").splitlines():
+    for line in metrics.read_text(errors="replace").splitlines() if metrics.exists() else []:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break
-    config_file = run_dir / "config.json"
     config = read_json(config_file) if config_file.exists() else {}
     return config, rows
 
@@ -203,8 +204,10 @@ def plot_runs(run_dirs, out_file: str | Path, metric: str | None = None) -> Path
     if metric is not None and metric not in (allowed := plottable_metrics(rows for _, rows in runs)):
         raise ConfigError(f"--metric: {unknown_choice(metric, allowed)}")
     if metric is None:
-        regression = any(is_regression_row(row) for _, rows in runs for row in rows)
-        metric = "personalized_mse_mean" if regression else "personalized_acc_mean"
+        tasks = {any(map(is_regression_row, rows)) for _, rows in runs if rows}
+        if len(tasks) > 1:  # one axis cannot hold accuracy and MSE
+            raise ConfigError("plot: the runs mix regression (MSE) and classification (accuracy); plot each task apart")
+        metric = "personalized_mse_mean" if True in tasks else "personalized_acc_mean"
     labels = plot_labels(run_dirs, [config for config, _ in runs])
 
     import matplotlib
