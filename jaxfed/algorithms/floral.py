@@ -63,8 +63,9 @@ AUTHORS_OPTIMIZER = (
 @dataclasses.dataclass(frozen=True)
 class FLoRALTraining(TrainingOptions):
     """Local training as the FLoRAL authors run it: their MNIST recipe, and their CIFAR-10 one on
-    cifar10 (their CNN is our default cifar10 model; with the MNIST learning rate the
-    preconditioned adaptors of ``local_adaptor`` diverge there in round 1). CIFAR-100 keeps the
+    cifar10 (with the MNIST learning rate the preconditioned adaptors of ``local_adaptor`` diverge
+    on our default cifar10 model in round 1; that model is not the authors' smaller CNN:
+    docs/algorithms.md). CIFAR-100 keeps the
     MNIST recipe: the authors train a VGG-8 with a server-side Adam there, which jaxfed's
     default ResNet-10 and server do not match."""
 
@@ -142,7 +143,7 @@ class RouterOptions(FLoRALTraining):
     mixture_floor: float = option(
         0.0,
         "clamp each mixture weight from below at this floor, without renormalizing (0: off)",
-        source="the fidelity audit of the authors' code (not in its stored commits 0590c5e, 102ac9b): off",
+        source="the paper's plain softmax: off (the authors' code clamps at 0.01 in the forward pass alone)",
         check=unit_interval,
     )
 
