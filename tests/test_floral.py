@@ -213,7 +213,9 @@ def test_bias_adaptors_are_scaled_by_alpha(mlp):
         np.testing.assert_allclose(mixed[key]["bias"], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_mixture_floor_clamps_the_uploaded_and_the_evaluated_weights(mlp, digits_federation):
+def test_mixture_floor_clamps_the_clients_weights_and_the_server_weighs_by_the_softmax(mlp, digits_federation):
+    """As the authors' code: the floor clamps the weights a client computes (and is evaluated)
+    with; the upload carries the unclamped softmax, which the server weighs components by."""
     alg = _floral(mlp, num_adaptors=3, adaptor_rank=4, mixture_floor=0.05)
     server, client = alg.init(jax.random.key(0))
     client = client._replace(router=jnp.array([6.0, 0.0, -6.0]))
@@ -222,9 +224,10 @@ def test_mixture_floor_clamps_the_uploaded_and_the_evaluated_weights(mlp, digits
     new_client, upload, _ = jax.jit(alg.client_update)(
         alg.broadcast(server, round_info()), client, view, jax.random.key(2), round_info()
     )
-    clamped = np.maximum(np.asarray(jax.nn.softmax(new_client.router), np.float64), 0.05)
-    assert clamped.min() == 0.05  # the floor binds
-    np.testing.assert_allclose(upload.mixture_weights, clamped, rtol=1e-6)
+    softmax = np.asarray(jax.nn.softmax(new_client.router), np.float64)
+    clamped = np.maximum(softmax, 0.05)
+    assert clamped.min() == 0.05 and softmax.min() < 0.01  # the floor binds
+    np.testing.assert_allclose(upload.mixture_weights, softmax, rtol=1e-6)
     server = server._replace(adaptors=jax.tree.map(lambda a: a + 0.1, server.adaptors))
     mixed = alg.eval_params(server, new_client)["params"]
     plan = ad.adaptor_plan(server.base, 3, rank=4)

@@ -67,7 +67,7 @@ def ensemble(
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
-        members, new_logits, pi, model_state, metrics = train_routed(
+        members, new_logits, _, model_state, metrics = train_routed(
             mixture,
             optimizer,
             {"members": message.members},
@@ -80,7 +80,11 @@ def ensemble(
             mixture=options.mixture,
             **options.batching(),
         )
-        return RoutedClient(new_logits, model_state), Upload(members["members"], pi), metrics
+        return (
+            RoutedClient(new_logits, model_state),
+            Upload(members["members"], options.uploaded_mixture(new_logits)),
+            metrics,
+        )
 
     def contribute(server_state, message, weight, info):
         return mixture_share(message.members, message.mixture_weights, weight)

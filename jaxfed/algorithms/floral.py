@@ -142,7 +142,8 @@ class RouterOptions(FLoRALTraining):
     )
     mixture_floor: float = option(
         0.0,
-        "clamp each mixture weight from below at this floor, without renormalizing (0: off)",
+        "clamp each mixture weight from below at this floor in the client's forward pass, without renormalizing; "
+        "the server weighs by the unclamped weights (0: off)",
         source="the paper's plain softmax: off (the authors' code clamps at 0.01 in the forward pass alone)",
         check=unit_interval,
     )
@@ -153,8 +154,14 @@ class RouterOptions(FLoRALTraining):
         return client_optimizer(self.client_optimizer, self.router_lr, momentum=self.momentum)
 
     def mixture(self, logits, rng=None):
-        """The mixture weights of router ``logits``: with ``rng`` the training noise is drawn."""
+        """The mixture weights of router ``logits`` a client computes with: with ``rng`` the
+        training noise is drawn."""
         return mixture_weights(logits, rng, self.router_noise, self.router_temperature, self.mixture_floor)
+
+    def uploaded_mixture(self, logits):
+        """The mixture weights of router ``logits`` the server weighs a client's components by:
+        without ``mixture_floor`` (the authors' server takes the softmax as it is)."""
+        return mixture_weights(logits, None, 0.0, self.router_temperature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +266,7 @@ def floral(
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
-        trained, new_logits, pi, model_state, metrics = train_routed(
+        trained, new_logits, _, model_state, metrics = train_routed(
             model,
             optimizer,
             {"base": message.base, "adaptors": message.adaptors},
@@ -272,7 +279,8 @@ def floral(
             mixture=options.mixture,
             **options.batching(),
         )
-        return RoutedClient(new_logits, model_state), Upload(trained["base"], trained["adaptors"], pi), metrics
+        upload = Upload(trained["base"], trained["adaptors"], options.uploaded_mixture(new_logits))
+        return RoutedClient(new_logits, model_state), upload, metrics
 
     def contribute(server_state, message, weight, info):
         return weighted_share(message.base, weight), mixture_share(message.adaptors, message.mixture_weights, weight)
