@@ -67,7 +67,7 @@ def ensemble(
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
-        members, new_logits, _, model_state, metrics = train_routed(
+        members, new_logits, model_state, metrics = train_routed(
             mixture,
             optimizer,
             {"members": message.members},

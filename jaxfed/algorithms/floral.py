@@ -266,7 +266,7 @@ def floral(
         if learned and not options.stateful:
             router_logits = jnp.zeros_like(router_logits)
 
-        trained, new_logits, _, model_state, metrics = train_routed(
+        trained, new_logits, model_state, metrics = train_routed(
             model,
             optimizer,
             {"base": message.base, "adaptors": message.adaptors},

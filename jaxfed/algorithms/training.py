@@ -208,9 +208,8 @@ def train_routed(
     ``pi = mixture(logits, step_key)`` (the router's noise drawn afresh at every step), and the
     router's logits train too when ``learned`` (under the optimizer's ``"router"`` key).
 
-    Returns ``(trained_shared, logits, pi, model_state, metrics)``: ``pi = mixture(logits, None)``
-    is the noise-free mixture of the new logits, what the client uploads. ``options``:
-    ``epochs, batch_size, drop_last``.
+    Returns ``(trained_shared, logits, model_state, metrics)``. ``options``: ``epochs,
+    batch_size, drop_last``.
     """
 
     def to_params(trainable, step_key):
@@ -224,7 +223,7 @@ def train_routed(
     )
     logits = trained["router"] if learned else router_logits
     trained_shared = {k: v for k, v in trained.items() if k != "router"}
-    return trained_shared, logits, mixture(logits, None), model_state, metrics
+    return trained_shared, logits, model_state, metrics
 
 
 def projected(projection) -> optax.GradientTransformation:

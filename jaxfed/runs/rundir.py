@@ -447,10 +447,11 @@ def warn_other_devices(record: RunRecord, num_devices: int, log, name: str = "")
 def check_resumable(saved: Config, config: Config, source: str = "the checkpoint's") -> None:
     """Refuse (ConfigError) a resume whose config changes what a round computes (``saved`` is
     ``source`` config, as the message names it)."""
+    may_change = RESUMABLE_KEYS | DEVICE_KEYS
     changed = [
         f"{key} ({getattr(saved, key)!r} -> {getattr(config, key)!r})"
         for key in Config.run_keys()
-        if key not in RESUMABLE_KEYS | DEVICE_KEYS and getattr(saved, key) != getattr(config, key)
+        if key not in may_change and getattr(saved, key) != getattr(config, key)
     ]
     if saved.options != config.options:
         old, new = saved.options.to_dict(), config.options.to_dict()
@@ -459,7 +460,7 @@ def check_resumable(saved: Config, config: Config, source: str = "the checkpoint
         raise ConfigError(
             f"--resume: the config differs from {source} in "
             + ", ".join(changed)
-            + f"; only {', '.join(sorted(RESUMABLE_KEYS | DEVICE_KEYS))} may change"
+            + f"; only {', '.join(sorted(may_change))} may change"
         )
 
 
